@@ -1,0 +1,10 @@
+"""Default experiment: one small Attention forward (a few ms on CPU).
+
+python scripts/run_forward.py --config=configs/default.py --config.data.batch=8
+"""
+
+from gated_attention import config
+
+
+def get_config():
+    return config.experiment_config()

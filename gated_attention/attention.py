@@ -1,0 +1,325 @@
+"""dot_product_attention: argument checks, layout handling and dispatch to an implementation.
+
+The op layer knows nothing of Haiku. Every implementation takes the head-major layout
+query [B, N, T, H], key [B, N, S, H], value [B, N, S, Hv], bias/mask of rank 4 whose dimensions are
+each 1 or equal to [B, N, T, S], and returns [B, N, T, Hv] in query's dtype (see xla.py, the
+specification). This module turns the public layouts into that one.
+
+Dispatch is a table (IMPLEMENTATIONS). An explicitly named implementation never falls back; 'auto'
+chooses by backend, shapes and memory budget, logs its choice at trace time, and the choice can be
+inspected with `record_implementation_choices()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+
+from gated_attention import xla
+
+LAYOUTS = ("BTNH", "BNTH")
+
+# Bytes of dense-attention working set (float32 logits and probabilities) above which 'auto' leaves
+# the dense implementation. See config.py for where the default budget is set.
+DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """Tuning knobs an implementation may use; the dense one uses none.
+
+    Attributes:
+      query_chunk_size: query tile length for 'chunked' (None: chosen from the budget).
+      key_chunk_size: key tile length for 'chunked' (None: chosen from the budget).
+      memory_budget_bytes: working-set budget for 'auto' and for choosing chunk sizes.
+    """
+
+    query_chunk_size: int | None = None
+    key_chunk_size: int | None = None
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+
+    def __post_init__(self):
+        for name in ("query_chunk_size", "key_chunk_size"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+        budget = self.memory_budget_bytes
+        if not _is_int(budget) or budget < 1:
+            raise ValueError(f"memory_budget_bytes must be an int >= 1, got {budget!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """An entry of the dispatch table.
+
+    Attributes:
+      fn: fn(query, key, value, bias, mask, *, scale, options) in the head-major layout.
+      supports: fn(query, key, value, bias, mask) -> None if the implementation can take these
+        inputs on the current backend, else a string saying why not.
+    """
+
+    fn: Callable[..., jax.Array]
+    supports: Callable[..., str | None]
+
+
+def _always(*args) -> None:
+    del args
+    return None
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "xla": Implementation(xla.attend, _always),
+}
+
+_choice_log: list[list[dict[str, Any]]] = []
+
+
+@contextlib.contextmanager
+def record_implementation_choices() -> Iterator[list[dict[str, Any]]]:
+    """Collects the implementation chosen by every dot_product_attention traced inside the block.
+
+    Yields:
+      A list that receives one dict per call: requested, chosen, reason and the head-major shapes.
+    """
+    record: list[dict[str, Any]] = []
+    _choice_log.append(record)
+    try:
+        yield record
+    finally:
+        _choice_log.remove(record)
+
+
+def implementation_names() -> tuple[str, ...]:
+    """The names `implementation` accepts: 'auto' and every entry of the dispatch table."""
+    return ("auto", *IMPLEMENTATIONS)
+
+
+def choose_implementation(
+    query, key, value, bias=None, mask=None, *, memory_budget_bytes: int | None = None
+) -> tuple[str, str]:
+    """The implementation 'auto' picks for head-major inputs, and why.
+
+    Rules, in order: on GPU, 'cudnn' when it supports the inputs; otherwise 'chunked' when the dense
+    float32 logits and probabilities, 2 * 4 * B * N * T * S bytes, exceed the memory budget; otherwise
+    'xla'. Arrays or jax.ShapeDtypeStructs are accepted.
+
+    Returns:
+      (name, reason).
+    """
+    budget = memory_budget_bytes or DEFAULT_MEMORY_BUDGET_BYTES
+    if jax.default_backend() == "gpu" and "cudnn" in IMPLEMENTATIONS:
+        why_not = IMPLEMENTATIONS["cudnn"].supports(query, key, value, bias, mask)
+        if why_not is None:
+            return "cudnn", "GPU backend and cuDNN supports these inputs"
+    batch, heads, q_len, _ = query.shape
+    dense_bytes = 2 * 4 * batch * heads * q_len * key.shape[2]
+    sizes = f"dense logits need {_mib(dense_bytes)} MiB, budget {_mib(budget)} MiB"
+    if "chunked" in IMPLEMENTATIONS and dense_bytes > budget:
+        return "chunked", sizes
+    return "xla", sizes
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.3g}"
+
+
+def _resolve(name, query, key, value, bias, mask, options: AttentionOptions) -> str:
+    requested = "auto" if name is None else name
+    if requested not in implementation_names():
+        raise ValueError(
+            f"implementation must be one of {implementation_names()} or None, got {requested!r}"
+        )
+    if requested == "auto":
+        chosen, reason = choose_implementation(
+            query, key, value, bias, mask, memory_budget_bytes=options.memory_budget_bytes
+        )
+    else:
+        why_not = IMPLEMENTATIONS[requested].supports(query, key, value, bias, mask)
+        if why_not is not None:
+            raise NotImplementedError(
+                f"implementation={requested!r} cannot take these inputs: {why_not}"
+            )
+        chosen, reason = requested, "requested explicitly"
+    logging.log_first_n(
+        logging.INFO,
+        "dot_product_attention: %s -> %s (%s), query %s",
+        20,
+        requested,
+        chosen,
+        reason,
+        tuple(query.shape),
+    )
+    for record in _choice_log:
+        record.append(
+            dict(
+                requested=requested,
+                chosen=chosen,
+                reason=reason,
+                query=tuple(query.shape),
+                key=tuple(key.shape),
+                value=tuple(value.shape),
+            )
+        )
+    return chosen
+
+
+def _check_dtype(name: str, x, kind: str) -> None:
+    dtype = jnp.result_type(x)
+    if kind == "bool" and dtype != jnp.bool_:
+        raise TypeError(
+            f"{name} must be a boolean array (True = attend), got dtype {dtype}; pass an additive "
+            "float bias as bias= instead"
+        )
+    if kind == "float" and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
+
+
+def _check_broadcastable(name: str, x, target: tuple[int, ...], target_desc: str) -> None:
+    shape = tuple(x.shape)
+    if len(shape) != len(target) or any(d not in (1, t) for d, t in zip(shape, target, strict=True)):
+        raise ValueError(
+            f"{name} of shape {shape} must have rank {len(target)} and broadcast to {target_desc} "
+            f"= {target} (each dimension 1 or equal)"
+        )
+
+
+def _check_qkv(query, key, value, layout: str) -> None:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        _check_dtype(name, x, "float")
+        if x.ndim < 3:
+            raise ValueError(
+                f"{name} must have rank >= 3 ([..., T, N, H] for layout {layout!r}), "
+                f"got shape {tuple(x.shape)}"
+            )
+    if not query.ndim == key.ndim == value.ndim:
+        raise ValueError(
+            f"query, key and value must have the same rank, got shapes {tuple(query.shape)}, "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    seq, head = (-3, -2) if layout == "BTNH" else (-2, -3)
+    letters = "[..., T, N, H]" if layout == "BTNH" else "[..., N, T, H]"
+    q, k, v = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    problems = []
+    if not q[:-3] == k[:-3] == v[:-3]:
+        problems.append(f"batch dimensions differ: {q[:-3]}, {k[:-3]}, {v[:-3]}")
+    if not q[head] == k[head] == v[head]:
+        problems.append(f"head counts N differ: {q[head]}, {k[head]}, {v[head]}")
+    if k[seq] != v[seq]:
+        problems.append(f"key and value lengths S differ: {k[seq]} != {v[seq]}")
+    if q[-1] != k[-1]:
+        problems.append(f"query and key head dims H differ: {q[-1]} != {k[-1]}")
+    if problems:
+        raise ValueError(
+            f"query {q}, key {k} and value {v} (layout {letters}) do not fit: "
+            + "; ".join(problems)
+        )
+
+
+def _flatten_batch(x, batch_dims: tuple[int, ...]):
+    """[..., x, y, z] with leading dims 1 or equal to batch_dims -> [B or 1, x, y, z]."""
+    lead = tuple(x.shape[:-3])
+    if all(d == 1 for d in lead):
+        return x.reshape((1, *x.shape[-3:]))
+    if lead != batch_dims:
+        # Mixed broadcasting over several leading axes: materialize only those axes.
+        x = jnp.broadcast_to(x, (*batch_dims, *x.shape[-3:]))
+    return x.reshape((-1, *x.shape[-3:]))
+
+
+def _combine_bias(bias, target, target_desc):
+    if bias is None:
+        return None
+    biases = list(bias) if isinstance(bias, (list, tuple)) else [bias]
+    for i, b in enumerate(biases):
+        name = "bias" if len(biases) == 1 else f"bias[{i}]"
+        _check_dtype(name, b, "float")
+        _check_broadcastable(name, b, target, target_desc)
+    total = biases[0]
+    for b in biases[1:]:
+        total = (
+            total + b
+        )  # broadcast within each dimension's {1, full}; fused by XLA into the logits
+    return total
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | Sequence[jax.Array] | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    implementation: str | None = None,
+    layout: str = "BTNH",
+    options: AttentionOptions | None = None,
+) -> jax.Array:
+    """Softmax attention with an additive bias and a boolean mask, over several implementations.
+
+    softmax(scale * q.k + bias, masked entries replaced by -1e9) . v, with logits and softmax in
+    float32 (float64 for float64 inputs) whatever the input dtype. A fully masked query row gives the
+    uniform average of the values (never NaN).
+
+    Args:
+      query: [..., T, N, H] (layout 'BTNH', jax.nn's) or [..., N, T, H] (layout 'BNTH').
+      key: [..., S, N, H] or [..., N, S, H].
+      value: [..., S, N, Hv] or [..., N, S, Hv].
+      bias: None, a float array, or a sequence of float arrays added together; each has query's rank
+        and broadcasts to [..., N, T, S] (each dimension 1 or equal). A bias whose batch dimensions
+        are 1 stays shared over the batch.
+      mask: None or a bool array of query's rank broadcastable to [..., N, T, S]; False = masked out.
+      scale: logit scale, default H ** -0.5.
+      implementation: None or 'auto' (choose), or a name from `implementation_names()`.
+      layout: 'BTNH' or 'BNTH', the layout of query, key, value and the output.
+      options: AttentionOptions (chunk sizes, memory budget).
+
+    Returns:
+      [..., T, N, Hv] ('BTNH') or [..., N, T, Hv] ('BNTH') in query's dtype.
+
+    Raises:
+      TypeError: a non-boolean mask, a non-float query/key/value/bias.
+      ValueError: shapes that do not fit, an unknown implementation or layout.
+      NotImplementedError: a named implementation that cannot take these inputs here.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    options = AttentionOptions() if options is None else options
+    if not isinstance(options, AttentionOptions):
+        raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
+    _check_qkv(query, key, value, layout)
+    if layout == "BTNH":
+        query, key, value = (jnp.swapaxes(x, -3, -2) for x in (query, key, value))
+    batch_dims = tuple(query.shape[:-3])
+    target = (*batch_dims, query.shape[-3], query.shape[-2], key.shape[-2])
+    target_desc = "[..., N, T, S]"
+    bias = _combine_bias(bias, target, target_desc)
+    if mask is not None:
+        _check_dtype("mask", mask, "bool")
+        _check_broadcastable("mask", mask, target, target_desc)
+    if scale is None:
+        scale = query.shape[-1] ** -0.5
+    q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))
+    b = None if bias is None else _flatten_batch(bias, batch_dims)
+    m = None if mask is None else _flatten_batch(mask, batch_dims)
+    chosen = _resolve(implementation, q, k, v, b, m, options)
+    out = IMPLEMENTATIONS[chosen].fn(q, k, v, b, m, scale=scale, options=options)
+    out = out.reshape((*batch_dims, *out.shape[1:]))  # [..., N, T, Hv]
+    return jnp.swapaxes(out, -3, -2) if layout == "BTNH" else out
+
+
+def num_flops(query_shape, key_shape, value_shape) -> int:
+    """Multiply-add FLOPs (2 per MAC) of the two attention matmuls for 'BTNH' shapes."""
+    *lead, t, n, h = query_shape
+    s, hv = key_shape[-3], value_shape[-1]
+    return 2 * math.prod(lead) * n * t * s * (h + hv)

@@ -1,0 +1,309 @@
+"""The config schema: every key, its default and its validation, in one place.
+
+Modules take AlphaFold 2's ConfigDicts (or plain dicts) as they are and turn them into frozen
+dataclasses here, so module code never calls config.get(key, default):
+
+* a module config (AF2's `config.attention`-style dict) is strict: an unknown key such as `num_heads`
+  raises ValueError naming it;
+* a global config carries many keys of the whole model (AF2's and ColabFold's); keys we do not use are
+  ignored, but a key that looks like a misspelling of one of ours raises ValueError.
+
+`experiment_config()` is the schema of the ConfigDicts in configs/ used by the scripts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from gated_attention import attention
+
+ORIENTATIONS = ("per_row", "per_column")
+DEFAULT_MEMORY_BUDGET_MIB = attention.DEFAULT_MEMORY_BUDGET_BYTES // 2**20
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_dict(config: Any, name: str) -> dict[str, Any]:
+    if isinstance(config, ml_collections.ConfigDict | ml_collections.FrozenConfigDict):
+        return dict(config.items())
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise TypeError(
+        f"{name} must be an ml_collections.ConfigDict or a mapping, got {type(config).__name__}"
+    )
+
+
+def _check_int(where: str, key: str, value: Any, minimum: int, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value) or value < minimum:
+        none = "None or " if optional else ""
+        raise ValueError(f"{where}.{key} must be {none}an int >= {minimum}, got {value!r}")
+
+
+def _check_bool(where: str, key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}.{key} must be a bool, got {value!r}")
+
+
+def _check_implementation(where: str, key: str, value: Any, optional: bool) -> None:
+    names = attention.implementation_names()
+    if (value is None and optional) or value in names:
+        return
+    raise ValueError(
+        f"{where}.{key} must be one of {names}{' or None' if optional else ''}, got {value!r}"
+    )
+
+
+def _check_budget(where: str, key: str, value: Any, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{where}.{key} must be a positive number of MiB, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleConfig:
+    """A validated module config (AF2's per-module attention config plus our overrides).
+
+    Attributes:
+      num_head: number of heads (required).
+      gating: sigmoid gating of the attention output.
+      key_dim: total query/key channels over all heads (None: the query input's channel count).
+      value_dim: total value channels over all heads (None: the key input's channel count).
+      orientation: 'per_row' or 'per_column' (family modules).
+      dropout_rate: dropout applied by the family modules to their update.
+      shared_dropout: share the dropout mask along the orientation's axis.
+      attention_implementation: overrides global_config's when not None.
+      query_chunk_size, key_chunk_size, memory_budget_mib: override global_config's when not None.
+    """
+
+    num_head: int
+    gating: bool = True
+    key_dim: int | None = None
+    value_dim: int | None = None
+    orientation: str = "per_row"
+    dropout_rate: float = 0.0
+    shared_dropout: bool = True
+    attention_implementation: str | None = None
+    query_chunk_size: int | None = None
+    key_chunk_size: int | None = None
+    memory_budget_mib: float | None = None
+
+    def __post_init__(self):
+        where = "config"
+        _check_int(where, "num_head", self.num_head, 1, optional=False)
+        _check_bool(where, "gating", self.gating)
+        _check_int(where, "key_dim", self.key_dim, 1, optional=True)
+        _check_int(where, "value_dim", self.value_dim, 1, optional=True)
+        if self.orientation not in ORIENTATIONS:
+            raise ValueError(
+                f"config.orientation must be one of {ORIENTATIONS}, got {self.orientation!r}"
+            )
+        rate = self.dropout_rate
+        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
+            raise ValueError(f"config.dropout_rate must be a number in [0, 1), got {rate!r}")
+        _check_bool(where, "shared_dropout", self.shared_dropout)
+        _check_implementation(
+            where, "attention_implementation", self.attention_implementation, True
+        )
+        _check_int(where, "query_chunk_size", self.query_chunk_size, 1, optional=True)
+        _check_int(where, "key_chunk_size", self.key_chunk_size, 1, optional=True)
+        _check_budget(where, "memory_budget_mib", self.memory_budget_mib, optional=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalConfig:
+    """A validated global config: the keys of AF2's global_config we use, plus ours.
+
+    Attributes:
+      zero_init: initialize output_w to zeros (AF2), else glorot uniform.
+      subbatch_size: inference subbatch over the batch axis (None: off; 'auto': from the budget).
+      deterministic: no dropout.
+      eval_dropout: dropout also when not training (AF2).
+      attention_implementation: 'auto' or an implementation name.
+      query_chunk_size, key_chunk_size: tile sizes for 'chunked' (None: from the budget).
+      memory_budget_mib: working-set budget used by 'auto' choices.
+    """
+
+    zero_init: bool = True
+    subbatch_size: int | str | None = 4
+    deterministic: bool = False
+    eval_dropout: bool = False
+    attention_implementation: str = "auto"
+    query_chunk_size: int | None = None
+    key_chunk_size: int | None = None
+    memory_budget_mib: float = DEFAULT_MEMORY_BUDGET_MIB
+
+    def __post_init__(self):
+        where = "global_config"
+        _check_bool(where, "zero_init", self.zero_init)
+        if self.subbatch_size != "auto":
+            _check_int(where, "subbatch_size", self.subbatch_size, 1, optional=True)
+        _check_bool(where, "deterministic", self.deterministic)
+        _check_bool(where, "eval_dropout", self.eval_dropout)
+        _check_implementation(
+            where, "attention_implementation", self.attention_implementation, False
+        )
+        _check_int(where, "query_chunk_size", self.query_chunk_size, 1, optional=True)
+        _check_int(where, "key_chunk_size", self.key_chunk_size, 1, optional=True)
+        _check_budget(where, "memory_budget_mib", self.memory_budget_mib, optional=False)
+
+
+_MODULE_KEYS = tuple(f.name for f in dataclasses.fields(ModuleConfig))
+_GLOBAL_KEYS = tuple(f.name for f in dataclasses.fields(GlobalConfig))
+
+
+def module_config(config: Any) -> ModuleConfig:
+    """Validates a module config (ConfigDict, mapping or ModuleConfig); unknown keys raise.
+
+    Keys whose value is None take the default (AF2 leaves key_dim/value_dim absent).
+    """
+    if isinstance(config, ModuleConfig):
+        return config
+    values = _as_dict(config, "config")
+    unknown = sorted(set(values) - set(_MODULE_KEYS))
+    if unknown:
+        hints = [
+            f"{k!r} (did you mean {difflib.get_close_matches(k, _MODULE_KEYS, 1)[0]!r}?)"
+            if difflib.get_close_matches(k, _MODULE_KEYS, 1)
+            else repr(k)
+            for k in unknown
+        ]
+        raise ValueError(
+            f"config has unknown key(s) {', '.join(hints)}; known keys: {_MODULE_KEYS}"
+        )
+    if "num_head" not in values or values["num_head"] is None:
+        raise ValueError(
+            f"config.num_head is required (an int >= 1), got config keys {sorted(values)}"
+        )
+    return ModuleConfig(**{k: v for k, v in values.items() if v is not None})
+
+
+def global_config(config: Any) -> GlobalConfig:
+    """Validates a global config (ConfigDict, mapping or GlobalConfig).
+
+    Keys we do not use (AF2's bfloat16, use_remat, multimer_mode, ...) are ignored; a key close to
+    one of ours (difflib ratio >= 0.85, e.g. 'zero_int') raises ValueError as a likely typo.
+    """
+    if isinstance(config, GlobalConfig):
+        return config
+    values = _as_dict(config, "global_config")
+    for key in set(values) - set(_GLOBAL_KEYS):
+        close = difflib.get_close_matches(key, _GLOBAL_KEYS, 1, cutoff=0.85)
+        if close:
+            raise ValueError(f"global_config has unknown key {key!r}; did you mean {close[0]!r}?")
+    return GlobalConfig(
+        **{k: values[k] for k in _GLOBAL_KEYS if k in values and values[k] is not None}
+    )
+
+
+def attention_options(
+    module: ModuleConfig, glob: GlobalConfig
+) -> tuple[str, attention.AttentionOptions]:
+    """The implementation name and op options for a module: module keys override global ones."""
+
+    def pick(key):
+        value = getattr(module, key)
+        return getattr(glob, key) if value is None else value
+
+    budget_mib = pick("memory_budget_mib")
+    return pick("attention_implementation"), attention.AttentionOptions(
+        query_chunk_size=pick("query_chunk_size"),
+        key_chunk_size=pick("key_chunk_size"),
+        memory_budget_bytes=int(budget_mib * 2**20),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Experiment configs (configs/*.py, scripts/): the schema with every default.
+
+MODULES = ("attention", "global_attention")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+MASKS = ("none", "key", "query_key")
+
+
+def experiment_config() -> ml_collections.ConfigDict:
+    """The default experiment: one Attention forward on small random inputs (a few ms on CPU).
+
+    configs/*.py start from this and set attributes; scripts validate with `check_experiment`.
+    """
+    cfg = ml_collections.ConfigDict()
+    cfg.module = "attention"  # one of MODULES
+
+    # Module config, AF2's keys plus our per-module overrides (ModuleConfig).
+    cfg.attention = ml_collections.ConfigDict()
+    cfg.attention.num_head = 4
+    cfg.attention.gating = True
+    cfg.attention.key_dim = ml_collections.config_dict.placeholder(int)  # None: q_channels
+    cfg.attention.value_dim = ml_collections.config_dict.placeholder(int)  # None: m_channels
+    cfg.attention.orientation = "per_row"
+    cfg.attention.dropout_rate = 0.0
+    cfg.attention.shared_dropout = True
+    cfg.attention.attention_implementation = ml_collections.config_dict.placeholder(str)
+    cfg.attention.query_chunk_size = ml_collections.config_dict.placeholder(int)
+    cfg.attention.key_chunk_size = ml_collections.config_dict.placeholder(int)
+    cfg.attention.memory_budget_mib = ml_collections.config_dict.placeholder(float)
+
+    # Global config (GlobalConfig); AF2 keys we ignore may be added freely.
+    cfg.global_config = ml_collections.ConfigDict()
+    cfg.global_config.zero_init = False  # random output_w, so the output checksum means something
+    cfg.global_config.subbatch_size = ml_collections.config_dict.placeholder(int)  # None: off
+    cfg.global_config.deterministic = True
+    cfg.global_config.eval_dropout = False
+    cfg.global_config.attention_implementation = "auto"
+    cfg.global_config.query_chunk_size = ml_collections.config_dict.placeholder(int)
+    cfg.global_config.key_chunk_size = ml_collections.config_dict.placeholder(int)
+    cfg.global_config.memory_budget_mib = float(DEFAULT_MEMORY_BUDGET_MIB)
+
+    # Input sizes: q_data [batch, num_queries, q_channels], m_data [batch, num_keys, m_channels].
+    cfg.data = ml_collections.ConfigDict()
+    cfg.data.batch = 4
+    cfg.data.num_queries = 64
+    cfg.data.num_keys = 64
+    cfg.data.q_channels = 64
+    cfg.data.m_channels = 64
+    cfg.data.output_dim = 64
+    cfg.data.dtype = "float32"  # one of DTYPES
+    cfg.data.mask = "key"  # one of MASKS: none, key [b, 1, 1, k], query_key [b, 1, q, k]
+    cfg.data.masked_fraction = 0.1  # fraction of keys masked out at random
+    cfg.data.nonbatched_bias = True  # a [h, q, k] bias shared by the batch
+
+    cfg.run = ml_collections.ConfigDict()
+    cfg.run.seed = 0
+    cfg.run.steps = 10  # timed steps after the compiling call
+    cfg.run.warmup = 1  # untimed steps after the compiling call
+    return cfg
+
+
+def check_experiment(cfg: ml_collections.ConfigDict) -> None:
+    """Validates an experiment config; raises ValueError naming the key, its value and what it expects."""
+    if cfg.module not in MODULES:
+        raise ValueError(f"config.module must be one of {MODULES}, got {cfg.module!r}")
+    module_config(cfg.attention)
+    global_config(cfg.global_config)
+    data = cfg.data
+    for key in ("batch", "num_queries", "num_keys", "q_channels", "m_channels", "output_dim"):
+        _check_int("config.data", key, data[key], 1, optional=False)
+    if data.dtype not in DTYPES:
+        raise ValueError(f"config.data.dtype must be one of {DTYPES}, got {data.dtype!r}")
+    if data.mask not in MASKS:
+        raise ValueError(f"config.data.mask must be one of {MASKS}, got {data.mask!r}")
+    if not 0.0 <= data.masked_fraction < 1.0:
+        raise ValueError(
+            f"config.data.masked_fraction must be in [0, 1), got {data.masked_fraction!r}"
+        )
+    if cfg.module == "global_attention" and data.num_keys != data.num_queries:
+        raise ValueError(
+            f"global_attention needs config.data.num_keys == num_queries, got "
+            f"{data.num_keys} and {data.num_queries}"
+        )
+    _check_int("config.run", "steps", cfg.run.steps, 1, optional=False)
+    _check_int("config.run", "warmup", cfg.run.warmup, 0, optional=False)

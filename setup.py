@@ -1,0 +1,34 @@
+"""Installs gated_attention: `pip install -e .[test]` for the tests, `.[bench]` for plots."""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+VERSION = re.search(
+    r'__version__ = "([^"]+)"',
+    Path(__file__).with_name("gated_attention").joinpath("__init__.py").read_text(),
+).group(1)
+
+setup(
+    name="gated_attention",
+    version=VERSION,
+    description="AlphaFold-style gated multi-head attention for JAX and Haiku: fast, memory-efficient, "
+    "AlphaFold 2 parameter compatible.",
+    long_description=Path(__file__).with_name("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["gated_attention", "gated_attention.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.4.30",
+        "jaxlib>=0.4.30",
+        "dm-haiku>=0.0.13",
+        "numpy>=1.24",
+        "absl-py>=1.0",
+        "ml_collections>=0.1.1",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6", "chex>=0.1.86", "ruff>=0.6"],
+        "bench": ["matplotlib>=3.7"],
+    },
+)
