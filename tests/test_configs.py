@@ -1,0 +1,154 @@
+"""Config presets, the experiment schema, and scripts/run_forward.py end to end."""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from gated_attention import config as config_lib
+from gated_attention import experiment
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PRESETS = [("default.py", None), ("long_sequence.py", None)] + [
+    ("alphafold.py", p) for p in ("msa_row", "msa_column", "triangle", "extra_msa_global")
+]
+
+
+def _load(file, preset):
+    spec = importlib.util.spec_from_file_location("cfg", ROOT / "configs" / file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config() if preset is None else module.get_config(preset)
+
+
+def _shrink(cfg):
+    """Keep the preset's module, heads, channels and dtype; make the data tiny."""
+    cfg.data.batch, cfg.data.num_queries, cfg.data.num_keys = 2, 8, 8
+    cfg.run.steps, cfg.run.warmup = 1, 0
+    return cfg
+
+
+@pytest.mark.parametrize("file,preset", PRESETS)
+def test_every_preset_builds_and_runs_a_tiny_forward(file, preset):
+    cfg = _load(file, preset)
+    config_lib.check_experiment(cfg)
+    report = experiment.run_forward(_shrink(cfg))
+    assert report["output_checksum"]["finite"]
+    assert report["output_shape"] == [2, 8, cfg.data.output_dim]
+    assert report["dtype"] == cfg.data.dtype and report["implementations"]
+    assert report["output_checksum"]["abs_sum"] > 0  # zero_init off: a real output
+
+
+def test_alphafold_presets_carry_af2_shapes():
+    msa_row = _load("alphafold.py", "msa_row")
+    assert (msa_row.attention.num_head, msa_row.data.q_channels) == (8, 256)
+    triangle = _load("alphafold.py", "triangle")
+    assert (triangle.attention.num_head, triangle.data.q_channels) == (4, 128)
+    extra = _load("alphafold.py", "extra_msa_global")
+    assert (
+        extra.module == "global_attention"
+        and extra.data.q_channels // extra.attention.num_head == 8
+    )
+    with pytest.raises(ValueError, match=r"preset must be one of .*got 'msa_rows'"):
+        _load("alphafold.py", "msa_rows")
+
+
+def test_report_matches_a_direct_forward():
+    cfg = _shrink(config_lib.experiment_config())
+    problem = experiment.build(cfg)
+    params = problem.forward.init(jax.random.PRNGKey(0), *problem.inputs)
+    out = problem.forward.apply(params, None, *problem.inputs)
+    report = experiment.run_forward(cfg, params=params)
+    np.testing.assert_allclose(report["output_checksum"]["sum"], float(np.sum(out)), rtol=1e-5)
+
+
+EXPERIMENT_ERRORS = {
+    "module": (lambda c: setattr(c, "module", "attn"), r"config.module must be one of"),
+    "dtype": (
+        lambda c: setattr(c.data, "dtype", "float8"),
+        r"config.data.dtype must be one of .*got 'float8'",
+    ),
+    "mask": (lambda c: setattr(c.data, "mask", "causal"), r"config.data.mask must be one of"),
+    "batch": (
+        lambda c: setattr(c.data, "batch", 0),
+        r"config.data.batch must be an int >= 1, got 0",
+    ),
+    "fraction": (
+        lambda c: setattr(c.data, "masked_fraction", 1.0),
+        r"masked_fraction must be in \[0, 1\)",
+    ),
+    "steps": (lambda c: setattr(c.run, "steps", 0), r"config.run.steps must be an int >= 1"),
+    "num_head": (
+        lambda c: setattr(c.attention, "num_head", -1),
+        r"config.num_head must be an int >= 1",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(EXPERIMENT_ERRORS))
+def test_experiment_errors(case):
+    mutate, match = EXPERIMENT_ERRORS[case]
+    cfg = config_lib.experiment_config()
+    mutate(cfg)
+    with pytest.raises(ValueError, match=match):
+        config_lib.check_experiment(cfg)
+
+
+def test_global_attention_needs_equal_lengths():
+    cfg = _load("alphafold.py", "extra_msa_global")
+    cfg.data.num_keys = cfg.data.num_queries + 1
+    with pytest.raises(ValueError, match=r"num_keys == num_queries"):
+        config_lib.check_experiment(cfg)
+
+
+def test_configdict_and_frozen_configdict_are_accepted():
+    module = config_lib.module_config(
+        ml_collections.FrozenConfigDict(dict(num_head=2, gating=False))
+    )
+    assert (module.num_head, module.gating, module.key_dim) == (2, False, None)
+
+
+def _run_script(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "run_forward.py"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+def test_run_forward_script_end_to_end(tmp_path):
+    out = tmp_path / "report.json"
+    result = _run_script(
+        f"--config={ROOT / 'configs' / 'alphafold.py'}:triangle",
+        "--config.data.batch=2",
+        "--config.data.num_queries=16",
+        "--config.data.num_keys=16",
+        "--config.attention.num_head=2",
+        "--config.run.steps=2",
+        f"--output_json={out}",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert (
+        report["input_shapes"][0] == [2, 16, 128] and report["config"]["attention"]["num_head"] == 2
+    )
+    assert report["output_checksum"]["finite"] and report["median_step_s"] > 0
+    assert report["memory"]["temp_size_in_bytes"] is not None
+    assert "implementations" in result.stdout and "compile_s" in result.stdout
+
+
+def test_run_forward_rejects_misspelt_override():
+    result = _run_script("--config.attention.num_heads=4")
+    assert result.returncode != 0
+    assert "num_heads" in result.stderr

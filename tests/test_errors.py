@@ -1,0 +1,333 @@
+"""Every bad input gets a ValueError or TypeError naming the argument, what it got and what it expects."""
+
+import contextlib
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gated_attention as ga
+
+B, Q, K, A, H, O = 2, 5, 6, 8, 2, 4
+q_data = jnp.ones((B, Q, A))
+m_data = jnp.ones((B, K, A))
+key_mask = jnp.ones((B, 1, 1, K), bool)
+
+
+def _apply(*args, config=None, global_config=None, output_dim=O, **kwargs):
+    config = dict(num_head=H) if config is None else config
+    global_config = {} if global_config is None else global_config
+    fn = hk.transform(lambda *a, **k: ga.Attention(config, global_config, output_dim)(*a, **k))
+    return jax.eval_shape(fn.init, jax.random.PRNGKey(0), *args, **kwargs)
+
+
+ATTENTION_ERRORS = {
+    "float mask": (
+        TypeError,
+        r"mask must be a boolean array.*float64.*bias=",
+        dict(mask=jnp.ones((B, 1, 1, K))),
+    ),
+    "int mask": (
+        TypeError,
+        r"mask must be a boolean array.*int",
+        dict(mask=jnp.ones((B, 1, 1, K), jnp.int32)),
+    ),
+    "mask not broadcastable": (
+        ValueError,
+        r"mask of shape \(2, 1, 1, 5\) must broadcast to \[\.\.\., b, h, q, k\] = \(2, 2, 5, 6\)",
+        dict(mask=jnp.ones((B, 1, 1, 5), bool)),
+    ),
+    "mask wrong rank": (
+        ValueError,
+        r"mask of shape \(6,\) must broadcast",
+        dict(mask=jnp.ones((K,), bool)),
+    ),
+    "bias not broadcastable": (
+        ValueError,
+        r"bias of shape \(3, 1, 1, 6\) must broadcast to",
+        dict(bias=jnp.ones((3, 1, 1, K))),
+    ),
+    "bool bias": (
+        TypeError,
+        r"bias must be a floating-point array, got dtype bool",
+        dict(bias=jnp.ones((B, 1, 1, K), bool)),
+    ),
+    "nonbatched wrong shape": (
+        ValueError,
+        r"nonbatched_bias of shape \(2, 6, 5\) must be \[h, q, k\] = \(2, 5, 6\) or \[q, k\] = \(5, 6\)",
+        dict(nonbatched_bias=jnp.ones((H, K, Q))),
+    ),
+    "nonbatched with batch": (
+        ValueError,
+        r"nonbatched_bias of shape \(2, 2, 5, 6\)",
+        dict(nonbatched_bias=jnp.ones((B, H, Q, K))),
+    ),
+    "q_data rank": (
+        ValueError,
+        r"q_data must have rank >= 3.*got shape \(5, 8\)",
+        dict(q_data=jnp.ones((Q, A))),
+    ),
+    "m_data rank": (
+        ValueError,
+        r"q_data \(2, 5, 8\) and m_data \(6, 8, 1\) must have the same batch",
+        dict(m_data=jnp.ones((K, A, 1))),
+    ),
+    "batch differs": (
+        ValueError,
+        r"q_data \(2, 5, 8\) and m_data \(3, 6, 8\) must have the same batch dimensions",
+        dict(m_data=jnp.ones((3, K, A))),
+    ),
+    "int q_data": (
+        TypeError,
+        r"q_data must be a floating-point array, got dtype int32",
+        dict(q_data=jnp.ones((B, Q, A), jnp.int32)),
+    ),
+    "dtypes differ": (
+        TypeError,
+        r"q_data and m_data must have the same dtype, got float64 and bfloat16",
+        dict(m_data=jnp.ones((B, K, A), jnp.bfloat16)),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_ERRORS))
+def test_attention_call_errors(case):
+    error, match, overrides = ATTENTION_ERRORS[case]
+    args = dict(q_data=q_data, m_data=m_data, mask=key_mask, nonbatched_bias=None, bias=None)
+    args.update(overrides)
+    bias = args.pop("bias")
+    with pytest.raises(error, match=match):
+        _apply(*args.values(), bias=bias)
+
+
+CONFIG_ERRORS = {
+    "key_dim not divisible": (
+        dict(config=dict(num_head=3, key_dim=8)),
+        r"key_dim=8 must be divisible by num_head=3",
+    ),
+    "value_dim not divisible": (
+        dict(config=dict(num_head=2, value_dim=7)),
+        r"value_dim=7 must be divisible by num_head=2",
+    ),
+    "default key_dim not divisible": (
+        dict(config=dict(num_head=3)),
+        r"key_dim=8 must be divisible by num_head=3",
+    ),
+    "num_head missing": (dict(config=dict(gating=True)), r"config.num_head is required"),
+    "num_head zero": (dict(config=dict(num_head=0)), r"config.num_head must be an int >= 1, got 0"),
+    "num_head float": (
+        dict(config=dict(num_head=2.0)),
+        r"config.num_head must be an int >= 1, got 2.0",
+    ),
+    "typo key": (
+        dict(config=dict(num_heads=2)),
+        r"config has unknown key\(s\) 'num_heads' \(did you mean 'num_head'\?\)",
+    ),
+    "output_dim zero": (dict(output_dim=0), r"output_dim must be an int >= 1, got 0"),
+    "unknown implementation": (
+        dict(global_config=dict(attention_implementation="flash")),
+        r"global_config.attention_implementation must be one of \('auto', 'xla'",
+    ),
+    "module implementation": (
+        dict(config=dict(num_head=2, attention_implementation="fast")),
+        r"config.attention_implementation must be one of",
+    ),
+    "global typo": (
+        dict(global_config=dict(zero_int=True)),
+        r"global_config has unknown key 'zero_int'; did you mean 'zero_init'\?",
+    ),
+    "gating not bool": (
+        dict(config=dict(num_head=2, gating="yes")),
+        r"config.gating must be a bool, got 'yes'",
+    ),
+    "orientation": (
+        dict(config=dict(num_head=2, orientation="diagonal")),
+        r"config.orientation must be one of \('per_row', 'per_column'\), got 'diagonal'",
+    ),
+    "dropout rate": (
+        dict(config=dict(num_head=2, dropout_rate=1.5)),
+        r"config.dropout_rate must be a number in \[0, 1\), got 1.5",
+    ),
+    "chunk size": (
+        dict(global_config=dict(query_chunk_size=-4)),
+        r"global_config.query_chunk_size must be None or an int >= 1, got -4",
+    ),
+    "budget": (
+        dict(global_config=dict(memory_budget_mib=0)),
+        r"global_config.memory_budget_mib must be a positive number of MiB, got 0",
+    ),
+    "subbatch": (
+        dict(global_config=dict(subbatch_size=0)),
+        r"global_config.subbatch_size must be None or an int >= 1, got 0",
+    ),
+    "config type": (
+        dict(config=[("num_head", 2)]),
+        r"config must be an ml_collections.ConfigDict or a mapping, got list",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_ERRORS))
+def test_config_errors(case):
+    kwargs, match = CONFIG_ERRORS[case]
+    with pytest.raises(ValueError if case != "config type" else TypeError, match=match):
+        _apply(q_data, m_data, key_mask, **kwargs)
+
+
+def test_af2_global_config_keys_are_accepted():
+    af2_global = dict(
+        bfloat16=True,
+        bfloat16_output=False,
+        deterministic=False,
+        multimer_mode=False,
+        subbatch_size=4,
+        use_remat=False,
+        zero_init=True,
+        eval_dropout=False,
+        use_dgram=False,
+    )
+    shapes = _apply(q_data, m_data, key_mask, global_config=af2_global)
+    assert shapes["attention"]["output_w"].shape == (H, A // H, O)
+
+
+def test_params_that_do_not_fit_name_the_parameter():
+    fn = hk.transform(lambda q, m: ga.Attention(dict(num_head=H), {}, O)(q, m))
+    params = fn.init(jax.random.PRNGKey(0), q_data, m_data)
+    with pytest.raises(
+        ValueError,
+        match=r"attention/~/query_w|attention/query_w|query_w.*\(16, 2, 4\).*\(8, 2, 4\)|query_w.*\(8, 2, 4\).*\(16, 2, 4\)",
+    ):
+        fn.apply(params, None, jnp.ones((B, Q, 2 * A)), m_data)
+
+
+OP_ERRORS = {
+    "heads differ": (
+        dict(key=jnp.ones((B, K, 3, 4))),
+        ValueError,
+        r"head counts N differ: 2, 3, 2",
+    ),
+    "lengths differ": (
+        dict(value=jnp.ones((B, 5, 2, 4))),
+        ValueError,
+        r"key and value lengths S differ: 6 != 5",
+    ),
+    "head dims differ": (
+        dict(key=jnp.ones((B, K, 2, 3))),
+        ValueError,
+        r"query and key head dims H differ: 4 != 3",
+    ),
+    "batch differs": (
+        dict(key=jnp.ones((3, K, 2, 4)), value=jnp.ones((3, K, 2, 4))),
+        ValueError,
+        r"batch dimensions differ",
+    ),
+    "rank differs": (
+        dict(key=jnp.ones((1, B, K, 2, 4))),
+        ValueError,
+        r"query, key and value must have the same rank",
+    ),
+    "rank 2": (dict(query=jnp.ones((Q, 4))), ValueError, r"query must have rank >= 3"),
+    "float mask": (
+        dict(mask=jnp.ones((B, 1, 1, K))),
+        TypeError,
+        r"mask must be a boolean array .*got dtype float64",
+    ),
+    "mask shape": (
+        dict(mask=jnp.ones((B, 1, 1, Q), bool)),
+        ValueError,
+        r"mask of shape \(2, 1, 1, 5\) must have rank 4 and broadcast to \[\.\.\., N, T, S\] = \(2, 2, 5, 6\)",
+    ),
+    "bias rank": (
+        dict(bias=jnp.ones((2, Q, K))),
+        ValueError,
+        r"bias of shape \(2, 5, 6\) must have rank 4",
+    ),
+    "int query": (
+        dict(query=jnp.ones((B, Q, 2, 4), jnp.int32)),
+        TypeError,
+        r"query must be a floating-point array",
+    ),
+    "implementation": (
+        dict(implementation="flash"),
+        ValueError,
+        r"implementation must be one of \('auto', 'xla'.*got 'flash'",
+    ),
+    "layout": (
+        dict(layout="NTH"),
+        ValueError,
+        r"layout must be one of \('BTNH', 'BNTH'\), got 'NTH'",
+    ),
+    "options type": (
+        dict(options=dict(query_chunk_size=4)),
+        TypeError,
+        r"options must be an AttentionOptions, got dict",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(OP_ERRORS))
+def test_op_errors(case):
+    overrides, error, match = OP_ERRORS[case]
+    args = dict(
+        query=jnp.ones((B, Q, 2, 4)), key=jnp.ones((B, K, 2, 4)), value=jnp.ones((B, K, 2, 4))
+    )
+    args.update(overrides)
+    with pytest.raises(error, match=match):
+        ga.dot_product_attention(**args)
+
+
+def test_options_errors():
+    with pytest.raises(ValueError, match=r"query_chunk_size must be None or an int >= 1, got 0"):
+        ga.AttentionOptions(query_chunk_size=0)
+    with pytest.raises(ValueError, match=r"memory_budget_bytes must be an int >= 1, got 1.5"):
+        ga.AttentionOptions(memory_budget_bytes=1.5)
+
+
+def test_cudnn_is_unavailable_on_cpu_with_a_clear_error():
+    if jax.default_backend() == "gpu":
+        pytest.skip("GPU present")
+    args = (jnp.ones((B, Q, 2, 8), jnp.bfloat16),) * 3
+    with pytest.raises((NotImplementedError, ValueError), match=r"cudnn"):
+        ga.dot_product_attention(*args, implementation="cudnn")
+
+
+GLOBAL_ERRORS = {
+    "positions differ": (
+        dict(m_data=jnp.ones((B, K, A))),
+        ValueError,
+        r"m_data has 6 positions but q_data has 5",
+    ),
+    "mask shape": (
+        dict(q_mask=jnp.ones((B, 1, Q))),
+        ValueError,
+        r"q_mask of shape \(2, 1, 5\) must be \[\.\.\., b, q, 1\] = \(2, 5, 1\)",
+    ),
+    "int mask": (
+        dict(q_mask=jnp.ones((B, Q, 1), jnp.int32)),
+        TypeError,
+        r"q_mask must be bool or float 0/1, got dtype int32",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GLOBAL_ERRORS))
+def test_global_attention_errors(case):
+    overrides, error, match = GLOBAL_ERRORS[case]
+    args = dict(q_data=q_data, m_data=q_data, q_mask=jnp.ones((B, Q, 1)))
+    args.update(overrides)
+    fn = hk.transform(lambda *a: ga.GlobalAttention(dict(num_head=H), {}, O)(*a))
+    with pytest.raises(error, match=match):
+        jax.eval_shape(fn.init, jax.random.PRNGKey(0), *args.values())
+
+
+def test_no_assertion_error_reaches_callers():
+    """Random junk shapes raise ValueError/TypeError only."""
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        shapes = [
+            tuple(int(d) for d in rng.integers(1, 4, size=rng.integers(1, 5))) for _ in range(3)
+        ]
+        with contextlib.suppress(ValueError, TypeError):
+            _apply(jnp.ones(shapes[0]), jnp.ones(shapes[1]), jnp.ones(shapes[2], bool))

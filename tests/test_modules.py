@@ -1,0 +1,330 @@
+"""Attention and GlobalAttention against the float64 reference and AlphaFold 2's formulation."""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gated_attention as ga
+from gated_attention import baseline
+from tests import reference
+from tests.helpers import DTYPES, IMPLEMENTATIONS, as_f64, assert_close, cast_tree, rand
+
+B, Q, K, A, M, H, O = 2, 5, 6, 12, 10, 2, 7
+
+
+def _attention(config, global_config=None, output_dim=O, **call_kwargs):
+    global_config = dict(zero_init=False) if global_config is None else global_config
+
+    def forward(q_data, m_data, mask=None, nonbatched_bias=None, bias=None):
+        module = ga.Attention(config, global_config, output_dim)
+        return module(q_data, m_data, mask, nonbatched_bias, bias=bias, **call_kwargs)
+
+    return hk.without_apply_rng(hk.transform(forward))
+
+
+def _global_attention(config, global_config=None, output_dim=O):
+    global_config = dict(zero_init=False) if global_config is None else global_config
+    return hk.without_apply_rng(
+        hk.transform(
+            lambda q, m, mask: ga.GlobalAttention(config, global_config, output_dim)(q, m, mask)
+        )
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters: AlphaFold 2's names, shapes, dtypes and initializers.
+
+
+@pytest.mark.parametrize("gating", [True, False])
+@pytest.mark.parametrize("zero_init", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_params_are_af2s(gating, zero_init, dtype):
+    rng = np.random.default_rng(0)
+    q_data, _ = rand(rng, (B, Q, A), dtype)
+    m_data, _ = rand(rng, (B, K, M), dtype)
+    config = dict(num_head=H, gating=gating)
+    ours = _attention(config, dict(zero_init=zero_init))
+    params = jax.jit(ours.init)(jax.random.PRNGKey(7), q_data, m_data)["attention"]
+    c, cv = A // H, M // H
+    expected = dict(
+        query_w=(A, H, c), key_w=(M, H, c), value_w=(M, H, cv), output_w=(H, cv, O), output_b=(O,)
+    )
+    if gating:
+        expected.update(gating_w=(A, H, cv), gating_b=(H, cv))
+    assert {k: v.shape for k, v in params.items()} == expected
+    assert all(v.dtype == jnp.dtype(dtype) for v in params.values())
+    if gating:
+        assert np.all(np.asarray(params["gating_w"], np.float32) == 0)
+        assert np.all(np.asarray(params["gating_b"], np.float32) == 1)
+    assert np.all(np.asarray(params["output_b"], np.float32) == 0)
+    out_w = np.asarray(params["output_w"], np.float32)
+    assert np.all(out_w == 0) if zero_init else np.any(out_w != 0)
+    # Glorot uniform, Haiku's fans for [x, y, z]: fan_in = x * y, fan_out = x * z.
+    for name, (x, y, z) in [("query_w", (A, H, c)), ("output_w", (H, cv, O))]:
+        if name == "output_w" and zero_init:
+            continue
+        limit = np.sqrt(3.0 / ((x * y + x * z) / 2))
+        w = np.abs(np.asarray(params[name], np.float32))
+        assert w.max() <= limit * 1.01 and w.max() > 0.8 * limit, name
+    # Same initializers in the same order as AF2's module: identical params from the same key.
+    af2 = hk.without_apply_rng(
+        hk.transform(
+            lambda q, m: baseline.AF2Attention(H, O, gating=gating, zero_init=zero_init)(
+                q, m, jnp.ones((1, 1, 1, 1), bool)
+            )
+        )
+    )
+    af2_params = jax.jit(af2.init)(jax.random.PRNGKey(7), q_data, m_data)["attention"]
+    jax.tree.map(np.testing.assert_array_equal, af2_params, params)
+
+
+def test_attention_key_and_value_dims():
+    q_data, _ = rand(np.random.default_rng(0), (B, Q, A), "float32")
+    params = jax.eval_shape(
+        _attention(dict(num_head=H, key_dim=8, value_dim=6)).init,
+        jax.random.PRNGKey(0),
+        q_data,
+        q_data,
+    )["attention"]
+    assert params["query_w"].shape == (A, H, 4) and params["value_w"].shape == (A, H, 3)
+    assert params["gating_w"].shape == (A, H, 3) and params["output_w"].shape == (H, 3, O)
+
+
+def test_global_attention_params_are_af2s():
+    q_data, _ = rand(np.random.default_rng(0), (B, Q, A), "bfloat16")
+    mask = jnp.ones((B, Q, 1), jnp.bfloat16)
+    params = jax.jit(_global_attention(dict(num_head=H)).init)(
+        jax.random.PRNGKey(3), q_data, q_data, mask
+    )
+    c = A // H
+    shapes = {k: v.shape for k, v in params["attention"].items()}
+    assert shapes == dict(
+        query_w=(A, H, c),
+        key_w=(A, c),
+        value_w=(A, c),
+        gating_w=(A, H, c),
+        gating_b=(H, c),
+        output_w=(H, c, O),
+        output_b=(O,),
+    )
+    af2 = hk.without_apply_rng(
+        hk.transform(
+            lambda q, m, mask: baseline.AF2GlobalAttention(H, O, zero_init=False)(q, m, mask)
+        )
+    )
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.jit(af2.init)(jax.random.PRNGKey(3), q_data, q_data, mask),
+        params,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Forward against the float64 reference.
+
+# name -> (mask shape, nonbatched_bias shape, bias shape); None = absent.
+CASES = {
+    "key_mask+nonbatched_hqk": ((B, 1, 1, K), (H, Q, K), None),
+    "qk_mask+nonbatched_qk": ((B, 1, Q, K), (Q, K), None),
+    "3d_mask+additive_bias": ((B, Q, K), None, (B, 1, 1, K)),
+    "full_mask+both_biases": ((B, H, Q, K), (H, Q, K), (B, H, Q, K)),
+    "nothing": (None, None, None),
+}
+
+
+def _module_problem(dtype, case, seed=0, gating=True):
+    rng = np.random.default_rng(seed)
+    mask_shape, nb_shape, bias_shape = CASES[case]
+    q_data, q64 = rand(rng, (B, Q, A), dtype)
+    m_data, m64 = rand(rng, (B, K, M), dtype)
+    mask = None if mask_shape is None else jnp.asarray(rng.random(mask_shape) > 0.3)
+    nb, nb64 = rand(rng, nb_shape, dtype) if nb_shape else (None, None)
+    bias, bias64 = rand(rng, bias_shape, dtype) if bias_shape else (None, None)
+    params64 = reference.random_attention_params(rng, A, M, H, A // H, M // H, O, gating=gating)
+    params = cast_tree(params64, dtype)
+    ours = (dict(attention=params), q_data, m_data, mask, nb, bias)
+    ref = (as_f64(params), q64, m64, None if mask is None else np.asarray(mask), nb64, bias64)
+    return ours, ref
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_attention_matches_reference(implementation, dtype, case):
+    (params, *inputs), (params64, *ref_inputs) = _module_problem(dtype, case)
+    module = _attention(dict(num_head=H), dict(attention_implementation=implementation))
+    out = jax.jit(module.apply)(params, *inputs)
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (B, Q, O)
+    assert_close(out, reference.attention(params64, *ref_inputs), reference.tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_without_gating_matches_reference(dtype):
+    (params, *inputs), (params64, *ref_inputs) = _module_problem(
+        dtype, "key_mask+nonbatched_hqk", gating=False
+    )
+    out = _attention(dict(num_head=H, gating=False)).apply(params, *inputs)  # eager
+    expected = reference.attention(params64, *ref_inputs, gating=False)
+    assert_close(out, expected, reference.tolerance(dtype))
+
+
+def test_attention_extra_leading_batch_axes():
+    rng = np.random.default_rng(1)
+    q_data, q64 = rand(rng, (3, B, Q, A), "float32")
+    m_data, m64 = rand(rng, (3, B, K, M), "float32")
+    mask = jnp.asarray(rng.random((3, B, 1, 1, K)) > 0.3)
+    nb, nb64 = rand(rng, (H, Q, K), "float32")
+    params64 = reference.random_attention_params(rng, A, M, H, A // H, M // H, O)
+    out = jax.jit(_attention(dict(num_head=H)).apply)(
+        dict(attention=cast_tree(params64, "float32")), q_data, m_data, mask, nb
+    )
+    for i in range(3):
+        expected = reference.attention(params64, q64[i], m64[i], np.asarray(mask[i]), nb64)
+        assert_close(out[i], expected, reference.tolerance("float32"))
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_gradients_match_reference(implementation, dtype):
+    (params, q_data, m_data, mask, nb, bias), (params64, q64, m64, mask64, nb64, bias64) = (
+        _module_problem(dtype, "full_mask+both_biases", seed=2)
+    )
+    module = _attention(dict(num_head=H), dict(attention_implementation=implementation))
+
+    def loss(params, q_data, m_data, nb, bias):
+        return jnp.sum(
+            module.apply(params, q_data, m_data, mask, nb, bias).astype(jnp.float32) ** 2
+        )
+
+    def ref_loss(params, q_data, m_data, nb, bias):
+        return jnp.sum(
+            reference.attention(params["attention"], q_data, m_data, mask64, nb, bias, xp=jnp) ** 2
+        )
+
+    grads = jax.jit(jax.grad(loss, argnums=range(5)))(params, q_data, m_data, nb, bias)
+    ref = jax.grad(ref_loss, argnums=range(5))(dict(attention=params64), q64, m64, nb64, bias64)
+    tol = reference.grad_tolerance(dtype)
+    if dtype == "bfloat16":  # squared loss: gradients are O(output), rounding accumulates
+        tol = dict(rtol=1e-1, atol=1e-1)
+    jax.tree.map(lambda g, r: assert_close(g, r, tol), grads, ref)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_fully_masked_rows_finite_with_finite_gradients(implementation, dtype):
+    (params, q_data, m_data, _, nb, _), (params64, q64, m64, _, nb64, _) = _module_problem(
+        dtype, "key_mask+nonbatched_hqk"
+    )
+    mask = np.ones((B, 1, Q, K), bool)
+    mask[0] = False  # batch 0 sees nothing
+    mask[1, :, 2] = False  # query 2 of batch 1 sees nothing
+    module = _attention(dict(num_head=H), dict(attention_implementation=implementation))
+
+    def loss(params, q_data):
+        out = module.apply(params, q_data, m_data, jnp.asarray(mask), nb)
+        return jnp.sum(out.astype(jnp.float32)), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        params, q_data
+    )
+    for leaf in jax.tree.leaves((out, grads)):
+        assert bool(jnp.isfinite(leaf.astype(jnp.float32)).all())
+    expected = reference.attention(params64, q64, m64, mask, nb64)
+    assert_close(out, expected, reference.tolerance(dtype))
+
+
+def test_af2_params_apply_unchanged_and_match():
+    (params, q_data, m_data, mask, nb, _), _ = _module_problem("float32", "key_mask+nonbatched_hqk")
+    af2 = hk.without_apply_rng(
+        hk.transform(
+            lambda q, m, mask, nb: baseline.AF2Attention(H, O, zero_init=False)(q, m, mask, nb)
+        )
+    )
+    af2_params = jax.jit(af2.init)(jax.random.PRNGKey(11), q_data, m_data, mask, nb)
+    af2_params = jax.tree.map(  # make the gate matter: AF2 inits it to a constant
+        lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(1), x.shape), af2_params
+    )
+    ours = jax.jit(_attention(dict(num_head=H, gating=True)).apply)(
+        af2_params, q_data, m_data, mask, nb
+    )
+    theirs = jax.jit(af2.apply)(af2_params, q_data, m_data, mask, nb)
+    rel = float(jnp.max(jnp.abs(ours - theirs)) / jnp.max(jnp.abs(theirs)))
+    assert rel <= 1e-5
+
+
+def test_bfloat16_at_least_as_accurate_as_af2():
+    errors = {"ours": [], "af2": []}
+    ours_apply = jax.jit(_attention(dict(num_head=H)).apply)
+    af2 = hk.without_apply_rng(
+        hk.transform(
+            lambda q, m, mask, nb: baseline.AF2Attention(H, O, zero_init=False)(q, m, mask, nb)
+        )
+    )
+    af2_apply = jax.jit(af2.apply)
+    for seed in range(4):
+        (params, *inputs), (params64, *ref_inputs) = _module_problem(
+            "bfloat16", "key_mask+nonbatched_hqk", seed
+        )
+        expected = reference.attention(params64, *ref_inputs)
+        ours = ours_apply(params, *inputs[:4])
+        theirs = af2_apply(params, *inputs[:4])
+        for name, out in (("ours", ours), ("af2", theirs)):
+            errors[name].append(np.mean(np.abs(np.asarray(out, np.float64) - expected)))
+    assert np.mean(errors["ours"]) <= np.mean(errors["af2"])
+
+
+# --------------------------------------------------------------------------------------------
+# GlobalAttention.
+
+
+def _global_problem(dtype, gating, mask_dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q_data, q64 = rand(rng, (B, Q, A), dtype)
+    mask64 = (rng.random((B, Q, 1)) > 0.3).astype(np.float64)
+    mask64[1] = 0.0  # batch 1 fully masked
+    mask = jnp.asarray(mask64, mask_dtype)
+    params64 = reference.random_global_attention_params(
+        rng, A, A, H, A // H, A // H, O, gating=gating
+    )
+    return (dict(attention=cast_tree(params64, dtype)), q_data, mask), (
+        as_f64(params64),
+        q64,
+        mask64,
+    )
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gating", [True, False])
+def test_global_attention_matches_reference(implementation, dtype, gating):
+    mask_dtype = bool if gating else dtype  # AF2 passes float masks; bool works too
+    (params, q_data, mask), (params64, q64, mask64) = _global_problem(dtype, gating, mask_dtype)
+    module = _global_attention(
+        dict(num_head=H, gating=gating), dict(attention_implementation=implementation)
+    )
+    out = jax.jit(module.apply)(params, q_data, q_data, mask)
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (B, Q, O)
+    assert bool(jnp.isfinite(out.astype(jnp.float32)).all())
+    expected = reference.global_attention(params64, q64, q64, mask64, gating=gating)
+    assert_close(out, expected, reference.tolerance(dtype))
+
+
+def test_global_attention_gradients_and_af2_params():
+    (params, q_data, mask), (params64, q64, mask64) = _global_problem("float32", True, jnp.float32)
+    module = _global_attention(dict(num_head=H))
+    loss = lambda p, q: jnp.sum(module.apply(p, q, q, mask) ** 2)
+    ref_loss = lambda p, q: jnp.sum(
+        reference.global_attention(p["attention"], q, q, mask64, xp=jnp) ** 2
+    )
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, q_data)
+    ref = jax.grad(ref_loss, argnums=(0, 1))(dict(attention=params64), q64)
+    jax.tree.map(lambda g, r: assert_close(g, r, reference.grad_tolerance("float32")), grads, ref)
+    af2 = hk.without_apply_rng(
+        hk.transform(lambda q, m, mask: baseline.AF2GlobalAttention(H, O)(q, m, mask))
+    )
+    theirs = jax.jit(af2.apply)(params, q_data, q_data, mask)
+    np.testing.assert_allclose(
+        jax.jit(module.apply)(params, q_data, q_data, mask), theirs, rtol=1e-5, atol=1e-6
+    )
