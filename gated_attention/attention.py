@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from gated_attention import xla
+from gated_attention import cudnn, xla
 
 LAYOUTS = ("BTNH", "BNTH")
 
@@ -80,6 +80,7 @@ def _always(*args) -> None:
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "xla": Implementation(xla.attend, _always),
+    "cudnn": Implementation(cudnn.attend, cudnn.supports),
 }
 
 _choice_log: list[list[dict[str, Any]]] = []
