@@ -1,0 +1,38 @@
+"""Benchmark sweep for scripts/benchmark.py: issue 3's goal shapes, a length sweep, memory cases.
+
+  python scripts/benchmark.py                                   # everything below (~15 min on 2 cores)
+  python scripts/benchmark.py --config=configs/benchmark.py:quick   # goal shapes, float32 forward only
+  python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
+
+Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask).
+"""
+
+import ml_collections
+
+GOAL_SHAPES = (
+    # MSA row attention: 64 sequences x 256 residues, c=64, 8 heads of 8, pair bias.
+    ("msa_row 64x256 c64 h8", 64, 256, 64, 8, True, "key"),
+    # Triangle attention: 128 x 128 residues, c=128, 4 heads of 32, pair bias.
+    ("triangle 128x128 c128 h4", 128, 128, 128, 4, True, "key"),
+    # Long self-attention: 1 x 4,096 tokens, c=256, 8 heads of 32, key mask.
+    ("long 1x4096 c256 h8", 1, 4096, 256, 8, False, "key"),
+)
+SWEEP_LENGTHS = (512, 1024, 2048, 4096)  # self-attention 1 x L, c=256, 8 heads of 32: the plot
+
+
+def get_config(preset="full"):
+    if preset not in ("full", "quick"):
+        raise ValueError(f"configs/benchmark.py preset must be 'full' or 'quick', got {preset!r}")
+    cfg = ml_collections.ConfigDict()
+    cfg.shapes = GOAL_SHAPES
+    cfg.sweep_lengths = SWEEP_LENGTHS if preset == "full" else ()
+    cfg.implementations = ("auto", "xla", "chunked")  # 'cudnn' joins on GPU via 'auto'
+    cfg.dtypes = ("float32", "bfloat16") if preset == "full" else ("float32",)
+    cfg.modes = ("forward", "forward_backward") if preset == "full" else ("forward",)
+    cfg.rounds = 5  # interleaved rounds; the reported time is the median over rounds
+    cfg.steps = 3  # calls per round per variant; a round keeps their median
+    cfg.memory_cases = (
+        preset == "full"
+    )  # op-level XLA temp memory at 16k tokens and 1024^2 triangle
+    cfg.output_dir = "benchmark_results"
+    return cfg

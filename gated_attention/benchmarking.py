@@ -1,0 +1,302 @@
+"""Benchmark logic behind scripts/benchmark.py: Attention against AF2's formulation and a roofline.
+
+For each shape x dtype x mode (forward, forward+backward) the variants are: gated_attention.Attention
+with each requested implementation, the AlphaFold 2 formulation (baseline.AF2Attention, AF2's 'bqhc'
+einsums) and a same-FLOP matrix product (the roofline). All variants of a cell share parameters and
+inputs, are compiled first, then timed in interleaved rounds in this one process (each round times
+every variant `steps` times and keeps the median; the result is the median over rounds), so that
+machine load moves every variant alike. XLA's compiled memory analysis is recorded per variant.
+
+Op-level memory entries compile dot_product_attention on jax.ShapeDtypeStructs (nothing is
+allocated or run) and record XLA's temp bytes forward and forward+backward against a goal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gated_attention import attention, baseline, modules
+
+AF2 = "af2"
+ROOFLINE = "matmul"
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One Attention problem: q_data = m_data [batch, length, channels], `num_head` heads.
+
+    Attributes:
+      name: label in tables.
+      batch, length, channels, num_head: sizes; per-head dim = channels // num_head.
+      nonbatched_bias: pass a [h, q, k] bias shared by the batch.
+      mask: 'key' ([b, 1, 1, k], 10% masked) or 'none'.
+    """
+
+    name: str
+    batch: int
+    length: int
+    channels: int
+    num_head: int
+    nonbatched_bias: bool = True
+    mask: str = "key"
+
+    def flops(self) -> int:
+        """Forward FLOPs: q/k/v/gate projections, the two attention matmuls, the output projection."""
+        b, n, c = self.batch, self.length, self.channels
+        return 2 * b * n * c * c * 5 + 2 * b * n * n * c * 2
+
+
+def _inputs(shape: Shape, dtype, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    b, n, c, h = shape.batch, shape.length, shape.channels, shape.num_head
+    x = jnp.asarray(rng.normal(size=(b, n, c)), dtype)
+    mask = (
+        jnp.asarray(rng.random((b, 1, 1, n)) > 0.1)
+        if shape.mask == "key"
+        else jnp.ones((b, 1, 1, n), bool)
+    )
+    bias = jnp.asarray(rng.normal(size=(h, n, n)), dtype) if shape.nonbatched_bias else None
+    return x, mask, bias
+
+
+def _forward_fns(shape: Shape, implementations: Iterable[str]) -> dict[str, hk.Transformed]:
+    h = shape.num_head
+    fns = {}
+    for name in implementations:
+
+        def ours(x, mask, bias, name=name):
+            global_config = dict(zero_init=False, attention_implementation=name)
+            return modules.Attention(dict(num_head=h), global_config, shape.channels)(
+                x, x, mask, bias
+            )
+
+        fns[name] = hk.without_apply_rng(hk.transform(ours))
+    fns[AF2] = hk.without_apply_rng(
+        hk.transform(
+            lambda x, mask, bias: baseline.AF2Attention(h, shape.channels, zero_init=False)(
+                x, x, mask, bias
+            )
+        )
+    )
+    return fns
+
+
+def _timed_fn(transformed: hk.Transformed, mode: str) -> Callable:
+    if mode == "forward":
+        return transformed.apply
+
+    def loss(params, x, mask, bias):
+        return jnp.sum(transformed.apply(params, x, mask, bias).astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1))
+
+
+def _roofline(flops: int, dtype, mode: str):
+    """A square matmul with the cell's FLOPs (3x for forward+backward), and its arguments."""
+    n = max(8, round((flops * (3 if mode == "forward_backward" else 1) / 2) ** (1 / 3)))
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.normal(size=(n, n)), dtype)
+    return (lambda a, b: a @ b), (a, a), 2 * n**3
+
+
+def _time(fn: Callable, args: tuple, steps: int) -> float:
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _temp_bytes(fn: Callable, args: tuple) -> int | None:
+    stats = fn.lower(*args).compile().memory_analysis()
+    return None if stats is None else int(stats.temp_size_in_bytes)
+
+
+def run_cell(
+    shape: Shape,
+    dtype: str,
+    mode: str,
+    implementations: list[str],
+    rounds: int,
+    steps: int,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """Times every variant of one shape x dtype x mode in interleaved rounds; one row per variant."""
+    x, mask, bias = _inputs(shape, jnp.dtype(dtype))
+    fns = _forward_fns(shape, implementations)
+    params = jax.jit(fns[AF2].init)(jax.random.PRNGKey(0), x, mask, bias)
+    params = jax.tree.map(lambda p: (p + 0.1).astype(dtype), params)  # a gate that varies
+    variants = {
+        name: (jax.jit(_timed_fn(fn, mode)), (params, x, mask, bias)) for name, fn in fns.items()
+    }
+    flops = shape.flops() * (3 if mode == "forward_backward" else 1)
+    mm, mm_args, mm_flops = _roofline(shape.flops(), jnp.dtype(dtype), mode)
+    variants[ROOFLINE] = (jax.jit(mm), mm_args)
+    compile_s, temp = {}, {}
+    for name, (fn, args) in variants.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        compile_s[name] = time.perf_counter() - start
+        temp[name] = _temp_bytes(fn, args)
+    per_round = {name: [] for name in variants}
+    for r in range(rounds):
+        for name, (fn, args) in variants.items():
+            per_round[name].append(_time(fn, args, steps))
+        log(f"  {shape.name} {dtype} {mode}: round {r + 1}/{rounds} done")
+    med = {name: statistics.median(ts) for name, ts in per_round.items()}
+    roofline_gflops = mm_flops / med[ROOFLINE] / 1e9
+    rows = []
+    for name in variants:
+        cell_flops = mm_flops if name == ROOFLINE else flops
+        gflops = cell_flops / med[name] / 1e9
+        rows.append(
+            dict(
+                shape=shape.name,
+                dtype=dtype,
+                mode=mode,
+                variant=name,
+                time_ms=med[name] * 1e3,
+                ratio_to_af2=med[name] / med[AF2],
+                gflops_per_s=gflops,
+                percent_of_roofline=100 * gflops / roofline_gflops,
+                compile_s=compile_s[name],
+                temp_bytes=temp[name],
+                rounds_ms=[t * 1e3 for t in per_round[name]],
+                batch=shape.batch,
+                length=shape.length,
+                channels=shape.channels,
+                num_head=shape.num_head,
+            )
+        )
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryCase:
+    """An op-level memory check: self-attention or a batched (triangle) problem, compiled only.
+
+    Attributes:
+      name: label.
+      batch, num_head, length, head_dim: head-major sizes [batch, num_head, length, head_dim].
+      shared_bias: add a [1, num_head, length, length] bias shared over the batch (gradient included).
+      forward_goal_mib, backward_goal_mib: the goals for XLA's temp bytes.
+    """
+
+    name: str
+    batch: int
+    num_head: int
+    length: int
+    head_dim: int
+    shared_bias: bool
+    forward_goal_mib: float
+    backward_goal_mib: float
+
+
+def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -> dict[str, Any]:
+    """XLA temp bytes of the op, forward and forward+backward (grads for q, k, v and the bias)."""
+    b, n, t, h = case.batch, case.num_head, case.length, case.head_dim
+    spec = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+    qkv = spec((b, n, t, h))
+    bias = spec((1, n, t, t)) if case.shared_bias else None
+    mask = spec((b, 1, 1, t), bool)
+
+    def fwd(q, k, v, bias, mask):
+        return attention.dot_product_attention(
+            q, k, v, bias, mask, implementation=implementation, layout="BNTH"
+        )
+
+    def fwd_bwd(q, k, v, bias, mask):
+        out, vjp = jax.vjp(lambda q, k, v, bias: fwd(q, k, v, bias, mask), q, k, v, bias)
+        return vjp(out)
+
+    result = dict(
+        case=case.name,
+        implementation=implementation,
+        dtype=dtype,
+        forward_goal_mib=case.forward_goal_mib,
+        backward_goal_mib=case.backward_goal_mib,
+    )
+    for key, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
+        temp = _temp_bytes(jax.jit(fn), (qkv, qkv, qkv, bias, mask))
+        result[f"{key}_temp_mib"] = None if temp is None else temp / 2**20
+    result["meets_goals"] = (
+        result["forward_temp_mib"] is not None
+        and result["forward_temp_mib"] <= case.forward_goal_mib
+        and result["forward_backward_temp_mib"] <= case.backward_goal_mib
+    )
+    return result
+
+
+def markdown(rows: list[dict[str, Any]], memory_rows: list[dict[str, Any]]) -> str:
+    """The results as Markdown tables."""
+    lines = [
+        "| shape | dtype | mode | variant | time (ms) | / AF2 | GFLOP/s | % roofline | XLA temp (MiB) |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        temp = "" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"
+        lines.append(
+            f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['variant']} | {r['time_ms']:.2f} | "
+            f"{r['ratio_to_af2']:.3f} | {r['gflops_per_s']:.1f} | {r['percent_of_roofline']:.0f} | {temp} |"
+        )
+    if memory_rows:
+        lines += [
+            "",
+            "| op memory case | implementation | fwd temp (MiB) | goal | fwd+bwd temp (MiB) | goal | met |",
+            "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for m in memory_rows:
+            lines.append(
+                f"| {m['case']} | {m['implementation']} | {m['forward_temp_mib']:.1f} | "
+                f"{m['forward_goal_mib']:.0f} | {m['forward_backward_temp_mib']:.1f} | "
+                f"{m['backward_goal_mib']:.0f} | {'yes' if m['meets_goals'] else 'no'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], sweep_prefix: str, path: str) -> None:
+    """Time and XLA temp memory against sequence length for the sweep shapes (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = [r for r in rows if r["shape"].startswith(sweep_prefix) and r["variant"] != ROOFLINE]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in sorted({(r["variant"], r["dtype"], r["mode"]) for r in sweep}):
+        pts = sorted(
+            (r["length"], r["time_ms"], (r["temp_bytes"] or 0) / 2**20)
+            for r in sweep
+            if (r["variant"], r["dtype"], r["mode"]) == key
+        )
+        label = " ".join(key)
+        ax_t.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        ax_m.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
+    for ax, ylabel in ((ax_t, "time (ms)"), (ax_m, "XLA temp memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=7)
+    fig.suptitle("Attention vs AlphaFold 2's formulation (self-attention, 1 sequence)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def memory_goal_cases() -> list[MemoryCase]:
+    """The memory goals of issue 3 (op-level, XLA temp bytes)."""
+    return [
+        MemoryCase("self-attention 16384 tokens, 8x32, key mask", 1, 8, 16384, 32, False, 256, 512),
+        MemoryCase("triangle 1024x1024, 4x32, shared bias", 1024, 4, 1024, 32, True, 512, 1024),
+    ]
