@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from gated_attention import cudnn, xla
+from gated_attention import chunked, cudnn, xla
 
 LAYOUTS = ("BTNH", "BNTH")
 
@@ -67,10 +67,14 @@ class Implementation:
       fn: fn(query, key, value, bias, mask, *, scale, options) in the head-major layout.
       supports: fn(query, key, value, bias, mask) -> None if the implementation can take these
         inputs on the current backend, else a string saying why not.
+      bias_tuple: fn takes several biases as a tuple and adds them itself, so that biases with
+        different broadcast shapes are never summed into one materialized array; otherwise they
+        are summed before the call.
     """
 
     fn: Callable[..., jax.Array]
     supports: Callable[..., str | None]
+    bias_tuple: bool = False
 
 
 def _always(*args) -> None:
@@ -78,8 +82,23 @@ def _always(*args) -> None:
     return None
 
 
+def _chunked(query, key, value, bias, mask, *, scale, options):
+    return chunked.chunked_attention(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        query_chunk_size=options.query_chunk_size,
+        key_chunk_size=options.key_chunk_size,
+        memory_budget_bytes=options.memory_budget_bytes,
+    )
+
+
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    "xla": Implementation(xla.attend, _always),
+    "xla": Implementation(xla.attend, _always, bias_tuple=True),
+    "chunked": Implementation(_chunked, _always),
     "cudnn": Implementation(cudnn.attend, cudnn.supports),
 }
 
@@ -188,7 +207,9 @@ def _check_dtype(name: str, x, kind: str) -> None:
 
 def _check_broadcastable(name: str, x, target: tuple[int, ...], target_desc: str) -> None:
     shape = tuple(x.shape)
-    if len(shape) != len(target) or any(d not in (1, t) for d, t in zip(shape, target, strict=True)):
+    if len(shape) != len(target) or any(
+        d not in (1, t) for d, t in zip(shape, target, strict=True)
+    ):
         raise ValueError(
             f"{name} of shape {shape} must have rank {len(target)} and broadcast to {target_desc} "
             f"= {target} (each dimension 1 or equal)"
@@ -238,19 +259,23 @@ def _flatten_batch(x, batch_dims: tuple[int, ...]):
     return x.reshape((-1, *x.shape[-3:]))
 
 
-def _combine_bias(bias, target, target_desc):
+def _check_biases(bias, target, target_desc) -> tuple:
+    """bias (None, an array or a sequence of arrays) -> a tuple of validated arrays."""
     if bias is None:
-        return None
-    biases = list(bias) if isinstance(bias, (list, tuple)) else [bias]
+        return ()
+    biases = tuple(bias) if isinstance(bias, (list, tuple)) else (bias,)
     for i, b in enumerate(biases):
         name = "bias" if len(biases) == 1 else f"bias[{i}]"
         _check_dtype(name, b, "float")
         _check_broadcastable(name, b, target, target_desc)
+    return biases
+
+
+def _sum(biases: tuple):
+    """One bias from several: their broadcast sum (materialized at the broadcast shape)."""
     total = biases[0]
     for b in biases[1:]:
-        total = (
-            total + b
-        )  # broadcast within each dimension's {1, full}; fused by XLA into the logits
+        total = total + b
     return total
 
 
@@ -304,17 +329,24 @@ def dot_product_attention(
     batch_dims = tuple(query.shape[:-3])
     target = (*batch_dims, query.shape[-3], query.shape[-2], key.shape[-2])
     target_desc = "[..., N, T, S]"
-    bias = _combine_bias(bias, target, target_desc)
+    biases = _check_biases(bias, target, target_desc)
     if mask is not None:
         _check_dtype("mask", mask, "bool")
         _check_broadcastable("mask", mask, target, target_desc)
     if scale is None:
         scale = query.shape[-1] ** -0.5
     q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))
-    b = None if bias is None else _flatten_batch(bias, batch_dims)
+    biases = tuple(_flatten_batch(b, batch_dims) for b in biases)
     m = None if mask is None else _flatten_batch(mask, batch_dims)
-    chosen = _resolve(implementation, q, k, v, b, m, options)
-    out = IMPLEMENTATIONS[chosen].fn(q, k, v, b, m, scale=scale, options=options)
+    chosen = _resolve(implementation, q, k, v, biases[0] if biases else None, m, options)
+    impl = IMPLEMENTATIONS[chosen]
+    if not biases:
+        b = None
+    elif impl.bias_tuple:
+        b = biases
+    else:
+        b = _sum(biases)  # one materialized bias for implementations that take one
+    out = impl.fn(q, k, v, b, m, scale=scale, options=options)
     out = out.reshape((*batch_dims, *out.shape[1:]))  # [..., N, T, Hv]
     return jnp.swapaxes(out, -3, -2) if layout == "BTNH" else out
 

@@ -16,8 +16,6 @@ only): [64, 8, 256, 256] logits 327 ms dense vs 141-157 ms in tiles of 1-4 rows;
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -43,8 +41,9 @@ def attend(query, key, value, bias=None, mask=None, *, scale: float, options=Non
     rows = max(1, TILE_BYTES // (4 * heads * q_len * key.shape[2]))
     if rows >= batch:
         return dense(query, key, value, bias, mask, scale=scale)
-    fn = functools.partial(dense, scale=scale)
-    return mapping.subbatch(fn, [query, key, value, bias, mask], subbatch_size=rows)
+    biases = () if bias is None else tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
+    fn = lambda q, k, v, mask, *biases: dense(q, k, v, biases or None, mask, scale=scale)
+    return mapping.subbatch(fn, [query, key, value, mask, *biases], subbatch_size=rows)
 
 
 def dense(query, key, value, bias=None, mask=None, *, scale: float, options=None) -> jax.Array:
@@ -54,7 +53,8 @@ def dense(query, key, value, bias=None, mask=None, *, scale: float, options=None
       query: [B, N, T, H].
       key: [B, N, S, H].
       value: [B, N, S, Hv].
-      bias: None or a float array broadcastable (dims 1 or equal) to [B, N, T, S].
+      bias: None, or a float array or a tuple of float arrays (added), each broadcastable (dims 1 or
+        equal) to [B, N, T, S].
       mask: None or a bool array broadcastable to [B, N, T, S]; False entries are masked out.
       scale: multiplies the logits.
       options: unused here (the dense implementation has nothing to tune).
@@ -66,12 +66,16 @@ def dense(query, key, value, bias=None, mask=None, *, scale: float, options=None
     acc = accumulation_dtype(query.dtype)
     logits = jnp.einsum("bnqh,bnkh->bnqk", query, key, preferred_element_type=acc)  # [B, N, T, S]
     logits = logits * jnp.asarray(scale, acc)
-    if bias is not None:
-        logits = logits + bias.astype(acc)
+    for b in () if bias is None else bias if isinstance(bias, (tuple, list)) else (bias,):
+        logits = logits + b.astype(acc)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.asarray(MASK_VALUE, acc))
-    weights = jax.nn.softmax(logits, axis=-1)
+    # Softmax with the normalization deferred past the second matmul: dividing [.., T, Hv] instead
+    # of [.., T, S] saved ~20% at MSA-row shapes. The shift is a constant per row (no gradient).
+    shift = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # [B, N, T, 1]
+    unnormalized = jnp.exp(logits - shift)  # [B, N, T, S]
     out = jnp.einsum(
-        "bnqk,bnkh->bnqh", weights.astype(value.dtype), value, preferred_element_type=acc
+        "bnqk,bnkh->bnqh", unnormalized.astype(value.dtype), value, preferred_element_type=acc
     )  # [B, N, T, Hv]
+    out = out / jnp.sum(unnormalized, axis=-1, keepdims=True)
     return out.astype(query.dtype)
