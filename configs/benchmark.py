@@ -2,6 +2,7 @@
 
   python scripts/benchmark.py                                   # everything below (~15 min on 2 cores)
   python scripts/benchmark.py --config=configs/benchmark.py:quick   # goal shapes, float32 forward only
+  python scripts/benchmark.py --config=configs/benchmark.py:smoke   # seconds: checks the script runs
   python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
 
 Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask).
@@ -20,9 +21,19 @@ GOAL_SHAPES = (
 SWEEP_LENGTHS = (512, 1024, 2048, 4096)  # self-attention 1 x L, c=256, 8 heads of 32: the plot
 
 
+PRESETS = ("full", "quick", "smoke")
+
+
 def get_config(preset="full"):
-    if preset not in ("full", "quick"):
-        raise ValueError(f"configs/benchmark.py preset must be 'full' or 'quick', got {preset!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"configs/benchmark.py preset must be one of {PRESETS}, got {preset!r}")
+    if preset == "smoke":  # seconds: tiny shapes, for the tests of the script itself
+        cfg = get_config("full")
+        cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
+        cfg.sweep_lengths = (32, 64)
+        cfg.dtypes = ("float32",)
+        cfg.rounds, cfg.steps, cfg.memory_cases = 1, 1, False
+        return cfg
     cfg = ml_collections.ConfigDict()
     cfg.shapes = GOAL_SHAPES
     cfg.sweep_lengths = SWEEP_LENGTHS if preset == "full" else ()

@@ -36,8 +36,12 @@ class AF2Attention(hk.Module):
         )
         self.key_dim, self.value_dim = key_dim, value_dim
 
-    def __call__(self, q_data, m_data, mask, nonbatched_bias=None, bias=None):
-        """q_data [b, q, a], m_data [b, k, m], mask bool [b, 1|h, 1|q, k] -> [b, q, o]."""
+    def __call__(self, q_data, m_data, mask=None, nonbatched_bias=None, bias=None):
+        """q_data [b, q, a], m_data [b, k, m] -> [b, q, o].
+
+        mask: bool [b, 1|h, 1|q, k] (AF2 since 2023) or None; bias: additive [b, 1|h, 1|q, k]
+        (AF2 before 2023 and ColabFold pass the mask as bias = 1e9 * (mask - 1)) or None.
+        """
         h = self.num_head
         key_dim = (self.key_dim or q_data.shape[-1]) // h
         value_dim = (self.value_dim or m_data.shape[-1]) // h
@@ -54,7 +58,8 @@ class AF2Attention(hk.Module):
             logits += jnp.expand_dims(nonbatched_bias, axis=0)
         if bias is not None:
             logits += bias
-        logits = jnp.where(mask, logits, jnp.asarray(-1e9, logits.dtype))
+        if mask is not None:
+            logits = jnp.where(mask, logits, jnp.asarray(-1e9, logits.dtype))
         weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(logits.dtype)
         weighted_avg = jnp.einsum("bhqk,bkhc->bqhc", weights, v)  # [b, q, h, cv]
         if self.gating:

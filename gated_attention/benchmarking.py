@@ -80,13 +80,14 @@ def _forward_fns(shape: Shape, implementations: Iterable[str]) -> dict[str, hk.T
             )
 
         fns[name] = hk.without_apply_rng(hk.transform(ours))
-    fns[AF2] = hk.without_apply_rng(
-        hk.transform(
-            lambda x, mask, bias: baseline.AF2Attention(h, shape.channels, zero_init=False)(
-                x, x, mask, bias
-            )
+
+    def af2(x, mask, bias):  # AF2's formulation with the mask as an additive bias (as issue 3 asks)
+        mask_bias = 1e9 * (mask.astype(x.dtype) - 1.0)  # [b, 1, 1, k]
+        return baseline.AF2Attention(h, shape.channels, zero_init=False)(
+            x, x, None, bias, mask_bias
         )
-    )
+
+    fns[AF2] = hk.without_apply_rng(hk.transform(af2))
     return fns
 
 

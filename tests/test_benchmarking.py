@@ -1,0 +1,74 @@
+"""The benchmark's logic and script (no timing is asserted: speed lives in benchmark output)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from gated_attention import benchmarking
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_run_cell_rows_are_consistent():
+    shape = benchmarking.Shape("tiny", 2, 16, 8, 2, True, "key")
+    rows = benchmarking.run_cell(
+        shape,
+        "float32",
+        "forward_backward",
+        ["xla", "chunked"],
+        rounds=2,
+        steps=1,
+        log=lambda s: None,
+    )
+    by_variant = {r["variant"]: r for r in rows}
+    assert set(by_variant) == {"xla", "chunked", benchmarking.AF2, benchmarking.ROOFLINE}
+    assert by_variant[benchmarking.AF2]["ratio_to_af2"] == 1.0
+    assert by_variant[benchmarking.ROOFLINE]["percent_of_roofline"] == pytest.approx(100.0)
+    for r in rows:
+        assert r["time_ms"] > 0 and len(r["rounds_ms"]) == 2
+        assert r["ratio_to_af2"] == pytest.approx(
+            r["time_ms"] / by_variant[benchmarking.AF2]["time_ms"]
+        )
+    assert shape.flops() == 2 * 2 * 16 * 8 * 8 * 5 + 2 * 2 * 16 * 16 * 8 * 2
+
+
+def test_memory_case_reports_temp_bytes_against_goals():
+    case = benchmarking.MemoryCase(
+        "small", 1, 2, 2048, 16, True, forward_goal_mib=1.0, backward_goal_mib=2.0
+    )
+    chunked = benchmarking.memory_case(case, "chunked")
+    dense = benchmarking.memory_case(case, "xla")
+    assert chunked["forward_temp_mib"] < dense["forward_temp_mib"]
+    assert chunked["forward_backward_temp_mib"] < dense["forward_backward_temp_mib"]
+    table = benchmarking.markdown([], [chunked, dense])
+    assert "| small | chunked |" in table and "| small | xla |" in table
+
+
+def test_benchmark_script_smoke(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmark.py"),
+            f"--config={ROOT / 'configs' / 'benchmark.py'}:smoke",
+            f"--config.output_dir={tmp_path}",
+            "--config.implementations=('auto', 'xla')",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    shapes = {r["shape"] for r in results["cells"]}
+    assert shapes == {"tiny 2x32 c16 h2", "sweep 1x32 c256 h8", "sweep 1x64 c256 h8"}
+    assert (
+        "| tiny 2x32 c16 h2 | float32 | forward | auto |" in (tmp_path / "results.md").read_text()
+    )
+    assert "[1/6]" in result.stdout  # progress
