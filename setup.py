@@ -28,7 +28,8 @@ setup(
         "ml_collections>=0.1.1",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff==0.17.6"]  # pinned: format output changes between releases,
+        # ruff pinned: its format output changes between releases.
+        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff==0.17.6"],
         "bench": ["matplotlib>=3.7"],
     },
 )
