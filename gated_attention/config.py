@@ -159,6 +159,9 @@ class GlobalConfig:
 
 _MODULE_KEYS = tuple(f.name for f in dataclasses.fields(ModuleConfig))
 _GLOBAL_KEYS = tuple(f.name for f in dataclasses.fields(GlobalConfig))
+# Global keys whose None is a value, not "take the default": AF2's subbatch_size=None turns
+# subbatching off (the default, 4, is AF2's config value).
+_GLOBAL_KEYS_WHERE_NONE_MEANS_OFF = ("subbatch_size",)
 
 
 def module_config(config: Any) -> ModuleConfig:
@@ -191,7 +194,8 @@ def global_config(config: Any) -> GlobalConfig:
     """Validates a global config (ConfigDict, mapping or GlobalConfig).
 
     Keys we do not use (AF2's bfloat16, use_remat, multimer_mode, ...) are ignored; a key close to
-    one of ours (difflib ratio >= 0.85, e.g. 'zero_int') raises ValueError as a likely typo.
+    one of ours (difflib ratio >= 0.85, e.g. 'zero_int') raises ValueError as a likely typo. A key
+    set to None takes its default, except subbatch_size, where None turns subbatching off (AF2).
     """
     if isinstance(config, GlobalConfig):
         return config
@@ -201,7 +205,11 @@ def global_config(config: Any) -> GlobalConfig:
         if close:
             raise ValueError(f"global_config has unknown key {key!r}; did you mean {close[0]!r}?")
     return GlobalConfig(
-        **{k: values[k] for k in _GLOBAL_KEYS if k in values and values[k] is not None}
+        **{
+            k: values[k]
+            for k in _GLOBAL_KEYS
+            if k in values and (values[k] is not None or k in _GLOBAL_KEYS_WHERE_NONE_MEANS_OFF)
+        }
     )
 
 
@@ -225,7 +233,15 @@ def attention_options(
 # --------------------------------------------------------------------------------------------------
 # Experiment configs (configs/*.py, scripts/): the schema with every default.
 
-MODULES = ("attention", "global_attention")
+# AF2's attention family (gated_attention.alphafold), with the orientation AF2's config gives each
+# (TriangleAttention takes either: per_row = starting node, per_column = ending node).
+FAMILY_ORIENTATIONS = {
+    "msa_row_attention_with_pair_bias": ("per_row",),
+    "msa_column_attention": ("per_column",),
+    "msa_column_global_attention": ("per_column",),
+    "triangle_attention": ORIENTATIONS,
+}
+MODULES = ("attention", "global_attention", *FAMILY_ORIENTATIONS)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 MASKS = ("none", "key", "query_key")
 
@@ -264,6 +280,10 @@ def experiment_config() -> ml_collections.ConfigDict:
     cfg.global_config.memory_budget_mib = float(DEFAULT_MEMORY_BUDGET_MIB)
 
     # Input sizes: q_data [batch, num_queries, q_channels], m_data [batch, num_keys, m_channels].
+    # The AF2 family modules (self-attention, update of the input's shape) read only batch as
+    # N_seq, num_queries as N_res, q_channels as c_m (c_z for triangle_attention, whose input is
+    # [N_res, N_res, c_z] and which ignores batch) and pair_channels; their mask is AF2's float 0/1
+    # mask over positions ('key' and 'query_key' alike; 'none' = all ones).
     cfg.data = ml_collections.ConfigDict()
     cfg.data.batch = 4
     cfg.data.num_queries = 64
@@ -271,10 +291,13 @@ def experiment_config() -> ml_collections.ConfigDict:
     cfg.data.q_channels = 64
     cfg.data.m_channels = 64
     cfg.data.output_dim = 64
+    cfg.data.pair_channels = (
+        128  # c_z of pair_act, msa_row_attention_with_pair_bias only (AF2: 128)
+    )
     cfg.data.dtype = "float32"  # one of DTYPES
     cfg.data.mask = "key"  # one of MASKS: none, key [b, 1, 1, k], query_key [b, 1, q, k]
     cfg.data.masked_fraction = 0.1  # fraction of keys masked out at random
-    cfg.data.nonbatched_bias = True  # a [h, q, k] bias shared by the batch
+    cfg.data.nonbatched_bias = True  # a [h, q, k] bias shared by the batch (Attention only)
 
     cfg.run = ml_collections.ConfigDict()
     cfg.run.seed = 0
@@ -290,8 +313,22 @@ def check_experiment(cfg: ml_collections.ConfigDict) -> None:
     module_config(cfg.attention)
     global_config(cfg.global_config)
     data = cfg.data
-    for key in ("batch", "num_queries", "num_keys", "q_channels", "m_channels", "output_dim"):
+    for key in (
+        "batch",
+        "num_queries",
+        "num_keys",
+        "q_channels",
+        "m_channels",
+        "output_dim",
+        "pair_channels",
+    ):
         _check_int("config.data", key, data[key], 1, optional=False)
+    orientations = FAMILY_ORIENTATIONS.get(cfg.module, ORIENTATIONS)
+    if cfg.attention.orientation not in orientations:
+        raise ValueError(
+            f"config.attention.orientation must be one of {orientations} for module "
+            f"{cfg.module!r}, got {cfg.attention.orientation!r}"
+        )
     if data.dtype not in DTYPES:
         raise ValueError(f"config.data.dtype must be one of {DTYPES}, got {data.dtype!r}")
     if data.mask not in MASKS:

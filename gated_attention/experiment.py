@@ -18,8 +18,17 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from gated_attention import attention, modules
+from gated_attention import alphafold, attention, modules
 from gated_attention import config as config_lib
+from gated_attention import params as params_lib
+
+# cfg.module -> AF2 family module class.
+FAMILY = {
+    "msa_row_attention_with_pair_bias": alphafold.MSARowAttentionWithPairBias,
+    "msa_column_attention": alphafold.MSAColumnAttention,
+    "msa_column_global_attention": alphafold.MSAColumnGlobalAttention,
+    "triangle_attention": alphafold.TriangleAttention,
+}
 
 
 @dataclasses.dataclass
@@ -52,9 +61,76 @@ def _inputs(cfg: ml_collections.ConfigDict):
     return q_data, m_data, mask, nonbatched
 
 
+def module_name(cfg: ml_collections.ConfigDict) -> str:
+    """The Haiku name `build` gives cfg.module's module: AF2's, as its checkpoints spell it.
+
+    triangle_attention is named as in AF2's Evoformer block: triangle_attention_starting_node
+    (per_row) or triangle_attention_ending_node (per_column).
+    """
+    if cfg.module in ("attention", "global_attention"):
+        return "attention"
+    if cfg.module == "triangle_attention":
+        node = "starting" if cfg.attention.orientation == "per_row" else "ending"
+        return f"triangle_attention_{node}_node"
+    return cfg.module
+
+
+def _family_inputs(cfg: ml_collections.ConfigDict):
+    """AF2-style inputs: activations [N_seq|N_res, N_res, c], float 0/1 mask, and pair_act (row)."""
+    data = cfg.data
+    dtype = jnp.dtype(data.dtype)
+    rng = np.random.default_rng(cfg.run.seed)
+    r = data.num_queries
+    rows = r if cfg.module == "triangle_attention" else data.batch
+    act = jnp.asarray(rng.normal(size=(rows, r, data.q_channels)), dtype)
+    keep = rng.random((rows, r)) >= (0.0 if data.mask == "none" else data.masked_fraction)
+    inputs = [act, jnp.asarray(keep, dtype)]
+    if cfg.module == "msa_row_attention_with_pair_bias":
+        inputs.append(jnp.asarray(rng.normal(size=(r, r, data.pair_channels)), dtype))
+    return tuple(inputs)
+
+
+def _family_flops(cfg: ml_collections.ConfigDict, inputs) -> int:
+    """Matmul FLOPs of a family module: projections, gate, output, attention and pair bias."""
+    module_cfg = config_lib.module_config(cfg.attention)
+    rows, r, c = inputs[0].shape
+    h, positions = module_cfg.num_head, rows * r
+    key_dim, value_dim = module_cfg.key_dim or c, module_cfg.value_dim or c
+    # Attention runs over batch b of length-n sequences: rows for per_row, columns for per_column.
+    b, n = (rows, r) if module_cfg.orientation == "per_row" else (r, rows)
+    gate = value_dim if module_cfg.gating else 0
+    if cfg.module == "msa_column_global_attention":
+        kv = 2 * positions * c * (key_dim + value_dim) // h  # one shared key/value head
+        core = 2 * b * (c * key_dim + n * (key_dim + value_dim))  # averaged query, per column
+        return kv + core + 2 * positions * (c * gate + value_dim * c)
+    proj = 2 * positions * c * (2 * key_dim + value_dim + gate) + 2 * positions * value_dim * c
+    core = 2 * b * n * n * (key_dim + value_dim)
+    bias_channels = {
+        "msa_row_attention_with_pair_bias": cfg.data.pair_channels,
+        "triangle_attention": c,
+    }.get(cfg.module, 0)
+    return proj + core + 2 * r * r * bias_channels * h  # + the [h, r, r] pair bias
+
+
+def _build_family(cfg: ml_collections.ConfigDict) -> Problem:
+    module_cls, name = FAMILY[cfg.module], module_name(cfg)
+
+    def fn(*inputs):
+        return module_cls(cfg.attention, cfg.global_config, name=name)(*inputs)
+
+    inputs = _family_inputs(cfg)
+    return Problem(hk.transform(fn), inputs, _family_flops(cfg, inputs))
+
+
 def build(cfg: ml_collections.ConfigDict) -> Problem:
-    """The module named by cfg.module, hk.transform'ed, with random inputs of cfg.data's sizes."""
+    """The module named by cfg.module, hk.transform'ed, with random inputs of cfg.data's sizes.
+
+    Family modules are named by `module_name` and run in inference mode (is_training=False), so
+    global_config.subbatch_size applies.
+    """
     config_lib.check_experiment(cfg)
+    if cfg.module in FAMILY:
+        return _build_family(cfg)
     q_data, m_data, mask, nonbatched = _inputs(cfg)
     data, module_cfg = cfg.data, config_lib.module_config(cfg.attention)
     h = module_cfg.num_head
@@ -84,6 +160,41 @@ def build(cfg: ml_collections.ConfigDict) -> Problem:
         inputs = (q_data, m_data, q_mask)
         core = 2 * b * k * (key_dim + value_dim)
     return Problem(hk.transform(fn), inputs, proj + out + core)
+
+
+def load_params(
+    cfg: ml_collections.ConfigDict,
+    path_or_file: params_lib.PathOrFile,
+    *,
+    prefix: str | None = None,
+    layer: int | None = None,
+) -> dict[str, dict[str, jax.Array]]:
+    """Params for cfg's module from an AF2 .npz checkpoint, checked and cast to the module's dtypes.
+
+    Loads with params.load_af2_params(prefix=..., layer=...), keeps the scopes of the module named
+    `module_name(cfg)` (the scope itself and those under it), and checks them against the module's
+    own params (jax.eval_shape of its init) with params.check_params.
+
+    Example: AF2 model_1's third Evoformer block, MSA row attention:
+      load_params(cfg, 'params_model_1.npz', layer=2,
+                  prefix='alphafold/alphafold_iteration/evoformer/evoformer_iteration')
+
+    Raises:
+      ValueError: no scope of that name under the prefix, or missing, unexpected or mis-shaped params
+        (every one listed); and load_af2_params' errors.
+    """
+    problem = build(cfg)
+    expected = jax.eval_shape(problem.forward.init, jax.random.PRNGKey(0), *problem.inputs)
+    loaded = params_lib.load_af2_params(path_or_file, prefix=prefix, layer=layer)
+    name = module_name(cfg)
+    selected = {k: v for k, v in loaded.items() if k == name or k.startswith(name + "/")}
+    if not selected:
+        raise ValueError(
+            f"no params of module {name!r} (scope {name!r} or {name + '/...'!r}) under prefix "
+            f"{prefix!r}; scopes found: {sorted(loaded)[:10]}"
+        )
+    params_lib.check_params(selected, expected)
+    return jax.tree.map(lambda p, e: jnp.asarray(p, e.dtype), selected, expected)
 
 
 def time_jitted(fn: Callable, args: tuple, steps: int, warmup: int) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 Einsum letters (AlphaFold 2's): b batch, q query positions, k key positions, h heads, c per-head
 channel, a query input channels, m key/value input channels, o output channels; '...' extra leading
-batch axes. Projections are written head-major ('...hqc'), the layout the op runs fastest in.
+batch axes. Projections are written '...qhc' (a plain matmul on CPU; '...hqc' costs 3-4x) and the op
+transposes to head-major inside, where its tiles stay small.
 
 Parameter names, shapes and initializers are AlphaFold 2's (DESIGN.md), so AF2 params apply unchanged.
 The module owns parameters, gate and output projection and calls the op once; it never branches on the
@@ -11,13 +12,14 @@ implementation, which comes from the configs.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gated_attention import attention
+from gated_attention import attention, mapping
 from gated_attention import config as config_lib
 
 
@@ -128,7 +130,16 @@ class Attention(hk.Module):
         _check_output_dim(output_dim)
         self.output_dim = output_dim
 
-    def __call__(self, q_data, m_data, mask=None, nonbatched_bias=None, *, bias=None) -> jax.Array:
+    def __call__(
+        self,
+        q_data,
+        m_data,
+        mask=None,
+        nonbatched_bias=None,
+        *,
+        bias=None,
+        subbatch_size: int | str | None = None,
+    ) -> jax.Array:
         """Attends from q_data to m_data.
 
         Args:
@@ -138,11 +149,15 @@ class Attention(hk.Module):
             [..., b, q, k] mask applied to every head. False = masked out.
           nonbatched_bias: None, [h, q, k] or [q, k]; shared by the batch, never broadcast to it.
           bias: None or an additive float bias broadcastable like mask (AF2 before 2023, ColabFold).
+          subbatch_size: inference subbatching of the (parameter-free) attention op over the
+            leading batch axis: None (off), an int >= 1, or 'auto' (the largest subbatch whose dense
+            logits fit the memory budget). Projections and results are unchanged.
 
         Returns:
           [..., b, q, output_dim] in q_data's dtype.
         """
         _check_data(q_data, m_data)
+        _check_subbatch_size(subbatch_size)
         cfg = self.config
         batch, (q_len, a), (k_len, m) = q_data.shape[:-2], q_data.shape[-2:], m_data.shape[-2:]
         h = cfg.num_head
@@ -160,22 +175,22 @@ class Attention(hk.Module):
         query_w = hk.get_parameter("query_w", (a, h, key_dim), dtype, init=glorot)
         key_w = hk.get_parameter("key_w", (m, h, key_dim), dtype, init=glorot)
         value_w = hk.get_parameter("value_w", (m, h, value_dim), dtype, init=glorot)
-        q = jnp.einsum("...qa,ahc->...hqc", q_data, query_w)  # [..., b, h, q, c]
-        k = jnp.einsum("...ka,ahc->...hkc", m_data, key_w)  # [..., b, h, k, c]
-        v = jnp.einsum("...ka,ahc->...hkc", m_data, value_w)  # [..., b, h, k, cv]
+        q = jnp.einsum("...qa,ahc->...qhc", q_data, query_w)  # [..., b, q, h, c]
+        k = jnp.einsum("...ka,ahc->...khc", m_data, key_w)  # [..., b, k, h, c]
+        v = jnp.einsum("...ka,ahc->...khc", m_data, value_w)  # [..., b, k, h, cv]
 
         implementation, options = config_lib.attention_options(cfg, self.global_config)
-        weighted_avg = attention.dot_product_attention(
+        weighted_avg = _attend(
             q,
             k,
             v,
-            biases or None,
+            biases,
             mask,
             scale=key_dim**-0.5,
             implementation=implementation,
-            layout="BNTH",
             options=options,
-        )  # [..., b, h, q, cv]
+            subbatch_size=subbatch_size,
+        )  # [..., b, q, h, cv]
 
         if cfg.gating:
             weighted_avg = weighted_avg * _gate(q_data, h, value_dim)
@@ -184,26 +199,65 @@ class Attention(hk.Module):
         )
 
 
+def _check_subbatch_size(subbatch_size: Any) -> None:
+    ok = subbatch_size is None or subbatch_size == "auto"
+    ok = ok or (isinstance(subbatch_size, int) and not isinstance(subbatch_size, bool))
+    if not ok or (isinstance(subbatch_size, int) and subbatch_size < 1):
+        raise ValueError(
+            f"subbatch_size must be None, 'auto' or an int >= 1, got {subbatch_size!r}"
+        )
+
+
+def _attend(q, k, v, biases, mask, *, subbatch_size, options, **op_kwargs):
+    """The attention op on q [B, ..., T, N, H], k [B, ..., S, N, H], v [B, ..., S, N, Hv].
+
+    With a subbatch_size, the op (and only the op: it has no parameters) runs on pieces of the
+    leading axis B via mapping.subbatch; masks and biases of size 1 there are passed whole.
+    'auto' takes the largest piece whose dense float32 logits and softmax weights,
+    2 * 4 * N * T * S bytes per row (times any further batch axes), fit options.memory_budget_bytes.
+
+    Returns:
+      [B, ..., T, N, Hv].
+    """
+
+    def op(q, k, v, mask, *biases):
+        return attention.dot_product_attention(
+            q, k, v, list(biases) or None, mask, layout="BTNH", options=options, **op_kwargs
+        )
+
+    args = [q, k, v, mask, *biases]
+    if subbatch_size is None:
+        return op(*args)
+    if subbatch_size == "auto":
+        # q [B, ..., T, N, H] and k [B, ..., S, N, H]: N * T * S logits per row (and further axes).
+        bytes_per_row = 2 * 4 * math.prod(q.shape[1:-1]) * k.shape[-3]
+        subbatch_size = mapping.subbatch_size_for_budget(
+            q.shape[0], bytes_per_row, options.memory_budget_bytes
+        )
+    batched = [True, True, True] + [x is not None and x.shape[0] != 1 for x in args[3:]]
+    return mapping.subbatch(op, args, subbatch_size=subbatch_size, batched=batched)
+
+
 def _gate(q_data, num_head, value_dim):
-    """sigmoid(q_data . gating_w + gating_b) head-major [..., b, h, q, cv]; gating_w [a, h, cv] zeros,
-    gating_b [h, cv] ones (AF2)."""
+    """sigmoid(q_data . gating_w + gating_b) [..., b, q, h, cv]; gating_w [a, h, cv] zeros, gating_b
+    [h, cv] ones (AF2)."""
     a, dtype = q_data.shape[-1], q_data.dtype
     shape = (a, num_head, value_dim)
     gating_w = hk.get_parameter("gating_w", shape, dtype, init=hk.initializers.Constant(0.0))
     gating_b = hk.get_parameter("gating_b", shape[1:], dtype, init=hk.initializers.Constant(1.0))
-    gate = jnp.einsum("...qa,ahc->...hqc", q_data, gating_w)  # [..., b, h, q, cv]
-    return jax.nn.sigmoid(gate + gating_b[:, None, :])
+    gate = jnp.einsum("...qa,ahc->...qhc", q_data, gating_w)  # [..., b, q, h, cv]
+    return jax.nn.sigmoid(gate + gating_b)
 
 
 def _output_projection(weighted_avg, output_dim, zero_init, dtype):
-    """output_w [h, cv, o], output_b [o]; '...hqc,hco->...qo'."""
-    h, cv = weighted_avg.shape[-3], weighted_avg.shape[-1]
+    """output_w [h, cv, o], output_b [o]; '...qhc,hco->...qo'."""
+    h, cv = weighted_avg.shape[-2], weighted_avg.shape[-1]
     init = hk.initializers.Constant(0.0) if zero_init else _glorot_uniform()
     output_w = hk.get_parameter("output_w", (h, cv, output_dim), dtype, init=init)
     output_b = hk.get_parameter(
         "output_b", (output_dim,), dtype, init=hk.initializers.Constant(0.0)
     )
-    return jnp.einsum("...hqc,hco->...qo", weighted_avg, output_w) + output_b  # [..., b, q, o]
+    return jnp.einsum("...qhc,hco->...qo", weighted_avg, output_w) + output_b  # [..., b, q, o]
 
 
 class GlobalAttention(hk.Module):
@@ -221,18 +275,22 @@ class GlobalAttention(hk.Module):
         _check_output_dim(output_dim)
         self.output_dim = output_dim
 
-    def __call__(self, q_data, m_data, q_mask) -> jax.Array:
+    def __call__(
+        self, q_data, m_data, q_mask, *, subbatch_size: int | str | None = None
+    ) -> jax.Array:
         """Global attention from the masked mean of q_data to m_data.
 
         Args:
           q_data: [..., b, q, a].
           m_data: [..., b, k, m] with k == q (the positions q_mask also masks as keys).
           q_mask: [..., b, q, 1] (or [..., b, q]), bool or float 0/1 as AF2 passes it.
+          subbatch_size: inference subbatching of the attention op, as for Attention.
 
         Returns:
           [..., b, q, output_dim] in q_data's dtype.
         """
         _check_data(q_data, m_data)
+        _check_subbatch_size(subbatch_size)
         cfg = self.config
         batch, (q_len, a), (k_len, m) = q_data.shape[:-2], q_data.shape[-2:], m_data.shape[-2:]
         if k_len != q_len:
@@ -253,30 +311,30 @@ class GlobalAttention(hk.Module):
         q_avg = jnp.sum(weights * q_data, axis=-2) / (
             jnp.sum(weights, axis=-2) + 1e-10
         )  # [..., b, a]
-        q = jnp.einsum("...a,ahc->...hc", q_avg, query_w)[..., None, :, :]  # [..., b, 1, h, c]
-        k = jnp.einsum("...ka,ac->...kc", m_data, key_w)[..., None, :, :]  # [..., b, 1, k, c]
-        v = jnp.einsum("...ka,ac->...kc", m_data, value_w)[..., None, :, :]  # [..., b, 1, k, cv]
+        q = jnp.einsum("...a,ahc->...hc", q_avg, query_w)[..., :, None, :]  # [..., b, h, 1, c]
+        k = jnp.einsum("...ka,ac->...kc", m_data, key_w)[..., :, None, :]  # [..., b, k, 1, c]
+        v = jnp.einsum("...ka,ac->...kc", m_data, value_w)[..., :, None, :]  # [..., b, k, 1, cv]
         key_mask = jnp.swapaxes(q_mask.astype(bool), -1, -2)[..., None, :, :]  # [..., b, 1, 1, k]
         implementation, options = config_lib.attention_options(cfg, self.global_config)
-        # The h heads attend as h query positions of a single head (one shared key/value head).
-        avg = attention.dot_product_attention(
+        # The h heads attend as h query positions of one head (the shared key/value head).
+        avg = _attend(
             q,
             k,
             v,
-            None,
+            [],
             key_mask,
             scale=key_dim**-0.5,
             implementation=implementation,
-            layout="BNTH",
             options=options,
-        )[..., 0, :, :]  # [..., b, h, cv]
+            subbatch_size=subbatch_size,
+        )[..., :, 0, :]  # [..., b, h, cv]
 
         if cfg.gating:
-            gated = avg[..., :, None, :] * _gate(q_data, h, value_dim)  # [..., b, h, q, cv]
+            gated = avg[..., None, :, :] * _gate(q_data, h, value_dim)  # [..., b, q, h, cv]
             return _output_projection(gated, self.output_dim, self.global_config.zero_init, dtype)
         out = _output_projection(
-            avg[..., :, None, :], self.output_dim, self.global_config.zero_init, dtype
-        )
+            avg[..., None, :, :], self.output_dim, self.global_config.zero_init, dtype
+        )  # [..., b, 1, o]
         return jnp.broadcast_to(out, (*batch, q_len, self.output_dim))  # [..., b, q, o]
 
 

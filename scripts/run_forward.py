@@ -3,6 +3,13 @@ r"""Runs one jit-compiled forward pass of a config's module on random inputs and
   python scripts/run_forward.py                                   # configs/default.py on CPU
   python scripts/run_forward.py --config=configs/alphafold.py:msa_row --config.attention.num_head=4
   python scripts/run_forward.py --platform=gpu --output_json=/tmp/report.json
+  python scripts/run_forward.py --config=configs/evoformer.py:triangle_end --params=params_model_1.npz \
+      --params_prefix=alphafold/alphafold_iteration/evoformer/evoformer_iteration --layer=47
+
+With --params, the module's params come from an AlphaFold 2 .npz checkpoint instead of a random init:
+--params_prefix selects the parent scope of the module (AF2's name for it, e.g.
+msa_row_attention_with_pair_bias), --layer one block of stacked params; every missing, unexpected or
+mis-shaped param is reported.
 
 The report: devices, shapes, dtype, the implementation chosen, compile time, median and min step time,
 GFLOP/s, XLA's compiled memory analysis and an output checksum.
@@ -30,6 +37,18 @@ _PLATFORM = flags.DEFINE_enum(
 _OUTPUT_JSON = flags.DEFINE_string(
     "output_json", None, "Also write the report as JSON to this path."
 )
+_PARAMS = flags.DEFINE_string("params", None, "AlphaFold 2 .npz checkpoint to take params from.")
+_PARAMS_PREFIX = flags.DEFINE_string(
+    "params_prefix",
+    None,
+    "Scope prefix in --params under which the module's scope lies, e.g. "
+    "alphafold/alphafold_iteration/evoformer/evoformer_iteration.",
+)
+_LAYER = flags.DEFINE_integer(
+    "layer",
+    None,
+    "Index of the stacked layer to take from --params (e.g. 0..47 for the Evoformer).",
+)
 
 
 def main(argv):
@@ -43,7 +62,15 @@ def main(argv):
         jax.config.update("jax_enable_x64", True)
     from gated_attention import experiment
 
-    report = experiment.run_forward(_CONFIG.value)
+    params = None
+    if _PARAMS.value:
+        params = experiment.load_params(
+            _CONFIG.value, _PARAMS.value, prefix=_PARAMS_PREFIX.value, layer=_LAYER.value
+        )
+    elif _PARAMS_PREFIX.value is not None or _LAYER.value is not None:
+        raise app.UsageError("--params_prefix and --layer need --params")
+    report = experiment.run_forward(_CONFIG.value, params=params)
+    report["params"] = dict(path=_PARAMS.value, prefix=_PARAMS_PREFIX.value, layer=_LAYER.value)
     report["config"] = _CONFIG.value.to_dict()
     for key, value in report.items():
         if key != "config":

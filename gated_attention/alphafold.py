@@ -1,0 +1,438 @@
+"""AlphaFold 2's attention family (Jumper et al. 2021, Suppl. Alg. 7, 8, 13, 14 and 19) and dropout.
+
+Einsum letters (AlphaFold 2's): s MSA sequences, r residues, q/k query/key residues, h heads,
+c channels (c_m MSA, c_z pair); '...' extra leading batch axes.
+
+The modules take AlphaFold 2's constructor and call signatures, parameter names, shapes and
+initializers, so AF2 params apply unchanged and give the same outputs; like AF2's, they return the
+*update* (no residual add, no dropout), with the input's shape. The Evoformer adds it back through
+dropout; `dropout_wrapper` does that as AF2's Evoformer does:
+
+    update = MSARowAttentionWithPairBias(cfg, gcfg)(msa_act, msa_mask, pair_act, is_training)
+    msa_act = msa_act + dropout_update(cfg, gcfg, update, is_training)   # needs an 'rng' key
+
+Parameters (AF2 model_1: c_m 256, c_z 128, 8 MSA heads, 4 triangle heads):
+
+  msa_row_attention_with_pair_bias  query_norm/{scale,offset} [c_m], feat_2d_norm/{scale,offset}
+                                    [c_z], feat_2d_weights [c_z, h] ~ N(0, 1/c_z), attention/...
+  msa_column_attention              query_norm [c_m], attention/...
+  msa_column_global_attention       query_norm [c_m], attention/... (GlobalAttention's)
+  triangle_attention                query_norm [c_z], feat_2d_weights [c_z, h], attention/...
+  (AF2's Evoformer names the two triangle modules triangle_attention_starting_node / _ending_node.)
+
+LayerNorms are Haiku's LayerNorm(axis=-1, create_scale=True, create_offset=True) evaluated, as in AF2,
+in float32 for lower-precision inputs: their params are float32 then (AF2's bfloat16 mode), while
+feat_2d_weights and the inner attention's params have the activations' dtype. The pair bias is
+computed from the float32 LayerNorm output (float64 for float64 inputs) and stays float32: the op
+adds it to float32 logits.
+
+Masks are AF2's float 0/1 masks (bool and integer masks work too) and are turned into a boolean key
+mask with `mask.astype(bool)`, i.e. nonzero = attend, which is what AF2's `jnp.where(mask, ...)` does
+with a float mask. A fully masked row or column gives a finite update (a uniform average).
+
+Column attention (Alg. 8, 19) and ending-node attention (Alg. 14) are AF2's row algorithm on the
+transposed activations, written as that: LayerNorm, swap the two position axes, the shared
+gated_attention.Attention, swap back. XLA fuses the swap back into the output projection's bias add
+(one loop writes the result transposed), so the only transposed copy is the one of the projections'
+input, which the op's batch-leading layout needs once for q, k, v and the gate alike (projecting into
+a transposed layout instead would transpose each of them). Measured with XLA's compiled HLO and
+memory_analysis (issue 4 note): one transposed copy of the normalized input, no copy of the output,
+the same temp memory and the same time as the module on data given already transposed.
+
+Extra leading axes ([..., N_seq, N_res, c]) are mapped with hk.vmap (parameters shared), so a batch of
+pair representations keeps its [h, r, r] bias per example and never broadcast to [s, h, r, r].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from gated_attention import config as config_lib
+from gated_attention import modules
+
+# Axis whose dropout mask is shared when config.shared_dropout, per orientation (AF2: per_row -> 0,
+# per_column -> 1 of [N_seq|N_res, N_res, c]); counted from the end so leading axes may be added.
+_SHARED_DROPOUT_AXIS = {"per_row": -3, "per_column": -2}
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks and small pieces shared by the modules.
+
+
+def _check_act(name: str, x: Any, expected: str) -> None:
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
+    if x.ndim < 3:
+        raise ValueError(f"{name} must have rank >= 3 ({expected}), got shape {tuple(x.shape)}")
+
+
+def _check_mask(name: str, mask: Any, expected: tuple[int, ...], act_name: str) -> None:
+    dtype = jnp.result_type(mask)
+    if not (
+        dtype == jnp.bool_
+        or jnp.issubdtype(dtype, jnp.floating)
+        or jnp.issubdtype(dtype, jnp.integer)
+    ):
+        raise TypeError(f"{name} must be a float 0/1 (or bool) mask, got dtype {dtype}")
+    if tuple(mask.shape) != expected:
+        raise ValueError(
+            f"{name} of shape {tuple(mask.shape)} must be {act_name}'s shape without channels, "
+            f"{expected}"
+        )
+
+
+def _check_orientation(config: config_lib.ModuleConfig, expected: str, module: str) -> None:
+    if config.orientation != expected:
+        raise ValueError(
+            f"config.orientation must be {expected!r} for {module} (as in AF2's config), got "
+            f"{config.orientation!r}"
+        )
+
+
+def _layer_norm(x: jax.Array, name: str) -> jax.Array:
+    """AF2's LayerNorm over channels, computed and returned in float32 (float64 for float64 x).
+
+    Its params are created in that dtype too (AF2's bfloat16 mode); callers cast the result.
+    """
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    norm = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True, name=name)
+    return norm(x.astype(acc))
+
+
+def _pair_bias(pair_normed: jax.Array, num_head: int, dtype: Any) -> jax.Array:
+    """feat_2d_weights [c_z, h] ~ N(0, 1/c_z) in `dtype`; the [h, q, k] bias in pair_normed's dtype.
+
+    pair_normed is the float32 (float64) LayerNorm output, so the bias is computed in float32.
+    """
+    c_z = pair_normed.shape[-1]
+    init = hk.initializers.RandomNormal(stddev=1.0 / math.sqrt(c_z))
+    weights = hk.get_parameter("feat_2d_weights", (c_z, num_head), dtype, init=init)
+    weights = weights.astype(pair_normed.dtype)
+    return jnp.einsum("qkc,ch->hqk", pair_normed, weights)  # [h, q, k]
+
+
+def _key_mask(mask: jax.Array) -> jax.Array:
+    """[..., b, k] 0/1 mask -> bool [..., b, 1, 1, k]: every head and query sees the same keys."""
+    return mask.astype(bool)[..., :, None, None, :]
+
+
+def _map_leading(fn: Callable[..., jax.Array], num_leading: int, *args: jax.Array) -> jax.Array:
+    """fn(*args) with `num_leading` extra leading axes on every arg, via hk.vmap (params shared)."""
+    for _ in range(num_leading):
+        fn = hk.vmap(fn, split_rng=False)
+    return fn(*args)
+
+
+class _FamilyModule(hk.Module):
+    """Shared constructor: validated configs, AF2's required orientation (if any)."""
+
+    orientation: str | None = None
+
+    def __init__(self, config: Any, global_config: Any, name: str):
+        super().__init__(name=name)
+        self.config = config_lib.module_config(config)
+        self.global_config = config_lib.global_config(global_config)
+        if self.orientation is not None:
+            _check_orientation(self.config, self.orientation, type(self).__name__)
+
+    def _subbatch_size(self, is_training: bool) -> int | str | None:
+        """AF2 subbatches at inference only (its `low_memory=not is_training`)."""
+        return None if is_training else self.global_config.subbatch_size
+
+    @hk.transparent
+    def _attention(self, q_data, mask, bias, is_training) -> jax.Array:
+        """The inner gated self-attention ('attention'): [..., b, q, c] -> [..., b, q, c]."""
+        attention = modules.Attention(
+            self.config, self.global_config, q_data.shape[-1], name="attention"
+        )
+        return attention(q_data, q_data, mask, bias, subbatch_size=self._subbatch_size(is_training))
+
+
+# --------------------------------------------------------------------------------------------------
+# The modules.
+
+
+class MSARowAttentionWithPairBias(_FamilyModule):
+    """MSA row-wise gated self-attention with pair bias (AF2 Suppl. Alg. 7).
+
+    Each MSA row attends over residues; the LayerNorm'ed pair representation, projected to one
+    [r, r] bias per head by feat_2d_weights, is shared by all rows.
+    """
+
+    orientation = "per_row"
+
+    def __init__(
+        self, config: Any, global_config: Any, name: str = "msa_row_attention_with_pair_bias"
+    ):
+        """Constructs the module.
+
+        Args:
+          config: AF2's module config (num_head, gating, orientation='per_row', dropout_rate,
+            shared_dropout, optional key_dim/value_dim); see config.ModuleConfig.
+          global_config: AF2's global config plus ours; see config.GlobalConfig.
+          name: Haiku module name.
+        """
+        super().__init__(config, global_config, name)
+
+    def __call__(self, msa_act, msa_mask, pair_act, is_training: bool = False) -> jax.Array:
+        """The update to msa_act.
+
+        Args:
+          msa_act: [..., N_seq, N_res, c_m] MSA representation.
+          msa_mask: [..., N_seq, N_res] 0/1 mask of non-padded positions (float, bool or int).
+          pair_act: [..., N_res, N_res, c_z] pair representation (same leading axes).
+          is_training: training mode: no inference subbatching.
+
+        Returns:
+          [..., N_seq, N_res, c_m] in msa_act's dtype.
+        """
+        _check_act("msa_act", msa_act, "[..., N_seq, N_res, c_m]")
+        _check_act("pair_act", pair_act, "[..., N_res, N_res, c_z]")
+        lead, (num_res, _) = msa_act.shape[:-3], msa_act.shape[-2:]
+        _check_mask("msa_mask", msa_mask, tuple(msa_act.shape[:-1]), "msa_act")
+        expected = (*lead, num_res, num_res)
+        if tuple(pair_act.shape[:-1]) != expected:
+            raise ValueError(
+                f"pair_act of shape {tuple(pair_act.shape)} must be [..., N_res, N_res, c_z] with "
+                f"msa_act's leading axes and N_res: {expected} + (c_z,)"
+            )
+
+        def update(msa_act, msa_mask, pair_act):
+            msa_normed = _layer_norm(msa_act, "query_norm").astype(msa_act.dtype)  # [s, r, c_m]
+            pair_normed = _layer_norm(pair_act, "feat_2d_norm")  # [r, r, c_z]
+            bias = _pair_bias(pair_normed, self.config.num_head, msa_act.dtype)  # [h, r, r]
+            return self._attention(msa_normed, _key_mask(msa_mask), bias, is_training)
+
+        return _map_leading(update, len(lead), msa_act, msa_mask, pair_act)
+
+
+class MSAColumnAttention(_FamilyModule):
+    """MSA column-wise gated self-attention (AF2 Suppl. Alg. 8): each column attends over sequences."""
+
+    orientation = "per_column"
+
+    def __init__(self, config: Any, global_config: Any, name: str = "msa_column_attention"):
+        """Constructs the module; config.orientation must be 'per_column' (AF2's config)."""
+        super().__init__(config, global_config, name)
+
+    def __call__(self, msa_act, msa_mask, is_training: bool = False) -> jax.Array:
+        """The update to msa_act.
+
+        Args:
+          msa_act: [..., N_seq, N_res, c_m].
+          msa_mask: [..., N_seq, N_res] 0/1 mask (float, bool or int).
+          is_training: training mode: no inference subbatching.
+
+        Returns:
+          [..., N_seq, N_res, c_m] in msa_act's dtype.
+        """
+        _check_act("msa_act", msa_act, "[..., N_seq, N_res, c_m]")
+        _check_mask("msa_mask", msa_mask, tuple(msa_act.shape[:-1]), "msa_act")
+
+        def update(msa_act, msa_mask):
+            normed = _layer_norm(msa_act, "query_norm").astype(msa_act.dtype)  # [s, r, c_m]
+            cols = jnp.swapaxes(normed, -3, -2)  # [r, s, c_m]
+            mask = _key_mask(jnp.swapaxes(msa_mask, -2, -1))  # [r, 1, 1, s]
+            return jnp.swapaxes(self._attention(cols, mask, None, is_training), -3, -2)
+
+        return _map_leading(update, msa_act.ndim - 3, msa_act, msa_mask)
+
+
+class MSAColumnGlobalAttention(_FamilyModule):
+    """MSA column-wise gated global self-attention (AF2 Suppl. Alg. 19), used on the extra MSA."""
+
+    orientation = "per_column"
+
+    def __init__(self, config: Any, global_config: Any, name: str = "msa_column_global_attention"):
+        """Constructs the module; config.orientation must be 'per_column' (AF2's config)."""
+        super().__init__(config, global_config, name)
+
+    def __call__(self, msa_act, msa_mask, is_training: bool = False) -> jax.Array:
+        """The update to msa_act.
+
+        Args:
+          msa_act: [..., N_seq, N_res, c_m].
+          msa_mask: [..., N_seq, N_res] 0/1 mask (float, bool or int); it also masks the
+            sequences averaged into each column's query.
+          is_training: training mode: no inference subbatching.
+
+        Returns:
+          [..., N_seq, N_res, c_m] in msa_act's dtype.
+        """
+        _check_act("msa_act", msa_act, "[..., N_seq, N_res, c_m]")
+        _check_mask("msa_mask", msa_mask, tuple(msa_act.shape[:-1]), "msa_act")
+
+        def update(msa_act, msa_mask):
+            normed = _layer_norm(msa_act, "query_norm").astype(msa_act.dtype)  # [s, r, c_m]
+            cols = jnp.swapaxes(normed, -3, -2)  # [r, s, c_m]
+            mask = jnp.swapaxes(msa_mask.astype(bool), -2, -1)[..., None]  # [r, s, 1]
+            attention = modules.GlobalAttention(
+                self.config, self.global_config, cols.shape[-1], name="attention"
+            )
+            out = attention(cols, cols, mask, subbatch_size=self._subbatch_size(is_training))
+            return jnp.swapaxes(out, -3, -2)  # [s, r, c_m]
+
+        return _map_leading(update, msa_act.ndim - 3, msa_act, msa_mask)
+
+
+class TriangleAttention(_FamilyModule):
+    """Triangle gated self-attention (AF2 Suppl. Alg. 13 and 14).
+
+    config.orientation 'per_row': around the starting node (Alg. 13), pair (i, j) attends over
+    (i, k) with bias from (j, k); 'per_column': around the ending node (Alg. 14), the same on the
+    transposed pair representation, transposed back.
+    """
+
+    def __init__(self, config: Any, global_config: Any, name: str = "triangle_attention"):
+        """Constructs the module; config.orientation is 'per_row' or 'per_column'."""
+        super().__init__(config, global_config, name)
+
+    def __call__(self, pair_act, pair_mask, is_training: bool = False) -> jax.Array:
+        """The update to pair_act.
+
+        Args:
+          pair_act: [..., N_res, N_res, c_z].
+          pair_mask: [..., N_res, N_res] 0/1 mask (float, bool or int).
+          is_training: training mode: no inference subbatching.
+
+        Returns:
+          [..., N_res, N_res, c_z] in pair_act's dtype.
+        """
+        _check_act("pair_act", pair_act, "[..., N_res, N_res, c_z]")
+        if pair_act.shape[-3] != pair_act.shape[-2]:
+            raise ValueError(
+                f"pair_act of shape {tuple(pair_act.shape)} must be square, [..., N_res, N_res, c_z]"
+            )
+        _check_mask("pair_mask", pair_mask, tuple(pair_act.shape[:-1]), "pair_act")
+        per_column = self.config.orientation == "per_column"
+
+        def update(pair_act, pair_mask):
+            normed = _layer_norm(pair_act, "query_norm")  # [r, r, c_z], float32
+            if per_column:
+                normed, pair_mask = jnp.swapaxes(normed, -3, -2), jnp.swapaxes(pair_mask, -2, -1)
+            bias = _pair_bias(normed, self.config.num_head, pair_act.dtype)  # [h, r, r]
+            normed = normed.astype(pair_act.dtype)
+            out = self._attention(normed, _key_mask(pair_mask), bias, is_training)
+            return jnp.swapaxes(out, -3, -2) if per_column else out
+
+        return _map_leading(update, pair_act.ndim - 3, pair_act, pair_mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dropout, as AF2's Evoformer applies it to these modules' updates.
+
+
+def apply_dropout(
+    tensor: jax.Array,
+    rate: float,
+    is_training: bool,
+    *,
+    broadcast_dim: int | None = None,
+    rng: jax.Array | None = None,
+) -> jax.Array:
+    """Inverted dropout: zeroes each entry with probability `rate`, scales the rest by 1/(1-rate).
+
+    Args:
+      tensor: any shape, floating point.
+      rate: drop probability in [0, 1).
+      is_training: when False (or rate == 0) the tensor is returned unchanged.
+      broadcast_dim: an axis along which one mask value is shared (the mask has size 1 there), e.g.
+        -3 to drop whole [r, c] entries alike for every MSA row; None: independent entries.
+      rng: a PRNG key; None draws one with hk.next_rng_key() (inside hk.transform with an rng).
+
+    Returns:
+      tensor's shape and dtype.
+    """
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
+        raise ValueError(f"rate must be a number in [0, 1), got {rate!r}")
+    if not is_training or rate == 0.0:
+        return tensor
+    shape = list(tensor.shape)
+    if broadcast_dim is not None:
+        if not -tensor.ndim <= broadcast_dim < tensor.ndim:
+            raise ValueError(
+                f"broadcast_dim={broadcast_dim} is out of range for a tensor of shape "
+                f"{tuple(tensor.shape)}"
+            )
+        shape[broadcast_dim] = 1
+    rng = hk.next_rng_key() if rng is None else rng
+    keep_rate = 1.0 - rate
+    keep = jax.random.bernoulli(rng, keep_rate, shape)
+    return jnp.where(
+        keep, tensor / jnp.asarray(keep_rate, tensor.dtype), jnp.zeros((), tensor.dtype)
+    )
+
+
+def dropout_update(
+    config: Any,
+    global_config: Any,
+    update: jax.Array,
+    is_training: bool,
+    *,
+    rng: jax.Array | None = None,
+) -> jax.Array:
+    """Dropout on a family module's update with AF2's rules (its dropout_wrapper).
+
+    The rate is config.dropout_rate, or 0 when global_config.deterministic. Dropout runs when
+    is_training, or always when global_config.eval_dropout. With config.shared_dropout one mask value
+    is shared along the orientation's axis: 'per_row' -> axis -3 (every row of [s|r, r, c] alike),
+    'per_column' -> axis -2 (every column alike).
+
+    Args:
+      config: the module's config (ModuleConfig or AF2's ConfigDict).
+      global_config: the global config.
+      update: [..., N, N_res, c], the module's output.
+      is_training: training mode.
+      rng: a PRNG key; None uses hk.next_rng_key().
+
+    Returns:
+      update with dropout applied, same shape and dtype.
+    """
+    config = config_lib.module_config(config)
+    global_config = config_lib.global_config(global_config)
+    rate = 0.0 if global_config.deterministic else config.dropout_rate
+    broadcast_dim = _SHARED_DROPOUT_AXIS[config.orientation] if config.shared_dropout else None
+    return apply_dropout(
+        update,
+        rate,
+        is_training or global_config.eval_dropout,
+        broadcast_dim=broadcast_dim,
+        rng=rng,
+    )
+
+
+def dropout_wrapper(
+    module: _FamilyModule,
+    input_act: jax.Array,
+    mask: jax.Array,
+    *args: Any,
+    is_training: bool = False,
+    output_act: jax.Array | None = None,
+    rng: jax.Array | None = None,
+    **kwargs: Any,
+) -> jax.Array:
+    """The residual update AF2's Evoformer makes: output_act + dropout(module(input_act, mask, ...)).
+
+    Args:
+      module: a family module instance (its config and global_config set the dropout).
+      input_act: the module's activations input, e.g. msa_act or pair_act.
+      mask: the module's mask input.
+      *args: further positional inputs (MSARowAttentionWithPairBias: pair_act).
+      is_training: training mode.
+      output_act: the activations the update is added to (default input_act).
+      rng: a PRNG key for dropout; None uses hk.next_rng_key().
+      **kwargs: further keyword inputs of the module.
+
+    Returns:
+      output_act + dropout(update), output_act's shape.
+    """
+    update = module(input_act, mask, *args, is_training=is_training, **kwargs)
+    update = dropout_update(module.config, module.global_config, update, is_training, rng=rng)
+    return (input_act if output_act is None else output_act) + update
