@@ -149,9 +149,11 @@ class Attention(hk.Module):
             [..., b, q, k] mask applied to every head. False = masked out.
           nonbatched_bias: None, [h, q, k] or [q, k]; shared by the batch, never broadcast to it.
           bias: None or an additive float bias broadcastable like mask (AF2 before 2023, ColabFold).
-          subbatch_size: inference subbatching of the (parameter-free) attention op over the
-            leading batch axis: None (off), an int >= 1, or 'auto' (the largest subbatch whose dense
-            logits fit the memory budget). Projections and results are unchanged.
+          subbatch_size: inference subbatching over the leading batch axis (AF2's
+            global_config.subbatch_size): None (off), an int >= 1, or 'auto' (the largest subbatch
+            whose projections and dense logits fit the memory budget). Parameters are created
+            once; the whole forward (projections, op, gate, output) runs per subbatch, so its
+            working set is bounded. Results are unchanged.
 
         Returns:
           [..., b, q, output_dim] in q_data's dtype.
@@ -170,33 +172,49 @@ class Attention(hk.Module):
         if mask is not None:
             mask = _mask_or_bias("mask", mask, batch, h, q_len, k_len, "mask")
 
-        dtype = q_data.dtype
-        glorot = _glorot_uniform()
-        query_w = hk.get_parameter("query_w", (a, h, key_dim), dtype, init=glorot)
-        key_w = hk.get_parameter("key_w", (m, h, key_dim), dtype, init=glorot)
-        value_w = hk.get_parameter("value_w", (m, h, value_dim), dtype, init=glorot)
-        q = jnp.einsum("...qa,ahc->...qhc", q_data, query_w)  # [..., b, q, h, c]
-        k = jnp.einsum("...ka,ahc->...khc", m_data, key_w)  # [..., b, k, h, c]
-        v = jnp.einsum("...ka,ahc->...khc", m_data, value_w)  # [..., b, k, h, cv]
-
-        implementation, options = config_lib.attention_options(cfg, self.global_config)
-        weighted_avg = _attend(
-            q,
-            k,
-            v,
-            biases,
-            mask,
-            scale=key_dim**-0.5,
-            implementation=implementation,
-            options=options,
-            subbatch_size=subbatch_size,
-        )  # [..., b, q, h, cv]
-
-        if cfg.gating:
-            weighted_avg = weighted_avg * _gate(q_data, h, value_dim)
-        return _output_projection(
-            weighted_avg, self.output_dim, self.global_config.zero_init, dtype
+        params = _create_params(
+            self, (a, h, key_dim), (m, h, key_dim), (m, h, value_dim), q_data.dtype
         )
+        implementation, options = config_lib.attention_options(cfg, self.global_config)
+
+        def forward(q_data, m_data, mask, *biases):  # pure: parameters are closed over
+            q = jnp.einsum("...qa,ahc->...qhc", q_data, params["query_w"])  # [..., b, q, h, c]
+            k = jnp.einsum("...ka,ahc->...khc", m_data, params["key_w"])  # [..., b, k, h, c]
+            v = jnp.einsum("...ka,ahc->...khc", m_data, params["value_w"])  # [..., b, k, h, cv]
+            weighted_avg = attention.dot_product_attention(
+                q,
+                k,
+                v,
+                list(biases) or None,
+                mask,
+                scale=key_dim**-0.5,
+                implementation=implementation,
+                options=options,
+            )  # [..., b, q, h, cv]
+            return _gated_output(weighted_avg, q_data, params)  # [..., b, q, o]
+
+        args = [q_data, m_data, mask, *biases]
+        if subbatch_size == "auto":
+            # Per row of the leading axis (key_dim, value_dim per head): float32 logits and
+            # weights, q, gate and the weighted average per query, k and v per key.
+            rows = math.prod(q_data.shape[1:-2])
+            per_row = (
+                4
+                * rows
+                * h
+                * (
+                    2 * q_len * k_len
+                    + q_len * (key_dim + 2 * value_dim)
+                    + k_len * (key_dim + value_dim)
+                )
+            )
+            subbatch_size = mapping.subbatch_size_for_budget(
+                q_data.shape[0], per_row, options.memory_budget_bytes
+            )
+        if subbatch_size is None:
+            return forward(*args)
+        batched = [True, True] + [x is not None and x.shape[0] != 1 for x in args[2:]]
+        return mapping.subbatch(forward, args, subbatch_size=subbatch_size, batched=batched)
 
 
 def _check_subbatch_size(subbatch_size: Any) -> None:
@@ -208,56 +226,37 @@ def _check_subbatch_size(subbatch_size: Any) -> None:
         )
 
 
-def _attend(q, k, v, biases, mask, *, subbatch_size, options, **op_kwargs):
-    """The attention op on q [B, ..., T, N, H], k [B, ..., S, N, H], v [B, ..., S, N, Hv].
-
-    With a subbatch_size, the op (and only the op: it has no parameters) runs on pieces of the
-    leading axis B via mapping.subbatch; masks and biases of size 1 there are passed whole.
-    'auto' takes the largest piece whose dense float32 logits and softmax weights,
-    2 * 4 * N * T * S bytes per row (times any further batch axes), fit options.memory_budget_bytes.
-
-    Returns:
-      [B, ..., T, N, Hv].
-    """
-
-    def op(q, k, v, mask, *biases):
-        return attention.dot_product_attention(
-            q, k, v, list(biases) or None, mask, layout="BTNH", options=options, **op_kwargs
-        )
-
-    args = [q, k, v, mask, *biases]
-    if subbatch_size is None:
-        return op(*args)
-    if subbatch_size == "auto":
-        # q [B, ..., T, N, H] and k [B, ..., S, N, H]: N * T * S logits per row (and further axes).
-        bytes_per_row = 2 * 4 * math.prod(q.shape[1:-1]) * k.shape[-3]
-        subbatch_size = mapping.subbatch_size_for_budget(
-            q.shape[0], bytes_per_row, options.memory_budget_bytes
-        )
-    batched = [True, True, True] + [x is not None and x.shape[0] != 1 for x in args[3:]]
-    return mapping.subbatch(op, args, subbatch_size=subbatch_size, batched=batched)
-
-
-def _gate(q_data, num_head, value_dim):
-    """sigmoid(q_data . gating_w + gating_b) [..., b, q, h, cv]; gating_w [a, h, cv] zeros, gating_b
-    [h, cv] ones (AF2)."""
-    a, dtype = q_data.shape[-1], q_data.dtype
-    shape = (a, num_head, value_dim)
-    gating_w = hk.get_parameter("gating_w", shape, dtype, init=hk.initializers.Constant(0.0))
-    gating_b = hk.get_parameter("gating_b", shape[1:], dtype, init=hk.initializers.Constant(1.0))
-    gate = jnp.einsum("...qa,ahc->...qhc", q_data, gating_w)  # [..., b, q, h, cv]
-    return jax.nn.sigmoid(gate + gating_b)
-
-
-def _output_projection(weighted_avg, output_dim, zero_init, dtype):
-    """output_w [h, cv, o], output_b [o]; '...qhc,hco->...qo'."""
-    h, cv = weighted_avg.shape[-2], weighted_avg.shape[-1]
-    init = hk.initializers.Constant(0.0) if zero_init else _glorot_uniform()
-    output_w = hk.get_parameter("output_w", (h, cv, output_dim), dtype, init=init)
-    output_b = hk.get_parameter(
-        "output_b", (output_dim,), dtype, init=hk.initializers.Constant(0.0)
+def _create_params(module, query_shape, key_shape, value_shape, dtype) -> dict[str, jax.Array]:
+    """AF2's parameters in AF2's order (so one PRNG key gives AF2's values): query_w, key_w,
+    value_w (glorot uniform), gating_w [a, h, cv] zeros and gating_b [h, cv] ones (config.gating),
+    output_w [h, cv, o] (zeros if global_config.zero_init, else glorot), output_b [o] zeros."""
+    glorot, const = _glorot_uniform(), hk.initializers.Constant
+    a, h, value_dim = query_shape[0], query_shape[1], value_shape[-1]
+    params = dict(
+        query_w=hk.get_parameter("query_w", query_shape, dtype, init=glorot),
+        key_w=hk.get_parameter("key_w", key_shape, dtype, init=glorot),
+        value_w=hk.get_parameter("value_w", value_shape, dtype, init=glorot),
     )
-    return jnp.einsum("...qhc,hco->...qo", weighted_avg, output_w) + output_b  # [..., b, q, o]
+    if module.config.gating:
+        params["gating_w"] = hk.get_parameter("gating_w", (a, h, value_dim), dtype, init=const(0.0))
+        params["gating_b"] = hk.get_parameter("gating_b", (h, value_dim), dtype, init=const(1.0))
+    out_init = const(0.0) if module.global_config.zero_init else glorot
+    o = module.output_dim
+    params["output_w"] = hk.get_parameter("output_w", (h, value_dim, o), dtype, init=out_init)
+    params["output_b"] = hk.get_parameter("output_b", (o,), dtype, init=const(0.0))
+    return params
+
+
+def _gated_output(weighted_avg, q_data, params):
+    """Gate (when params has gating_w) and output projection: [..., b, q|1, h, cv] -> [..., b, q|1, o].
+
+    gate = sigmoid(q_data . gating_w + gating_b), computed from q_data as in AF2.
+    """
+    if "gating_w" in params:
+        gate = jnp.einsum("...qa,ahc->...qhc", q_data, params["gating_w"])  # [..., b, q, h, cv]
+        weighted_avg = weighted_avg * jax.nn.sigmoid(gate + params["gating_b"])
+    out = jnp.einsum("...qhc,hco->...qo", weighted_avg, params["output_w"])  # [..., b, q, o]
+    return out + params["output_b"]
 
 
 class GlobalAttention(hk.Module):
@@ -284,7 +283,7 @@ class GlobalAttention(hk.Module):
           q_data: [..., b, q, a].
           m_data: [..., b, k, m] with k == q (the positions q_mask also masks as keys).
           q_mask: [..., b, q, 1] (or [..., b, q]), bool or float 0/1 as AF2 passes it.
-          subbatch_size: inference subbatching of the attention op, as for Attention.
+          subbatch_size: inference subbatching over the leading batch axis, as for Attention.
 
         Returns:
           [..., b, q, output_dim] in q_data's dtype.
@@ -302,40 +301,45 @@ class GlobalAttention(hk.Module):
         h = cfg.num_head
         key_dim, value_dim = _head_dims(cfg, a, m)
         dtype = q_data.dtype
-        glorot = _glorot_uniform()
-        query_w = hk.get_parameter("query_w", (a, h, key_dim), dtype, init=glorot)
-        key_w = hk.get_parameter("key_w", (m, key_dim), dtype, init=glorot)
-        value_w = hk.get_parameter("value_w", (m, value_dim), dtype, init=glorot)
-
-        weights = q_mask.astype(dtype)  # [..., b, q, 1]
-        q_avg = jnp.sum(weights * q_data, axis=-2) / (
-            jnp.sum(weights, axis=-2) + 1e-10
-        )  # [..., b, a]
-        q = jnp.einsum("...a,ahc->...hc", q_avg, query_w)[..., :, None, :]  # [..., b, h, 1, c]
-        k = jnp.einsum("...ka,ac->...kc", m_data, key_w)[..., :, None, :]  # [..., b, k, 1, c]
-        v = jnp.einsum("...ka,ac->...kc", m_data, value_w)[..., :, None, :]  # [..., b, k, 1, cv]
-        key_mask = jnp.swapaxes(q_mask.astype(bool), -1, -2)[..., None, :, :]  # [..., b, 1, 1, k]
+        params = _create_params(self, (a, h, key_dim), (m, key_dim), (m, value_dim), dtype)
         implementation, options = config_lib.attention_options(cfg, self.global_config)
-        # The h heads attend as h query positions of one head (the shared key/value head).
-        avg = _attend(
-            q,
-            k,
-            v,
-            [],
-            key_mask,
-            scale=key_dim**-0.5,
-            implementation=implementation,
-            options=options,
-            subbatch_size=subbatch_size,
-        )[..., :, 0, :]  # [..., b, h, cv]
 
-        if cfg.gating:
-            gated = avg[..., None, :, :] * _gate(q_data, h, value_dim)  # [..., b, q, h, cv]
-            return _output_projection(gated, self.output_dim, self.global_config.zero_init, dtype)
-        out = _output_projection(
-            avg[..., None, :, :], self.output_dim, self.global_config.zero_init, dtype
-        )  # [..., b, 1, o]
-        return jnp.broadcast_to(out, (*batch, q_len, self.output_dim))  # [..., b, q, o]
+        def forward(q_data, m_data, q_mask):  # pure: parameters are closed over
+            weights = q_mask.astype(dtype)  # [..., b, q, 1]
+            q_avg = jnp.sum(weights * q_data, axis=-2) / (
+                jnp.sum(weights, axis=-2) + 1e-10
+            )  # [..., b, a]
+            q = jnp.einsum("...a,ahc->...hc", q_avg, params["query_w"])  # [..., b, h, c]
+            k = jnp.einsum("...ka,ac->...kc", m_data, params["key_w"])  # [..., b, k, c]
+            v = jnp.einsum("...ka,ac->...kc", m_data, params["value_w"])  # [..., b, k, cv]
+            key_mask = jnp.swapaxes(q_mask.astype(bool), -1, -2)[
+                ..., None, :, :
+            ]  # [..., b, 1, 1, k]
+            # The h heads attend as h query positions of one head (the shared key/value head).
+            avg = attention.dot_product_attention(
+                q[..., None, :],
+                k[..., None, :],
+                v[..., None, :],
+                None,
+                key_mask,
+                scale=key_dim**-0.5,
+                implementation=implementation,
+                options=options,
+            )  # [..., b, h, 1, cv]
+            out = _gated_output(jnp.swapaxes(avg, -3, -2), q_data, params)  # [..., b, q|1, o]
+            return jnp.broadcast_to(out, (*q_data.shape[:-1], self.output_dim))  # [..., b, q, o]
+
+        if subbatch_size == "auto":  # per row: gate and gated average per query, k and v per key
+            queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
+            per_row = 4 * (
+                queries * (2 * h * value_dim + self.output_dim) + keys * (key_dim + value_dim)
+            )
+            subbatch_size = mapping.subbatch_size_for_budget(
+                q_data.shape[0], per_row, options.memory_budget_bytes
+            )
+        if subbatch_size is None:
+            return forward(q_data, m_data, q_mask)
+        return mapping.subbatch(forward, [q_data, m_data, q_mask], subbatch_size=subbatch_size)
 
 
 def _global_mask(q_mask, batch, q_len):
