@@ -5,7 +5,7 @@
   python scripts/benchmark.py --config=configs/benchmark.py:smoke   # seconds: checks the script runs
   python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
 
-Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask).
+Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask[, module]).
 """
 
 import ml_collections
@@ -17,6 +17,11 @@ GOAL_SHAPES = (
     ("triangle 128x128 c128 h4", 128, 128, 128, 4, True, "key"),
     # Long self-attention: 1 x 4,096 tokens, c=256, 8 heads of 32, key mask.
     ("long 1x4096 c256 h8", 1, 4096, 256, 8, False, "key"),
+)
+# Issue 4: TriangleAttention (starting node, c_z=128, 4 heads) at N_res 256 and 512, float32.
+TRIANGLE_SHAPES = (
+    ("TriangleAttention 256", 256, 256, 128, 4, True, "key", "triangle_attention"),
+    ("TriangleAttention 512", 512, 512, 128, 4, True, "key", "triangle_attention"),
 )
 SWEEP_LENGTHS = (512, 1024, 2048, 4096)  # self-attention 1 x L, c=256, 8 heads of 32: the plot
 
@@ -33,6 +38,9 @@ def get_config(preset="full"):
         cfg.sweep_lengths = (32, 64)
         cfg.dtypes = ("float32",)
         cfg.rounds, cfg.steps, cfg.memory_cases = 1, 1, False
+        cfg.triangle_shapes = (
+            ("TriangleAttention 16", 16, 16, 8, 2, True, "key", "triangle_attention"),
+        )
         return cfg
     cfg = ml_collections.ConfigDict()
     cfg.shapes = GOAL_SHAPES

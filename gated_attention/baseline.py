@@ -137,3 +137,26 @@ class AF2GlobalAttention(hk.Module):
             weighted_avg = weighted_avg[:, None] * gate  # [b, q, h, cv]
             return jnp.einsum("bqhc,hco->bqo", weighted_avg, o_w) + o_b  # [b, q, o]
         return (jnp.einsum("bhc,hco->bo", weighted_avg, o_w) + o_b)[:, None]  # [b, 1, o]
+
+
+class AF2TriangleAttention(hk.Module):
+    """AlphaFold 2's triangle attention around the starting node (Suppl. Alg. 13), as AF2 formulates
+    it with the mask as an additive bias: LayerNorm, pair bias, AF2Attention over rows. Parameter
+    names as AF2's (query_norm, feat_2d_weights, attention/...)."""
+
+    def __init__(self, num_head: int, name: str = "triangle_attention"):
+        super().__init__(name=name)
+        self.num_head = num_head
+
+    def __call__(self, pair_act, pair_mask):
+        """pair_act [r, r, c_z], pair_mask float [r, r] -> [r, r, c_z]."""
+        c = pair_act.shape[-1]
+        x = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True, name="query_norm")(
+            pair_act
+        )
+        init = hk.initializers.RandomNormal(stddev=1.0 / c**0.5)
+        weights = hk.get_parameter("feat_2d_weights", (c, self.num_head), x.dtype, init=init)
+        nonbatched_bias = jnp.einsum("qkc,ch->hqk", x, weights)  # [h, r, r]
+        mask_bias = (1e9 * (pair_mask - 1.0))[:, None, None, :]  # [r, 1, 1, r]
+        attend = AF2Attention(self.num_head, c, zero_init=False)
+        return attend(x, x, None, nonbatched_bias, mask_bias)

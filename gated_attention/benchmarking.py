@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gated_attention import attention, baseline, modules
+from gated_attention import alphafold, attention, baseline, modules
 
 AF2 = "af2"
 ROOFLINE = "matmul"
@@ -39,6 +39,9 @@ class Shape:
       batch, length, channels, num_head: sizes; per-head dim = channels // num_head.
       nonbatched_bias: pass a [h, q, k] bias shared by the batch.
       mask: 'key' ([b, 1, 1, k], 10% masked) or 'none'.
+      module: 'attention' (Attention vs baseline.AF2Attention) or 'triangle_attention'
+        (alphafold.TriangleAttention vs baseline.AF2TriangleAttention on a [length, length,
+        channels] pair; batch must equal length).
     """
 
     name: str
@@ -48,44 +51,48 @@ class Shape:
     num_head: int
     nonbatched_bias: bool = True
     mask: str = "key"
+    module: str = "attention"
 
     def flops(self) -> int:
-        """Forward FLOPs: q/k/v/gate projections, the two attention matmuls, the output projection."""
+        """Forward FLOPs: q/k/v/gate projections, the two attention matmuls, the output projection
+        (and for triangle attention the pair-bias projection)."""
         b, n, c = self.batch, self.length, self.channels
-        return 2 * b * n * c * c * 5 + 2 * b * n * n * c * 2
+        flops = 2 * b * n * c * c * 5 + 2 * b * n * n * c * 2
+        return flops + (2 * n * n * c * self.num_head if self.module == "triangle_attention" else 0)
 
 
 def _inputs(shape: Shape, dtype, seed: int = 0):
     rng = np.random.default_rng(seed)
     b, n, c, h = shape.batch, shape.length, shape.channels, shape.num_head
     x = jnp.asarray(rng.normal(size=(b, n, c)), dtype)
-    mask = (
-        jnp.asarray(rng.random((b, 1, 1, n)) > 0.1)
-        if shape.mask == "key"
-        else jnp.ones((b, 1, 1, n), bool)
-    )
+    keep = rng.random((b, 1, 1, n)) > (0.1 if shape.mask == "key" else -1.0)
+    if shape.module == "triangle_attention":  # AF2's float pair mask [r, r]
+        return x, jnp.asarray(keep[:, 0, 0, :], dtype), None
     bias = jnp.asarray(rng.normal(size=(h, n, n)), dtype) if shape.nonbatched_bias else None
-    return x, mask, bias
+    return x, jnp.asarray(keep), bias
 
 
 def _forward_fns(shape: Shape, implementations: Iterable[str]) -> dict[str, hk.Transformed]:
-    h = shape.num_head
+    """Transformed fns(x, mask, bias) for each implementation of ours and for AF2's formulation."""
+    h, c = shape.num_head, shape.channels
+    triangle = shape.module == "triangle_attention"
     fns = {}
     for name in implementations:
 
         def ours(x, mask, bias, name=name):
-            global_config = dict(zero_init=False, attention_implementation=name)
-            return modules.Attention(dict(num_head=h), global_config, shape.channels)(
-                x, x, mask, bias
-            )
+            global_config = dict(zero_init=False, attention_implementation=name, subbatch_size=None)
+            if triangle:
+                config = dict(num_head=h, orientation="per_row", dropout_rate=0.25)
+                return alphafold.TriangleAttention(config, global_config)(x, mask)
+            return modules.Attention(dict(num_head=h), global_config, c)(x, x, mask, bias)
 
         fns[name] = hk.without_apply_rng(hk.transform(ours))
 
     def af2(x, mask, bias):  # AF2's formulation with the mask as an additive bias (as issue 3 asks)
+        if triangle:
+            return baseline.AF2TriangleAttention(h)(x, mask)
         mask_bias = 1e9 * (mask.astype(x.dtype) - 1.0)  # [b, 1, 1, k]
-        return baseline.AF2Attention(h, shape.channels, zero_init=False)(
-            x, x, None, bias, mask_bias
-        )
+        return baseline.AF2Attention(h, c, zero_init=False)(x, x, None, bias, mask_bias)
 
     fns[AF2] = hk.without_apply_rng(hk.transform(af2))
     return fns
@@ -143,12 +150,13 @@ def run_cell(
     flops = shape.flops() * (3 if mode == "forward_backward" else 1)
     mm, mm_args, mm_flops = _roofline(shape.flops(), jnp.dtype(dtype), mode)
     variants[ROOFLINE] = (jax.jit(mm), mm_args)
-    compile_s, temp = {}, {}
+    compile_s, temp, outputs = {}, {}, {}
     for name, (fn, args) in variants.items():
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
+        outputs[name] = jax.block_until_ready(fn(*args))
         compile_s[name] = time.perf_counter() - start
         temp[name] = _temp_bytes(fn, args)
+    reference = jax.tree.leaves(outputs[AF2])
     per_round = {name: [] for name in variants}
     for r in range(rounds):
         for name, (fn, args) in variants.items():
@@ -167,6 +175,13 @@ def run_cell(
                 mode=mode,
                 variant=name,
                 time_ms=med[name] * 1e3,
+                # Same params and inputs: how far this variant's output is from AF2's.
+                max_abs_diff_vs_af2=None
+                if name == ROOFLINE
+                else max(
+                    float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                    for a, b in zip(jax.tree.leaves(outputs[name]), reference, strict=True)
+                ),
                 ratio_to_af2=med[name] / med[AF2],
                 gflops_per_s=gflops,
                 percent_of_roofline=100 * gflops / roofline_gflops,
@@ -246,9 +261,11 @@ def markdown(rows: list[dict[str, Any]], memory_rows: list[dict[str, Any]]) -> s
     ]
     for r in rows:
         temp = "" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"
+        diff = r.get("max_abs_diff_vs_af2")
+        diff = "" if diff is None else f"{diff:.1e}"
         lines.append(
             f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['variant']} | {r['time_ms']:.2f} | "
-            f"{r['ratio_to_af2']:.3f} | {r['gflops_per_s']:.1f} | {r['percent_of_roofline']:.0f} | {temp} |"
+            f"{r['ratio_to_af2']:.3f} | {r['gflops_per_s']:.1f} | {r['percent_of_roofline']:.0f} | {temp} | {diff} |"
         )
     if memory_rows:
         lines += [

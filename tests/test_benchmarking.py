@@ -30,6 +30,8 @@ def test_run_cell_rows_are_consistent():
     assert by_variant[benchmarking.ROOFLINE]["percent_of_roofline"] == pytest.approx(100.0)
     for r in rows:
         assert r["time_ms"] > 0 and len(r["rounds_ms"]) == 2
+        if r["variant"] != benchmarking.ROOFLINE:  # same params and inputs: same gradients as AF2
+            assert r["max_abs_diff_vs_af2"] < 1e-4
         assert r["ratio_to_af2"] == pytest.approx(
             r["time_ms"] / by_variant[benchmarking.AF2]["time_ms"]
         )
@@ -67,8 +69,13 @@ def test_benchmark_script_smoke(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     shapes = {r["shape"] for r in results["cells"]}
-    assert shapes == {"tiny 2x32 c16 h2", "sweep 1x32 c256 h8", "sweep 1x64 c256 h8"}
+    assert shapes == {
+        "tiny 2x32 c16 h2",
+        "sweep 1x32 c256 h8",
+        "sweep 1x64 c256 h8",
+        "TriangleAttention 16",
+    }
     assert (
         "| tiny 2x32 c16 h2 | float32 | forward | auto |" in (tmp_path / "results.md").read_text()
     )
-    assert "[1/6]" in result.stdout  # progress
+    assert "[1/8]" in result.stdout  # progress
