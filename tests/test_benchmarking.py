@@ -79,3 +79,19 @@ def test_benchmark_script_smoke(tmp_path):
         "| tiny 2x32 c16 h2 | float32 | forward | auto |" in (tmp_path / "results.md").read_text()
     )
     assert "[1/8]" in result.stdout  # progress
+
+
+def test_benchmark_presets_share_one_schema():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cfg", ROOT / "configs" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    keys = {preset: set(module.get_config(preset).keys()) for preset in module.PRESETS}
+    assert len({frozenset(k) for k in keys.values()}) == 1, keys
+    for preset in module.PRESETS:
+        cfg = module.get_config(preset)
+        shapes = [benchmarking.Shape(*s) for s in (*cfg.shapes, *cfg.triangle_shapes)]
+        assert all(s.module != "triangle_attention" or s.batch == s.length for s in shapes)
+    with pytest.raises(ValueError, match=r"preset must be one of"):
+        module.get_config("fast")
