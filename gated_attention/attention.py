@@ -98,7 +98,7 @@ def _chunked(query, key, value, bias, mask, *, scale, options):
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "xla": Implementation(xla.attend, _always, bias_tuple=True),
-    "chunked": Implementation(_chunked, _always),
+    "chunked": Implementation(_chunked, _always, bias_tuple=True),
     "cudnn": Implementation(cudnn.attend, cudnn.supports),
 }
 

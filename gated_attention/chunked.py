@@ -82,7 +82,8 @@ def _check_shapes(query, key, value, bias, mask) -> None:
             f"query, key and value need non-empty axes, got shapes {query.shape}, {value.shape}"
         )
     full = (batch, heads, q_len, key.shape[2])
-    for name, x in (("bias", bias), ("mask", mask)):
+    named = [(f"bias[{i}]" if len(bias) > 1 else "bias", b) for i, b in enumerate(bias)]
+    for name, x in (*named, ("mask", mask)):
         if x is None:
             continue
         if x.ndim != 4 or any(d not in (1, f) for d, f in zip(x.shape, full, strict=True)):
@@ -268,8 +269,8 @@ def _logits(q_i, k_j, bias, mask, i, j, *, scale, tq, tk, kv_len) -> jax.Array:
     else:
         s = jnp.einsum("bnqh,bnkh->bnqk", q_i, k_j, preferred_element_type=acc)  # [B, N, tq, tk]
         s = s * jnp.asarray(scale, acc)
-    if bias is not None:
-        s = s + _tile(bias, i, j, tq, tk).astype(acc)
+    for b in bias:  # a tuple: several biases are added tile by tile, never summed whole
+        s = s + _tile(b, i, j, tq, tk).astype(acc)
     if mask is not None:
         s = jnp.where(_tile(mask, i, j, tq, tk), s, jnp.asarray(MASK_VALUE, acc))
     if kv_len % tk:  # the last key tile is padded
@@ -366,8 +367,10 @@ def _backward(q, k, v, bias, mask, out, m, row_sum, g, scale, tq, tk, kv_len):
             ds = p * (dp - delta_i[..., None])
             if mask is not None:
                 ds = jnp.where(_tile(mask, i, j, tq, tk), ds, jnp.zeros((), acc))
-            if dbias is not None:
-                dbias = _add_tile(dbias, _reduce_to(ds, bias.shape), i, j, tq, tk)
+            dbias = tuple(
+                _add_tile(db, _reduce_to(ds, b.shape), i, j, tq, tk)
+                for db, b in zip(dbias, bias, strict=True)
+            )
             dq_i = jnp.einsum(
                 "bnqk,bnkh->bnqh", ds.astype(k.dtype), k_j, preferred_element_type=acc
             )  # [B, N, tq, H]
@@ -396,12 +399,11 @@ def _backward(q, k, v, bias, mask, out, m, row_sum, g, scale, tq, tk, kv_len):
         jnp.zeros(q.shape, acc),
         None if n_k == 1 else jnp.zeros(k.shape, k.dtype),
         None if n_k == 1 else jnp.zeros(v.shape, v.dtype),
-        None if bias is None else jnp.zeros(bias.shape, acc),
+        tuple(jnp.zeros(b.shape, acc) for b in bias),
     )
     dq, dk, dv, dbias = _loop(n_k, key_block, init)
     dq = (dq * jnp.asarray(scale, acc)).astype(q.dtype)
-    if dbias is not None:
-        dbias = dbias.astype(bias.dtype)
+    dbias = tuple(db.astype(b.dtype) for db, b in zip(dbias, bias, strict=True))
     return dq, dk, dv, dbias
 
 
@@ -454,7 +456,7 @@ def chunked_attention(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    bias: jax.Array | None = None,
+    bias: jax.Array | tuple[jax.Array, ...] | None = None,
     mask: jax.Array | None = None,
     *,
     scale: float,
@@ -468,7 +470,8 @@ def chunked_attention(
       query: [B, N, T, H].
       key: [B, N, S, H].
       value: [B, N, S, Hv].
-      bias: None or a float array of rank 4 whose dims are 1 or equal to [B, N, T, S]; a bias with
+      bias: None, or a float array or a tuple of float arrays (added tile by tile, never summed
+        whole), each of rank 4 with dims 1 or equal to [B, N, T, S]; a bias with
         size-1 dims is never broadcast to [B, N, T, S], and its gradient is summed over them.
       mask: None or a bool array with the same broadcast rule; False entries are masked out.
       scale: multiplies q.k; a Python float (it is static: it cannot be traced).
@@ -489,6 +492,7 @@ def chunked_attention(
     _check_positive_int("query_chunk_size", query_chunk_size)
     _check_positive_int("key_chunk_size", key_chunk_size)
     _check_positive_int("memory_budget_bytes", memory_budget_bytes)
+    bias = () if bias is None else tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
     _check_shapes(query, key, value, bias, mask)
     batch, heads, q_len, head_dim = query.shape
     kv_len, value_dim = key.shape[2], value.shape[3]
@@ -505,7 +509,7 @@ def chunked_attention(
     query = _pad_axis(query, 2, q_len, q_pad, 0)
     key = _pad_axis(key, 2, kv_len, kv_pad, 0)
     value = _pad_axis(value, 2, kv_len, kv_pad, 0)
-    bias = _pad_axis(_pad_axis(bias, 2, q_len, q_pad, 0), 3, kv_len, kv_pad, 0)
+    bias = tuple(_pad_axis(_pad_axis(b, 2, q_len, q_pad, 0), 3, kv_len, kv_pad, 0) for b in bias)
     mask = _pad_axis(_pad_axis(mask, 2, q_len, q_pad, True), 3, kv_len, kv_pad, True)
     out = _attention(query, key, value, bias, mask, float(scale), tq, tk, kv_len)
     return out if q_pad == q_len else out[:, :, :q_len]

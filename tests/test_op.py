@@ -172,3 +172,27 @@ def test_auto_chooses_by_memory_budget():
     assert ga.choose_implementation(big, big, big)[0] == expected
     tiny_budget = ga.choose_implementation(small, small, small, memory_budget_bytes=1024)[0]
     assert tiny_budget == expected
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_two_biases_match_their_sum_forward_and_gradients(implementation):
+    """A pair bias shared over the batch plus a per-batch key bias (AF2 before 2023, ColabFold)."""
+    rng = np.random.default_rng(6)
+    q, q64 = rand(rng, (B, T, N, H), "float32")
+    k, k64 = rand(rng, (B, S, N, H), "float32")
+    v, v64 = rand(rng, (B, S, N, HV), "float32")
+    pair, pair64 = rand(rng, (1, N, T, S), "float32")
+    keys, keys64 = rand(rng, (B, 1, 1, S), "float32")
+
+    def loss(q, pair, keys):
+        out = ga.dot_product_attention(q, k, v, [pair, keys], implementation=implementation)
+        return jnp.sum(out**2)
+
+    def ref_loss(q, pair, keys):
+        return jnp.sum(reference.dot_product_attention(q, k64, v64, pair + keys, xp=jnp) ** 2)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, pair, keys)
+    ref = jax.grad(ref_loss, argnums=(0, 1, 2))(q64, pair64, keys64)
+    for g, r, x in zip(grads, ref, (q, pair, keys), strict=True):
+        assert g.shape == x.shape  # each bias gets the gradient summed to its own shape
+        assert_close(g, r, reference.grad_tolerance("float32"))
