@@ -104,14 +104,8 @@ def _nonbatched(nonbatched_bias, batch, heads, q_len, k_len):
     return x.reshape((1,) * len(batch) + x.shape)
 
 
-class Attention(hk.Module):
-    """AlphaFold 2's gated multi-head attention (Jumper et al. 2021, Suppl. Alg. 7 and relatives).
-
-    Parameters (a = q_data channels, m = m_data channels, h = num_head, c = key_dim // h,
-    cv = value_dim // h, o = output_dim): query_w [a, h, c], key_w [m, h, c], value_w [m, h, cv],
-    gating_w [a, h, cv] and gating_b [h, cv] when config.gating, output_w [h, cv, o], output_b [o];
-    created in q_data's dtype with AlphaFold 2's initializers.
-    """
+class _AttentionModule(hk.Module):
+    """What Attention and GlobalAttention share: validated configs and the output width."""
 
     def __init__(self, config: Any, global_config: Any, output_dim: int, name: str = "attention"):
         """Constructs the module.
@@ -129,6 +123,16 @@ class Attention(hk.Module):
         self.global_config = config_lib.global_config(global_config)
         _check_output_dim(output_dim)
         self.output_dim = output_dim
+
+
+class Attention(_AttentionModule):
+    """AlphaFold 2's gated multi-head attention (Jumper et al. 2021, Suppl. Alg. 7 and relatives).
+
+    Parameters (a = q_data channels, m = m_data channels, h = num_head, c = key_dim // h,
+    cv = value_dim // h, o = output_dim): query_w [a, h, c], key_w [m, h, c], value_w [m, h, cv],
+    gating_w [a, h, cv] and gating_b [h, cv] when config.gating, output_w [h, cv, o], output_b [o];
+    created in q_data's dtype with AlphaFold 2's initializers.
+    """
 
     def __call__(
         self,
@@ -259,20 +263,12 @@ def _gated_output(weighted_avg, q_data, params):
     return out + params["output_b"]
 
 
-class GlobalAttention(hk.Module):
+class GlobalAttention(_AttentionModule):
     """AlphaFold 2's global attention (Suppl. Alg. 19): one averaged query per head, shared key/value.
 
     Parameters: query_w [a, h, c], key_w [m, c], value_w [m, cv], gating_w [a, h, cv], gating_b
     [h, cv] (config.gating), output_w [h, cv, o], output_b [o].
     """
-
-    def __init__(self, config: Any, global_config: Any, output_dim: int, name: str = "attention"):
-        """Constructs the module; arguments as for Attention."""
-        super().__init__(name=name)
-        self.config = config_lib.module_config(config)
-        self.global_config = config_lib.global_config(global_config)
-        _check_output_dim(output_dim)
-        self.output_dim = output_dim
 
     def __call__(
         self, q_data, m_data, q_mask, *, subbatch_size: int | str | None = None
