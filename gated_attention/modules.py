@@ -157,7 +157,7 @@ class Attention(_AttentionModule):
             global_config.subbatch_size): None (off), an int >= 1, or 'auto' (the largest subbatch
             whose projections and dense logits fit the memory budget). Parameters are created
             once; the whole forward (projections, op, gate, output) runs per subbatch, so its
-            working set is bounded. Results are unchanged.
+            working set is bounded. Results equal the unbatched ones up to float rounding.
 
         Returns:
           [..., b, q, output_dim] in q_data's dtype.
