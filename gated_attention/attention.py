@@ -1,8 +1,8 @@
 """dot_product_attention: argument checks, layout handling and dispatch to an implementation.
 
 The op layer knows nothing of Haiku. Every implementation takes the head-major layout
-query [B, N, T, H], key [B, N, S, H], value [B, N, S, Hv], bias/mask of rank 4 whose dimensions are
-each 1 or equal to [B, N, T, S], and returns [B, N, T, Hv] in query's dtype (see xla.py, the
+query [B, N, T, H], key [B, N, S, H], value [B, N, S, Hv], a tuple of biases (possibly empty) and a
+mask or None, each of rank 4 with dimensions 1 or equal to [B, N, T, S], and returns [B, N, T, Hv] in query's dtype (see xla.py, the
 specification). This module turns the public layouts into that one.
 
 Dispatch is a table (IMPLEMENTATIONS). An explicitly named implementation never falls back; 'auto'
@@ -68,17 +68,14 @@ class Implementation:
     """An entry of the dispatch table.
 
     Attributes:
-      fn: fn(query, key, value, bias, mask, *, scale, options) in the head-major layout.
-      supports: fn(query, key, value, bias, mask) -> None if the implementation can take these
+      fn: fn(query, key, value, biases, mask, *, scale, options) in the head-major layout;
+        biases is a tuple, added by the implementation (never summed whole beforehand).
+      supports: fn(query, key, value, biases, mask) -> None if the implementation can take these
         inputs on the current backend, else a string saying why not.
-      bias_tuple: fn takes several biases as a tuple and adds them itself, so that biases with
-        different broadcast shapes are never summed into one materialized array; otherwise they
-        are summed before the call.
     """
 
     fn: Callable[..., jax.Array]
     supports: Callable[..., str | None]
-    bias_tuple: bool = False
 
 
 def _always(*args) -> None:
@@ -101,8 +98,8 @@ def _chunked(query, key, value, bias, mask, *, scale, options):
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    "xla": Implementation(xla.attend, _always, bias_tuple=True),
-    "chunked": Implementation(_chunked, _always, bias_tuple=True),
+    "xla": Implementation(xla.attend, _always),
+    "chunked": Implementation(_chunked, _always),
     "cudnn": Implementation(cudnn.attend, cudnn.supports),
 }
 
@@ -281,14 +278,6 @@ def _check_biases(bias, target, target_desc) -> tuple:
     return biases
 
 
-def _sum(biases: tuple):
-    """One bias from several: their broadcast sum (materialized at the broadcast shape)."""
-    total = biases[0]
-    for b in biases[1:]:
-        total = total + b
-    return total
-
-
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -348,15 +337,8 @@ def dot_product_attention(
     q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))
     biases = tuple(_flatten_batch(b, batch_dims) for b in biases)
     m = None if mask is None else _flatten_batch(mask, batch_dims)
-    chosen = _resolve(implementation, q, k, v, biases[0] if biases else None, m, options)
-    impl = IMPLEMENTATIONS[chosen]
-    if not biases:
-        b = None
-    elif impl.bias_tuple:
-        b = biases
-    else:
-        b = _sum(biases)  # one materialized bias for implementations that take one
-    out = impl.fn(q, k, v, b, m, scale=scale, options=options)
+    chosen = _resolve(implementation, q, k, v, biases, m, options)
+    out = IMPLEMENTATIONS[chosen].fn(q, k, v, biases, m, scale=scale, options=options)
     out = out.reshape((*batch_dims, *out.shape[1:]))  # [..., N, T, Hv]
     return jnp.swapaxes(out, -3, -2) if layout == "BTNH" else out
 

@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Masked logits are replaced by this value (as in xla.py and AlphaFold 2).
-MASK_VALUE = -1e9
+from gated_attention.xla import MASK_VALUE, accumulation_dtype
+
 # Logit of padded keys: exp(_PAD_VALUE - MASK_VALUE) == 0, so padding never takes weight.
 _PAD_VALUE = -1e30
 
@@ -131,7 +131,7 @@ def tile_bytes(
     Returns:
       The estimate in bytes.
     """
-    acc = jnp.dtype(jnp.promote_types(dtype, jnp.float32)).itemsize
+    acc = jnp.dtype(accumulation_dtype(dtype)).itemsize
     item = jnp.dtype(dtype).itemsize
     per_head = (
         _TILE_BUFFERS * query_chunk * key_chunk * acc
@@ -260,7 +260,7 @@ def _loop(n: int, body: Callable, init):
 
 def _logits(q_i, k_j, bias, mask, i, j, *, scale, tq, tk, kv_len) -> jax.Array:
     """Scaled, biased, masked logits of tile (i, j), [B, N, tq, tk] in the accumulation dtype."""
-    acc = jnp.promote_types(q_i.dtype, jnp.float32)
+    acc = accumulation_dtype(q_i.dtype)
     if q_i.dtype == acc:
         # Scaling the query tile rather than the logits: the same value up to float32 rounding,
         # and the multiply no longer sits between the dot and the softmax (1.1-1.7x faster).
@@ -287,7 +287,7 @@ def _logits(q_i, k_j, bias, mask, i, j, *, scale, tq, tk, kv_len) -> jax.Array:
 def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
     """Output [B, N, T, Hv] (query dtype), row max and row sum of exp(s - max) ([B, N, T], acc)."""
     batch, heads, q_len, _ = q.shape
-    acc = jnp.promote_types(q.dtype, jnp.float32)
+    acc = accumulation_dtype(q.dtype)
     n_q, n_k = q_len // tq, k.shape[2] // tk
     tile_logits = functools.partial(_logits, scale=scale, tq=tq, tk=tk, kv_len=kv_len)
 
@@ -340,7 +340,7 @@ def _reduce_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 def _backward(q, k, v, bias, mask, out, m, row_sum, g, scale, tq, tk, kv_len):
     """Gradients (dq, dk, dv, dbias) of the padded problem, recomputing p tile by tile."""
-    acc = jnp.promote_types(q.dtype, jnp.float32)
+    acc = accumulation_dtype(q.dtype)
     n_q, n_k = q.shape[2] // tq, k.shape[2] // tk
     tile_logits = functools.partial(_logits, scale=scale, tq=tq, tk=tk, kv_len=kv_len)
     delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)  # [B, N, T]

@@ -25,9 +25,9 @@ CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 MAX_HEAD_DIM = 128  # 256 on Hopper and later; 128 holds on every GPU cuDNN flash attention runs on
 
 
-def supports(query, key, value, bias=None, mask=None, *, backend: str | None = None) -> str | None:
+def supports(query, key, value, biases=(), mask=None, *, backend: str | None = None) -> str | None:
     """None when cuDNN can take these head-major inputs on `backend` (default: JAX's), else why not."""
-    del key, bias, mask
+    del key, biases, mask
     backend = jax.default_backend() if backend is None else backend
     if backend != "gpu":
         return f"cuDNN attention runs on GPU only, the backend is {backend!r}"
@@ -52,7 +52,7 @@ def attend(
     query,
     key,
     value,
-    bias=None,
+    biases=(),
     mask=None,
     *,
     scale: float,
@@ -65,7 +65,8 @@ def attend(
       query: [B, N, T, H] float16/bfloat16.
       key: [B, N, S, H].
       value: [B, N, S, H].
-      bias: None or float, rank 4, dims 1 or equal to [B, N, T, S].
+      biases: a tuple of float arrays, rank 4, dims 1 or equal to [B, N, T, S]; cuDNN takes one
+        bias, so they are summed (at their broadcast shape, sequence dims full).
       mask: None or bool, same broadcast rule.
       scale: logit scale.
       options: unused.
@@ -77,6 +78,9 @@ def attend(
     del options
     q_len, kv_len = query.shape[2], key.shape[2]
     to_btnh = lambda x: jnp.swapaxes(x, 1, 2)
+    bias = None
+    for b in biases:
+        bias = b if bias is None else bias + b
     if bias is not None:
         bias = _full_sequence_dims(bias.astype(query.dtype), q_len, kv_len)
     full_mask = None if mask is None else _full_sequence_dims(mask, q_len, kv_len)

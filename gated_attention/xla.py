@@ -38,29 +38,26 @@ def accumulation_dtype(dtype: jnp.dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
-def attend(query, key, value, bias=None, mask=None, *, scale: float, options=None) -> jax.Array:
+def attend(query, key, value, biases=(), mask=None, *, scale: float, options=None) -> jax.Array:
     """`dense` over tiles of batch rows whose logits take about TILE_BYTES; same arguments."""
     del options
     batch, heads, q_len, _ = query.shape
     rows = max(1, TILE_BYTES // (4 * heads * q_len * key.shape[2]))
     if rows >= batch:
-        return dense(query, key, value, bias, mask, scale=scale)
-    biases = () if bias is None else tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
-    fn = jax.checkpoint(
-        lambda q, k, v, mask, *biases: dense(q, k, v, biases or None, mask, scale=scale)
-    )
+        return dense(query, key, value, biases, mask, scale=scale)
+    fn = jax.checkpoint(lambda q, k, v, mask, *biases: dense(q, k, v, biases, mask, scale=scale))
     return mapping.subbatch(fn, [query, key, value, mask, *biases], subbatch_size=rows)
 
 
-def dense(query, key, value, bias=None, mask=None, *, scale: float, options=None) -> jax.Array:
+def dense(query, key, value, biases=(), mask=None, *, scale: float, options=None) -> jax.Array:
     """Dense softmax attention in head-major layout: the specification.
 
     Args:
       query: [B, N, T, H].
       key: [B, N, S, H].
       value: [B, N, S, Hv].
-      bias: None, or a float array or a tuple of float arrays (added), each broadcastable (dims 1 or
-        equal) to [B, N, T, S].
+      biases: a tuple of float arrays (added; possibly empty), each broadcastable (dims 1 or equal)
+        to [B, N, T, S].
       mask: None or a bool array broadcastable to [B, N, T, S]; False entries are masked out.
       scale: multiplies the logits.
       options: unused here (the dense implementation has nothing to tune).
@@ -72,7 +69,7 @@ def dense(query, key, value, bias=None, mask=None, *, scale: float, options=None
     acc = accumulation_dtype(query.dtype)
     logits = jnp.einsum("bnqh,bnkh->bnqk", query, key, preferred_element_type=acc)  # [B, N, T, S]
     logits = logits * jnp.asarray(scale, acc)
-    for b in () if bias is None else bias if isinstance(bias, (tuple, list)) else (bias,):
+    for b in biases:
         logits = logits + b.astype(acc)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.asarray(MASK_VALUE, acc))

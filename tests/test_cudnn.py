@@ -76,7 +76,7 @@ def test_adaptation_matches_reference(dtype, form):
         mask_np[1] = False  # batch 1: fully masked rows
         mask = jnp.asarray(mask_np)
     attend = jax.jit(functools.partial(cudnn.attend, scale=H**-0.5, inner_implementation="xla"))
-    out = attend(q, k, v, bias, mask)
+    out = attend(q, k, v, (bias,), mask)
     assert out.dtype == jnp.dtype(dtype) and out.shape == (B, N, T, H)
     to_btnh = lambda x: np.swapaxes(x, 1, 2)
     expected = reference.dot_product_attention(
