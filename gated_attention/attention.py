@@ -136,8 +136,9 @@ def choose_implementation(
     DENSE_ROW_BYTES): the dense implementation then runs in tiles of rows, forward and backward
     (recomputing each tile), so its working set stays small whatever the batch. Otherwise (long
     sequences) 'chunked', whose query x key tiles bound the working set. Measured on 2 CPU cores
-    (scripts/benchmark.py): batched MSA and triangle shapes run 1.3-1.8x faster in row tiles than in
-    query x key tiles; at 1 x 1,024 tokens and beyond, the chunked one is 1.6-2.6x faster.
+    with scripts/benchmark.py (float32 forward): the MSA-row shape and TriangleAttention at N_res
+    256 and 512 ran 1.4-1.8x faster in row tiles than in query x key tiles (the 128^2 triangle was
+    level); self-attention at 1 x 1,024 tokens and beyond ran 1.6-2.6x faster chunked.
     Arrays or jax.ShapeDtypeStructs are accepted.
 
     Returns:

@@ -8,10 +8,10 @@ the softmax into one loop nest, where AlphaFold 2's 'bqhc' layout costs 3-11x (D
 sits between the logits and the softmax that could split that fusion.
 
 `dense` is the formula. `attend` runs it over tiles of batch rows (jax.lax.map through
-mapping.subbatch) so that one tile's logits stay near TILE_BYTES: buffers of tens of MiB are mapped
-fresh on every call on CPU and page faults then dominate. Measured on 2 cores (float32 forward, op
-only): [64, 8, 256, 256] logits 327 ms dense vs 141-157 ms in tiles of 1-4 rows; [128, 4, 128, 128]
-137 ms vs 60 ms in tiles of 4-8 rows. Every row is computed exactly as `dense` computes it.
+mapping.subbatch) so that one tile's logits stay near TILE_BYTES: on CPU, buffers of tens of MiB are
+mapped fresh on every call and page faults then dominate (DESIGN.md). Every row is computed exactly
+as `dense` computes it. scripts/benchmark.py shows the effect (MSA-row and triangle shapes,
+implementation 'xla' against AF2's formulation).
 
 Each tile is wrapped in jax.checkpoint: under differentiation the loop saves only the tiles' inputs
 and recomputes a tile's logits in the backward pass, so forward+backward memory is bounded by the
