@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gated_attention.xla import MASK_VALUE, accumulation_dtype
+from gated_attention import xla
+from gated_attention.xla import MASK_VALUE, accumulation_dtype, mask_bias
 
 # Logit of padded keys: exp(_PAD_VALUE - MASK_VALUE) == 0, so padding never takes weight.
 _PAD_VALUE = -1e30
@@ -258,8 +259,13 @@ def _loop(n: int, body: Callable, init):
     return jax.lax.fori_loop(0, n, body, init)
 
 
-def _logits(q_i, k_j, bias, mask, i, j, *, scale, tq, tk, kv_len) -> jax.Array:
-    """Scaled, biased, masked logits of tile (i, j), [B, N, tq, tk] in the accumulation dtype."""
+def _logits(q_i, k_j, bias, mask, i, j, *, scale, tq, tk, kv_len, add_mask=False) -> jax.Array:
+    """Scaled, biased, masked logits of tile (i, j), [B, N, tq, tk] in the accumulation dtype.
+
+    Masked logits are replaced by MASK_VALUE, or with add_mask (the forward) have MASK_VALUE added:
+    the same softmax in every row with a key to attend to, and one fused add instead of a select
+    (see xla.dense); _forward sets fully masked rows to what replacement gives.
+    """
     acc = accumulation_dtype(q_i.dtype)
     if q_i.dtype == acc:
         # Scaling the query tile rather than the logits: the same value up to float32 rounding,
@@ -271,7 +277,9 @@ def _logits(q_i, k_j, bias, mask, i, j, *, scale, tq, tk, kv_len) -> jax.Array:
         s = s * jnp.asarray(scale, acc)
     for b in bias:  # a tuple: several biases are added tile by tile, never summed whole
         s = s + _tile(b, i, j, tq, tk).astype(acc)
-    if mask is not None:
+    if mask is not None and add_mask:
+        s = s + mask_bias(_tile(mask, i, j, tq, tk), acc)
+    elif mask is not None:
         s = jnp.where(_tile(mask, i, j, tq, tk), s, jnp.asarray(MASK_VALUE, acc))
     if kv_len % tk:  # the last key tile is padded
         key_pos = j * tk + jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, tk), 3)
@@ -289,7 +297,9 @@ def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
     batch, heads, q_len, _ = q.shape
     acc = accumulation_dtype(q.dtype)
     n_q, n_k = q_len // tq, k.shape[2] // tk
-    tile_logits = functools.partial(_logits, scale=scale, tq=tq, tk=tk, kv_len=kv_len)
+    tile_logits = functools.partial(
+        _logits, scale=scale, tq=tq, tk=tk, kv_len=kv_len, add_mask=True
+    )
 
     def rows(i, carry):
         q_i = _slice(q, i * tq, tq, 2)  # [B, N, tq, H]
@@ -323,13 +333,23 @@ def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
         return out, m_all, sum_all
 
     if n_q == 1:
-        return rows(0, None)
-    init = (
-        jnp.zeros((batch, heads, q_len, v.shape[3]), q.dtype),
-        jnp.zeros((batch, heads, q_len), acc),
-        jnp.zeros((batch, heads, q_len), acc),
-    )
-    return jax.lax.fori_loop(0, n_q, rows, init)
+        out, m, row_sum = rows(0, None)
+    else:
+        init = (
+            jnp.zeros((batch, heads, q_len, v.shape[3]), q.dtype),
+            jnp.zeros((batch, heads, q_len), acc),
+            jnp.zeros((batch, heads, q_len), acc),
+        )
+        out, m, row_sum = jax.lax.fori_loop(0, n_q, rows, init)
+    if mask is None:
+        return out, m, row_sum
+    # Rows with no key to attend to: the uniform average of the (unpadded) values, with the
+    # statistics replacement gives (every logit MASK_VALUE), which the backward recomputes.
+    has_key = jnp.any(mask[..., :kv_len], axis=-1)  # [B|1, N|1, T|1]
+    out = xla.uniform_where_fully_masked(out, v[:, :, :kv_len], mask[..., :kv_len])
+    m = jnp.where(has_key, m, jnp.asarray(MASK_VALUE, acc))
+    row_sum = jnp.where(has_key, row_sum, jnp.asarray(kv_len, acc))
+    return out, m, row_sum
 
 
 def _reduce_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:

@@ -67,12 +67,20 @@ def dense(query, key, value, biases=(), mask=None, *, scale: float, options=None
     """
     del options
     acc = accumulation_dtype(query.dtype)
-    logits = jnp.einsum("bnqh,bnkh->bnqk", query, key, preferred_element_type=acc)  # [B, N, T, S]
-    logits = logits * jnp.asarray(scale, acc)
+    # In float32/64 the scale multiplies the [.., T, H] queries, not the [.., T, S] logits (a
+    # low-precision query would be rounded again, so there the logits are scaled).
+    scale_query = query.dtype == acc
+    q = query * jnp.asarray(scale, acc) if scale_query else query
+    logits = jnp.einsum("bnqh,bnkh->bnqk", q, key, preferred_element_type=acc)  # [B, N, T, S]
+    if not scale_query:
+        logits = logits * jnp.asarray(scale, acc)
     for b in biases:
         logits = logits + b.astype(acc)
     if mask is not None:
-        logits = jnp.where(mask, logits, jnp.asarray(MASK_VALUE, acc))
+        # Masking by adding MASK_VALUE (one fused add, ~35% faster on CPU than a select over the
+        # logits; see the module docstring) gives masked keys exactly zero weight wherever the
+        # row has a key to attend to. Rows with none are set to the uniform average below.
+        logits = logits + mask_bias(mask, acc)
     # Softmax with the normalization deferred past the second matmul: dividing [.., T, Hv] instead
     # of [.., T, S] saved ~20% at MSA-row shapes. The shift is a constant per row (no gradient).
     shift = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # [B, N, T, 1]
@@ -81,4 +89,23 @@ def dense(query, key, value, biases=(), mask=None, *, scale: float, options=None
         "bnqk,bnkh->bnqh", unnormalized.astype(value.dtype), value, preferred_element_type=acc
     )  # [B, N, T, Hv]
     out = out / jnp.sum(unnormalized, axis=-1, keepdims=True)
-    return out.astype(query.dtype)
+    return uniform_where_fully_masked(out.astype(query.dtype), value, mask)
+
+
+def mask_bias(mask: jax.Array, dtype) -> jax.Array:
+    """bool mask -> additive bias of the same shape: 0 where True, MASK_VALUE where False."""
+    return jnp.where(mask, jnp.asarray(0, dtype), jnp.asarray(MASK_VALUE, dtype))
+
+
+def uniform_where_fully_masked(out: jax.Array, value: jax.Array, mask) -> jax.Array:
+    """Rows of out [B, N, T, Hv] whose mask has no True key become the mean of value over keys.
+
+    This is AlphaFold 2's result for such rows (all logits replaced by the same mask value), and
+    what every implementation returns, whatever its arithmetic there. The gradient through those
+    rows reaches value only, as in AF2.
+    """
+    if mask is None:
+        return out
+    has_key = jnp.any(mask, axis=-1, keepdims=True)  # [B|1, N|1, T|1, 1]
+    uniform = jnp.mean(value.astype(accumulation_dtype(value.dtype)), axis=2, keepdims=True)
+    return jnp.where(has_key, out, uniform.astype(out.dtype))  # uniform: [B, N, 1, Hv]
