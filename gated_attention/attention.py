@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from gated_attention import chunked, cudnn, xla
+from gated_attention import chunked, cudnn, precision, xla
 
 LAYOUTS = ("BTNH", "BNTH")
 
@@ -43,11 +43,14 @@ class AttentionOptions:
       query_chunk_size: query tile length for 'chunked' (None: chosen from the budget).
       key_chunk_size: key tile length for 'chunked' (None: chosen from the budget).
       memory_budget_bytes: working-set budget for 'auto' and for choosing chunk sizes.
+      compute_dtype: the precision policy (precision.POLICIES): 'auto' computes bfloat16/float16
+        inputs in float32 on CPU, 'input' in their own dtype, 'float32' in float32 everywhere.
     """
 
     query_chunk_size: int | None = None
     key_chunk_size: int | None = None
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+    compute_dtype: str = "auto"
 
     def __post_init__(self):
         for name in ("query_chunk_size", "key_chunk_size"):
@@ -57,6 +60,7 @@ class AttentionOptions:
         budget = self.memory_budget_bytes
         if not _is_int(budget) or budget < 1:
             raise ValueError(f"memory_budget_bytes must be an int >= 1, got {budget!r}")
+        precision.check_policy("compute_dtype", self.compute_dtype)
 
 
 def _is_int(value: Any) -> bool:
@@ -295,7 +299,8 @@ def dot_product_attention(
 
     softmax(scale * q.k + bias, masked entries replaced by -1e9) . v, with logits and softmax in
     float32 (float64 for float64 inputs) whatever the input dtype. A fully masked query row gives the
-    uniform average of the values (never NaN).
+    uniform average of the values (never NaN). bfloat16/float16 inputs are computed in float32 on
+    CPU unless options.compute_dtype says otherwise (precision.py); the output has query's dtype.
 
     Args:
       query: [..., T, N, H] (layout 'BTNH', jax.nn's) or [..., N, T, H] (layout 'BNTH').
@@ -335,12 +340,16 @@ def dot_product_attention(
         _check_broadcastable("mask", mask, target, target_desc)
     if scale is None:
         scale = query.shape[-1] ** -0.5
+    out_dtype = query.dtype
+    compute = precision.compute_dtype(out_dtype, options.compute_dtype)
+    if compute != out_dtype:  # biases are cast by the implementations, as for any dtype
+        query, key, value = (x.astype(compute) for x in (query, key, value))
     q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))
     biases = tuple(_flatten_batch(b, batch_dims) for b in biases)
     m = None if mask is None else _flatten_batch(mask, batch_dims)
     chosen = _resolve(implementation, q, k, v, biases, m, options)
     out = IMPLEMENTATIONS[chosen].fn(q, k, v, biases, m, scale=scale, options=options)
-    out = out.reshape((*batch_dims, *out.shape[1:]))  # [..., N, T, Hv]
+    out = out.reshape((*batch_dims, *out.shape[1:])).astype(out_dtype)  # [..., N, T, Hv]
     return jnp.swapaxes(out, -3, -2) if layout == "BTNH" else out
 
 

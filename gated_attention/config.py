@@ -20,7 +20,7 @@ from typing import Any
 
 import ml_collections
 
-from gated_attention import attention
+from gated_attention import attention, precision
 
 ORIENTATIONS = ("per_row", "per_column")
 DEFAULT_MEMORY_BUDGET_MIB = attention.DEFAULT_MEMORY_BUDGET_BYTES // 2**20
@@ -131,6 +131,8 @@ class GlobalConfig:
       attention_implementation: 'auto' or an implementation name.
       query_chunk_size, key_chunk_size: tile sizes for 'chunked' (None: from the budget).
       memory_budget_mib: working-set budget used by 'auto' choices.
+      compute_dtype: precision policy, one of precision.POLICIES ('auto': bfloat16/float16 inputs
+        are computed in float32 on CPU; 'input': in their own dtype, as AF2; 'float32').
     """
 
     zero_init: bool = True
@@ -141,9 +143,11 @@ class GlobalConfig:
     query_chunk_size: int | None = None
     key_chunk_size: int | None = None
     memory_budget_mib: float = DEFAULT_MEMORY_BUDGET_MIB
+    compute_dtype: str = "auto"
 
     def __post_init__(self):
         where = "global_config"
+        precision.check_policy(f"{where}.compute_dtype", self.compute_dtype)
         _check_bool(where, "zero_init", self.zero_init)
         if self.subbatch_size != "auto":
             _check_int(where, "subbatch_size", self.subbatch_size, 1, optional=True)
@@ -227,6 +231,7 @@ def attention_options(
         query_chunk_size=pick("query_chunk_size"),
         key_chunk_size=pick("key_chunk_size"),
         memory_budget_bytes=int(budget_mib * 2**20),
+        compute_dtype=glob.compute_dtype,
     )
 
 
@@ -278,6 +283,7 @@ def experiment_config() -> ml_collections.ConfigDict:
     cfg.global_config.query_chunk_size = ml_collections.config_dict.placeholder(int)
     cfg.global_config.key_chunk_size = ml_collections.config_dict.placeholder(int)
     cfg.global_config.memory_budget_mib = float(DEFAULT_MEMORY_BUDGET_MIB)
+    cfg.global_config.compute_dtype = "auto"  # precision.POLICIES: float32 for bf16/f16 on CPU
 
     # Input sizes: q_data [batch, num_queries, q_channels], m_data [batch, num_keys, m_channels].
     # The AF2 family modules (self-attention, update of the input's shape) read only batch as

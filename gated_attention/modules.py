@@ -19,7 +19,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gated_attention import attention, mapping
+from gated_attention import attention, mapping, precision
 from gated_attention import config as config_lib
 
 
@@ -180,11 +180,14 @@ class Attention(_AttentionModule):
             self, (a, h, key_dim), (m, h, key_dim), (m, h, value_dim), q_data.dtype
         )
         implementation, options = config_lib.attention_options(cfg, self.global_config)
+        compute = precision.compute_dtype(q_data.dtype, options.compute_dtype)
 
         def forward(q_data, m_data, mask, *biases):  # pure: parameters are closed over
-            q = jnp.einsum("...qa,ahc->...qhc", q_data, params["query_w"])  # [..., b, q, h, c]
-            k = jnp.einsum("...ka,ahc->...khc", m_data, params["key_w"])  # [..., b, k, h, c]
-            v = jnp.einsum("...ka,ahc->...khc", m_data, params["value_w"])  # [..., b, k, h, cv]
+            out_dtype = q_data.dtype
+            q_data, m_data, p = precision.cast_floats((q_data, m_data, params), compute)
+            q = jnp.einsum("...qa,ahc->...qhc", q_data, p["query_w"])  # [..., b, q, h, c]
+            k = jnp.einsum("...ka,ahc->...khc", m_data, p["key_w"])  # [..., b, k, h, c]
+            v = jnp.einsum("...ka,ahc->...khc", m_data, p["value_w"])  # [..., b, k, h, cv]
             weighted_avg = attention.dot_product_attention(
                 q,
                 k,
@@ -195,7 +198,7 @@ class Attention(_AttentionModule):
                 implementation=implementation,
                 options=options,
             )  # [..., b, q, h, cv]
-            return _gated_output(weighted_avg, q_data, params)  # [..., b, q, o]
+            return _gated_output(weighted_avg, q_data, p).astype(out_dtype)  # [..., b, q, o]
 
         args = [q_data, m_data, mask, *biases]
         if subbatch_size == "auto":
@@ -299,15 +302,17 @@ class GlobalAttention(_AttentionModule):
         dtype = q_data.dtype
         params = _create_params(self, (a, h, key_dim), (m, key_dim), (m, value_dim), dtype)
         implementation, options = config_lib.attention_options(cfg, self.global_config)
+        compute = precision.compute_dtype(dtype, options.compute_dtype)
 
         def forward(q_data, m_data, q_mask):  # pure: parameters are closed over
-            weights = q_mask.astype(dtype)  # [..., b, q, 1]
+            q_data, m_data, p = precision.cast_floats((q_data, m_data, params), compute)
+            weights = q_mask.astype(compute)  # [..., b, q, 1]
             q_avg = jnp.sum(weights * q_data, axis=-2) / (
                 jnp.sum(weights, axis=-2) + 1e-10
             )  # [..., b, a]
-            q = jnp.einsum("...a,ahc->...hc", q_avg, params["query_w"])  # [..., b, h, c]
-            k = jnp.einsum("...ka,ac->...kc", m_data, params["key_w"])  # [..., b, k, c]
-            v = jnp.einsum("...ka,ac->...kc", m_data, params["value_w"])  # [..., b, k, cv]
+            q = jnp.einsum("...a,ahc->...hc", q_avg, p["query_w"])  # [..., b, h, c]
+            k = jnp.einsum("...ka,ac->...kc", m_data, p["key_w"])  # [..., b, k, c]
+            v = jnp.einsum("...ka,ac->...kc", m_data, p["value_w"])  # [..., b, k, cv]
             key_mask = jnp.swapaxes(q_mask.astype(bool), -1, -2)[
                 ..., None, :, :
             ]  # [..., b, 1, 1, k]
@@ -322,8 +327,9 @@ class GlobalAttention(_AttentionModule):
                 implementation=implementation,
                 options=options,
             )  # [..., b, h, 1, cv]
-            out = _gated_output(jnp.swapaxes(avg, -3, -2), q_data, params)  # [..., b, q|1, o]
-            return jnp.broadcast_to(out, (*q_data.shape[:-1], self.output_dim))  # [..., b, q, o]
+            out = _gated_output(jnp.swapaxes(avg, -3, -2), q_data, p)  # [..., b, q|1, o]
+            out = jnp.broadcast_to(out, (*q_data.shape[:-1], self.output_dim))  # [..., b, q, o]
+            return out.astype(dtype)
 
         if subbatch_size == "auto":  # per row: gate and gated average per query, k and v per key
             queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])

@@ -14,8 +14,13 @@ from tests.helpers import DTYPES, IMPLEMENTATIONS, as_f64, assert_close, cast_tr
 B, Q, K, A, M, H, O = 2, 5, 6, 12, 10, 2, 7
 
 
+# Low-precision inputs run in their own dtype here (the 'input' policy), so that the reference
+# tests check bfloat16/float16 arithmetic; test_precision.py checks the CPU default (float32).
+GLOBAL = dict(zero_init=False, compute_dtype="input")
+
+
 def _attention(config, global_config=None, output_dim=O, **call_kwargs):
-    global_config = dict(zero_init=False) if global_config is None else global_config
+    global_config = GLOBAL if global_config is None else global_config
 
     def forward(q_data, m_data, mask=None, nonbatched_bias=None, bias=None):
         module = ga.Attention(config, global_config, output_dim)
@@ -25,7 +30,7 @@ def _attention(config, global_config=None, output_dim=O, **call_kwargs):
 
 
 def _global_attention(config, global_config=None, output_dim=O):
-    global_config = dict(zero_init=False) if global_config is None else global_config
+    global_config = GLOBAL if global_config is None else global_config
     return hk.without_apply_rng(
         hk.transform(
             lambda q, m, mask: ga.GlobalAttention(config, global_config, output_dim)(q, m, mask)

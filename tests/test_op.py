@@ -13,6 +13,10 @@ from tests.helpers import DTYPES, IMPLEMENTATIONS, assert_close, rand
 
 B, T, S, N, H, HV = 2, 5, 7, 3, 4, 6
 
+# The reference tests run low-precision inputs in their own dtype (the 'input' policy): on CPU the
+# default policy computes them in float32, which test_precision.py checks separately.
+RAW = ga.AttentionOptions(compute_dtype="input")
+
 # name -> (bias shape, mask shape) in [B, N, T, S] terms; None = absent.
 FORMS = {
     "plain": (None, None),
@@ -50,7 +54,9 @@ def _problem(dtype, form, seed=0, shape=(B, T, S, N, H, HV)):
 @pytest.mark.parametrize("form", list(FORMS))
 def test_forward_matches_reference(implementation, dtype, form):
     (q, k, v, bias, mask), ref_inputs = _problem(dtype, FORMS[form])
-    op = jax.jit(functools.partial(ga.dot_product_attention, implementation=implementation))
+    op = jax.jit(
+        functools.partial(ga.dot_product_attention, implementation=implementation, options=RAW)
+    )
     out = op(q, k, v, bias, mask)
     assert out.dtype == jnp.dtype(dtype) and out.shape == (B, T, N, HV)
     assert_close(out, reference.dot_product_attention(*ref_inputs), reference.tolerance(dtype))
@@ -68,7 +74,9 @@ def test_gradients_match_reference(implementation, dtype, form):
     acc = jnp.promote_types(dtype, jnp.float32)
 
     def loss(q, k, v, bias):
-        out = ga.dot_product_attention(q, k, v, bias, mask, implementation=implementation)
+        out = ga.dot_product_attention(
+            q, k, v, bias, mask, implementation=implementation, options=RAW
+        )
         return jnp.sum(out.astype(acc) * cot.astype(acc))
 
     def ref_loss(q, k, v, bias):
@@ -92,7 +100,9 @@ def test_fully_masked_rows_are_uniform_and_finite(implementation, dtype):
     mask = jnp.asarray(mask)
 
     def loss(q, k, v, bias):
-        out = ga.dot_product_attention(q, k, v, bias, mask, implementation=implementation)
+        out = ga.dot_product_attention(
+            q, k, v, bias, mask, implementation=implementation, options=RAW
+        )
         return jnp.sum(out.astype(jnp.float32)), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
