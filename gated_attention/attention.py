@@ -76,10 +76,13 @@ class Implementation:
         biases is a tuple, added by the implementation (never summed whole beforehand).
       supports: fn(query, key, value, biases, mask) -> None if the implementation can take these
         inputs on the current backend, else a string saying why not.
+      caller_row_tile: fn(batch, row_queries, row_logits) -> the batch rows per tile in which a
+        caller able to run its whole computation per tile (the modules) should do so, or None.
     """
 
     fn: Callable[..., jax.Array]
     supports: Callable[..., str | None]
+    caller_row_tile: Callable[[int, int, int], int | None] = lambda *args: None
 
 
 def _always(*args) -> None:
@@ -102,7 +105,7 @@ def _chunked(query, key, value, bias, mask, *, scale, options):
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    "xla": Implementation(xla.attend, _always),
+    "xla": Implementation(xla.attend, _always, xla.caller_row_tile),
     "chunked": Implementation(_chunked, _always),
     "cudnn": Implementation(cudnn.attend, cudnn.supports),
 }
@@ -160,6 +163,45 @@ def choose_implementation(
     if "chunked" in IMPLEMENTATIONS and row_bytes > limit:
         return "chunked", sizes
     return "xla", sizes
+
+
+def caller_row_tile(
+    implementation: str | None,
+    query_shape: tuple[int, ...],
+    key_shape: tuple[int, ...],
+    dtype=jnp.float32,
+    options: AttentionOptions | None = None,
+) -> int | None:
+    """Rows of the leading axis per tile for a caller that can run all its work per tile.
+
+    A module whose rows are independent (projections, attention, gate, output) may run them in
+    tiles of this many rows of its leading axis, which keeps a tile's whole working set in cache;
+    None means it should not tile. Depends on the implementation dot_product_attention would use
+    ('auto' resolved as it would be, without logging).
+
+    Args:
+      implementation: as for dot_product_attention.
+      query_shape: [..., T, N, H] (the 'BTNH' layout); the leading axis is the one tiled.
+      key_shape: [..., S, N, H].
+      dtype: the dtype query and key will have.
+      options: as for dot_product_attention.
+    """
+    options = AttentionOptions() if options is None else options
+    name = "auto" if implementation is None else implementation
+    if name not in IMPLEMENTATIONS and name != "auto":
+        return None  # dot_product_attention raises the error
+    *lead, q_len, heads, head_dim = query_shape
+    if not lead:
+        return None
+    if name == "auto":
+        rows = math.prod(lead)
+        q = jax.ShapeDtypeStruct((rows, heads, q_len, head_dim), dtype)
+        k = jax.ShapeDtypeStruct((rows, heads, key_shape[-3], head_dim), dtype)
+        name, _ = choose_implementation(q, k, k, memory_budget_bytes=options.memory_budget_bytes)
+    row_queries = math.prod(lead[1:]) * q_len
+    return IMPLEMENTATIONS[name].caller_row_tile(
+        lead[0], row_queries, row_queries * heads * key_shape[-3]
+    )
 
 
 def _mib(num_bytes: int) -> str:

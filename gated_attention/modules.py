@@ -218,9 +218,24 @@ class Attention(_AttentionModule):
             subbatch_size = mapping.subbatch_size_for_budget(
                 q_data.shape[0], per_row, options.memory_budget_bytes
             )
-        if subbatch_size is None:
-            return forward(*args)
         batched = [True, True] + [x is not None and x.shape[0] != 1 for x in args[2:]]
+        if subbatch_size is None:
+            # Not asked to subbatch: still run the whole forward in row tiles when the op's
+            # implementation says a tile's work then stays in cache. Under differentiation each
+            # tile keeps its projections (matmuls without batch dims) and recomputes attention.
+            tile = attention.caller_row_tile(
+                implementation,
+                (*batch, q_len, h, key_dim),
+                (*batch, k_len, h, key_dim),
+                compute,
+                options,
+            )
+            if tile is None:
+                return forward(*args)
+            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            return mapping.subbatch(
+                jax.checkpoint(forward, policy=policy), args, subbatch_size=tile, batched=batched
+            )
         return mapping.subbatch(forward, args, subbatch_size=subbatch_size, batched=batched)
 
 

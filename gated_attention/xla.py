@@ -38,6 +38,25 @@ def accumulation_dtype(dtype: jnp.dtype) -> jnp.dtype:
     return jnp.promote_types(dtype, jnp.float32)
 
 
+# A caller that can run its whole computation per tile of batch rows (the modules: projections,
+# attention, gate and output) does so when a TILE_BYTES tile holds at least this many query rows;
+# below that its projections' matmuls get too short to gain. scripts/benchmark.py shows the effect
+# (triangle shape: tiles of 8 rows x 128 queries; MSA-row shape: 1 row x 256 queries, not tiled).
+MIN_CALLER_TILE_QUERIES = 1024
+
+
+def caller_row_tile(batch: int, row_queries: int, row_logits: int) -> int | None:
+    """Batch rows per tile for a caller that tiles its whole computation, or None (don't).
+
+    Args:
+      batch: rows of the leading axis.
+      row_queries: query positions in one row.
+      row_logits: logits (heads x queries x keys) of one row.
+    """
+    rows = max(1, TILE_BYTES // (4 * row_logits))
+    return rows if rows < batch and rows * row_queries >= MIN_CALLER_TILE_QUERIES else None
+
+
 def attend(query, key, value, biases=(), mask=None, *, scale: float, options=None) -> jax.Array:
     """`dense` over tiles of batch rows whose logits take about TILE_BYTES; same arguments."""
     del options

@@ -334,3 +334,50 @@ def test_global_attention_gradients_and_af2_params():
     np.testing.assert_allclose(
         jax.jit(module.apply)(params, q_data, q_data, mask), theirs, rtol=1e-5, atol=1e-6
     )
+
+
+def test_row_tiled_forward_matches_reference_with_gradients(monkeypatch):
+    """The whole forward in row tiles (chosen by the op for 'xla'), checkpointed per tile."""
+    from gated_attention import xla
+
+    rng = np.random.default_rng(5)
+    b = 5  # tiles of 2 rows: two full tiles and a remainder
+    q_data, q64 = rand(rng, (b, Q, A), "float32")
+    m_data, m64 = rand(rng, (b, K, M), "float32")
+    mask = jnp.asarray(rng.random((b, 1, 1, K)) > 0.3)
+    nb, nb64 = rand(rng, (H, Q, K), "float32")
+    params64 = reference.random_attention_params(rng, A, M, H, A // H, M // H, O)
+    params = dict(attention=cast_tree(params64, "float32"))
+    monkeypatch.setattr(xla, "TILE_BYTES", 2 * 4 * H * Q * K)  # 2 rows per tile
+    monkeypatch.setattr(xla, "MIN_CALLER_TILE_QUERIES", 1)
+    assert ga.attention.caller_row_tile("xla", (b, Q, H, 6), (b, K, H, 6)) == 2
+    module = _attention(dict(num_head=H), dict(GLOBAL, attention_implementation="xla"))
+    jaxpr = str(jax.make_jaxpr(module.apply)(params, q_data, m_data, mask, nb))
+    assert "scan" in jaxpr and "remat" in jaxpr  # really tiled, checkpointed per tile
+    out = jax.jit(module.apply)(params, q_data, m_data, mask, nb)
+    expected = reference.attention(params64, q64, m64, np.asarray(mask), nb64)
+    assert_close(out, expected, reference.tolerance("float32"))
+
+    def loss(params, q_data, nb):
+        return jnp.sum(module.apply(params, q_data, m_data, mask, nb) ** 2)
+
+    def ref_loss(params, q_data, nb):
+        out = reference.attention(params["attention"], q_data, m64, np.asarray(mask), nb, xp=jnp)
+        return jnp.sum(out**2)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, q_data, nb)
+    ref = jax.grad(ref_loss, argnums=(0, 1, 2))(dict(attention=params64), q64, nb64)
+    jax.tree.map(lambda g, r: assert_close(g, r, reference.grad_tolerance("float32")), grads, ref)
+
+
+def test_caller_row_tile_rules():
+    tile = ga.attention.caller_row_tile
+    # Triangle shape: 8 rows of 128 queries fill a 2 MiB tile of logits.
+    assert tile("xla", (128, 128, 4, 32), (128, 128, 4, 32)) == 8
+    assert tile("auto", (128, 128, 4, 32), (128, 128, 4, 32)) == 8
+    # MSA-row shape: one row per tile has too few queries for the projections to gain.
+    assert tile("auto", (64, 256, 8, 8), (64, 256, 8, 8)) is None
+    # Long rows go to 'chunked', which leaves tiling to itself; so does a single-row batch.
+    assert tile("auto", (2, 4096, 8, 32), (2, 4096, 8, 32)) is None
+    assert tile("chunked", (128, 128, 4, 32), (128, 128, 4, 32)) is None
+    assert tile("xla", (8, 128, 4, 32), (8, 128, 4, 32)) is None
