@@ -11,10 +11,13 @@ D = rowsum(dO * O); per tile p = exp(s - lse), dv += p^T dO, dp = dO v^T, ds = p
 
 Layout and numerics are those of xla.py (the specification): head-major query [B, N, T, H],
 key [B, N, S, H], value [B, N, S, Hv]; bias and mask of rank 4 whose every dimension is 1 or equal
-to [B, N, T, S]; logits accumulate in float32 (float64 for float64 inputs); masked logits are
-replaced by -1e9, so a fully masked row is the uniform average of the values. One deviation in
-rounding only: for float32/float64 inputs the scale multiplies the query tile before the dot rather
-than the logits after it (see _logits).
+to [B, N, T, S]; logits accumulate in float32 (float64 for float64 inputs); masked keys get zero
+weight and a fully masked row is the uniform average of the values. As in xla.py, the forward adds
+-1e9 to masked logits (a fused add, not a select) and sets fully masked rows, and their softmax
+statistics, to what replacing every logit by -1e9 gives; the backward recomputes with replacement.
+The two agree wherever the largest unmasked logit of a row is far above -1e9 (it differs only for
+rows whose every unmasked logit has a bias near -1e9 itself). For float32/float64 inputs the scale
+multiplies the query tile before the dot rather than the logits after it (see _logits).
 
 Einsum letters: b batch, n heads, q query positions, k key positions, h per-head channel.
 
@@ -34,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gated_attention import xla
 from gated_attention.xla import MASK_VALUE, accumulation_dtype, mask_bias
 
 # Logit of padded keys: exp(_PAD_VALUE - MASK_VALUE) == 0, so padding never takes weight.
@@ -301,6 +303,13 @@ def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
         _logits, scale=scale, tq=tq, tk=tk, kv_len=kv_len, add_mask=True
     )
 
+    if mask is not None:
+        # Rows with no key to attend to get the uniform average of the (unpadded) values and the
+        # statistics replacement gives (every logit MASK_VALUE), which the backward recomputes.
+        # Applied per row block: a select over the whole output would copy it.
+        has_key = jnp.any(mask[..., :kv_len], axis=-1)  # [B|1, N|1, T|1]
+        uniform = jnp.mean(v[:, :, :kv_len].astype(acc), axis=2, keepdims=True)  # [B, N, 1, Hv]
+
     def rows(i, carry):
         q_i = _slice(q, i * tq, tq, 2)  # [B, N, tq, H]
 
@@ -323,7 +332,13 @@ def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
             jnp.zeros((batch, heads, tq, v.shape[3]), acc),
         )
         m, row_sum, o = _loop(n_k, step, init)
-        o = (o / row_sum[..., None]).astype(q.dtype)
+        o = o / row_sum[..., None]
+        if mask is not None:
+            has_key_i = _slice(has_key, i * tq, tq, 2)  # [B|1, N|1, tq|1]
+            o = jnp.where(has_key_i[..., None], o, uniform)
+            m = jnp.where(has_key_i, m, jnp.asarray(MASK_VALUE, acc))
+            row_sum = jnp.where(has_key_i, row_sum, jnp.asarray(kv_len, acc))
+        o = o.astype(q.dtype)
         if n_q == 1:
             return o, m, row_sum
         out, m_all, sum_all = carry
@@ -333,23 +348,13 @@ def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
         return out, m_all, sum_all
 
     if n_q == 1:
-        out, m, row_sum = rows(0, None)
-    else:
-        init = (
-            jnp.zeros((batch, heads, q_len, v.shape[3]), q.dtype),
-            jnp.zeros((batch, heads, q_len), acc),
-            jnp.zeros((batch, heads, q_len), acc),
-        )
-        out, m, row_sum = jax.lax.fori_loop(0, n_q, rows, init)
-    if mask is None:
-        return out, m, row_sum
-    # Rows with no key to attend to: the uniform average of the (unpadded) values, with the
-    # statistics replacement gives (every logit MASK_VALUE), which the backward recomputes.
-    has_key = jnp.any(mask[..., :kv_len], axis=-1)  # [B|1, N|1, T|1]
-    out = xla.uniform_where_fully_masked(out, v[:, :, :kv_len], mask[..., :kv_len])
-    m = jnp.where(has_key, m, jnp.asarray(MASK_VALUE, acc))
-    row_sum = jnp.where(has_key, row_sum, jnp.asarray(kv_len, acc))
-    return out, m, row_sum
+        return rows(0, None)
+    init = (
+        jnp.zeros((batch, heads, q_len, v.shape[3]), q.dtype),
+        jnp.zeros((batch, heads, q_len), acc),
+        jnp.zeros((batch, heads, q_len), acc),
+    )
+    return jax.lax.fori_loop(0, n_q, rows, init)
 
 
 def _reduce_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:

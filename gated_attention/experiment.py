@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from gated_attention import alphafold, attention, modules
+from gated_attention import alphafold, attention, modules, precision
 from gated_attention import config as config_lib
 from gated_attention import params as params_lib
 
@@ -256,6 +256,7 @@ def run_forward(cfg: ml_collections.ConfigDict, params: Any = None) -> dict[str,
         backend=jax.default_backend(),
         devices=[str(d) for d in jax.devices()],
         dtype=cfg.data.dtype,
+        compute_dtype=str(precision.compute_dtype(cfg.data.dtype, cfg.global_config.compute_dtype)),
         input_shapes=[None if x is None else list(x.shape) for x in problem.inputs],
         output_shape=list(out.shape),
         implementations=[

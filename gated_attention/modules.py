@@ -7,7 +7,8 @@ transposes to head-major inside, where its tiles stay small.
 
 Parameter names, shapes and initializers are AlphaFold 2's (DESIGN.md), so AF2 params apply unchanged.
 The module owns parameters, gate and output projection and calls the op once; it never branches on the
-implementation, which comes from the configs.
+implementation, which comes from the configs. It asks the op layer (attention.caller_row_tile) whether
+to run its whole forward in tiles of batch rows, which it then does for any implementation.
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ class Attention(_AttentionModule):
     Parameters (a = q_data channels, m = m_data channels, h = num_head, c = key_dim // h,
     cv = value_dim // h, o = output_dim): query_w [a, h, c], key_w [m, h, c], value_w [m, h, cv],
     gating_w [a, h, cv] and gating_b [h, cv] when config.gating, output_w [h, cv, o], output_b [o];
-    created in q_data's dtype with AlphaFold 2's initializers.
+    created in q_data's dtype with AlphaFold 2's initializers. The forward runs in the dtype of
+    global_config.compute_dtype's policy (precision.py: float32 for bfloat16/float16 on CPU by
+    default) and returns q_data's dtype.
     """
 
     def __call__(

@@ -3,7 +3,7 @@
 Head-major layout (see attention.py): query [B, N, T, H], key [B, N, S, H], value [B, N, S, Hv];
 bias and mask rank 4 with every dimension 1 or equal to [B, N, T, S].
 
-Written head-major on purpose: on CPU, XLA fuses 'bnqh,bnkh->bnqk', the bias add, the mask select and
+Written head-major on purpose: on CPU, XLA fuses 'bnqh,bnkh->bnqk', the bias and mask adds and
 the softmax into one loop nest, where AlphaFold 2's 'bqhc' layout costs 3-11x (DESIGN.md). Nothing
 sits between the logits and the softmax that could split that fusion.
 
@@ -12,6 +12,11 @@ mapping.subbatch) so that one tile's logits stay near TILE_BYTES: on CPU, buffer
 mapped fresh on every call and page faults then dominate (DESIGN.md). Every row is computed exactly
 as `dense` computes it. scripts/benchmark.py shows the effect (MSA-row and triangle shapes,
 implementation 'xla' against AF2's formulation).
+
+Masking adds MASK_VALUE to the masked logits instead of selecting it: masked keys still get exactly
+zero weight in every row that has a key to attend to, and rows with none are set to AF2's result
+(the uniform average) explicitly. On XLA:CPU the select over the logits was a separate loop that
+took about a third of a tile's time at the MSA-row shape; the add fuses with the bias add.
 
 Each tile is wrapped in jax.checkpoint: under differentiation the loop saves only the tiles' inputs
 and recomputes a tile's logits in the backward pass, so forward+backward memory is bounded by the
@@ -96,9 +101,8 @@ def dense(query, key, value, biases=(), mask=None, *, scale: float, options=None
     for b in biases:
         logits = logits + b.astype(acc)
     if mask is not None:
-        # Masking by adding MASK_VALUE (one fused add, ~35% faster on CPU than a select over the
-        # logits; see the module docstring) gives masked keys exactly zero weight wherever the
-        # row has a key to attend to. Rows with none are set to the uniform average below.
+        # Adding MASK_VALUE (see the module docstring) gives masked keys exactly zero weight
+        # wherever the row has a key to attend to; rows with none are set below.
         logits = logits + mask_bias(mask, acc)
     # Softmax with the normalization deferred past the second matmul: dividing [.., T, Hv] instead
     # of [.., T, S] saved ~20% at MSA-row shapes. The shift is a constant per row (no gradient).

@@ -44,6 +44,8 @@ def test_every_preset_builds_and_runs_a_tiny_forward(file, preset):
     assert report["output_checksum"]["finite"]
     assert report["output_shape"] == [2, 8, cfg.data.output_dim]
     assert report["dtype"] == cfg.data.dtype and report["implementations"]
+    expected_compute = "float32" if cfg.data.dtype in ("bfloat16", "float16") else cfg.data.dtype
+    assert report["compute_dtype"] == expected_compute  # CPU: low precision runs in float32
     assert report["output_checksum"]["abs_sum"] > 0  # zero_init off: a real output
 
 

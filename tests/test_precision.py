@@ -127,3 +127,44 @@ def test_default_bfloat16_is_more_accurate_than_bfloat16_arithmetic():
     )
     assert err(default) <= err(raw)
     assert_close(default, ref, reference.tolerance("bfloat16"))
+
+
+def test_module_bfloat16_gradients_are_the_float32_computation_on_the_rounded_inputs():
+    rng = np.random.default_rng(4)
+    x, _ = rand(rng, (3, 5, 8), "bfloat16")
+    bias, _ = rand(rng, (2, 5, 5), "bfloat16")
+    mask = jnp.asarray(rng.random((3, 1, 1, 5)) > 0.3)
+    fn = _module("auto")
+    params = fn.init(jax.random.PRNGKey(0), x, mask, bias)
+
+    cot, _ = rand(rng, (3, 5, 8), "bfloat16")  # a cotangent exact in bfloat16
+
+    def loss(params, x):
+        return jnp.sum(fn.apply(params, x, mask, bias).astype(jnp.float32) * cot)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
+    expected = jax.jit(jax.grad(loss, argnums=(0, 1)))(up(params), up(x))
+    # Only the rounding of gradients to bfloat16 differs (x's gradient is the sum of its q_data
+    # and m_data parts, each rounded): a few bfloat16 ulps of the largest entry.
+    jax.tree.map(
+        lambda g, e: np.testing.assert_allclose(
+            np.asarray(g, np.float32), np.asarray(e), rtol=0, atol=2**-7 * np.abs(e).max()
+        ),
+        grads,
+        expected,
+    )
+    # The bfloat16 arithmetic path ('input') is much further from it than that.
+    raw = jax.jit(
+        jax.grad(
+            lambda p, x: jnp.sum(
+                _module("input").apply(p, x, mask, bias).astype(jnp.float32) * cot
+            ),
+            argnums=(0, 1),
+        )
+    )(params, x)
+    worst = lambda t: max(
+        float(np.abs(np.asarray(a, np.float32) - np.asarray(e)).max() / np.abs(e).max())
+        for a, e in zip(jax.tree.leaves(t), jax.tree.leaves(expected), strict=True)
+    )
+    assert worst(grads) <= worst(raw)
