@@ -1,6 +1,6 @@
 """Benchmark sweep for scripts/benchmark.py: issue 3's goal shapes, a length sweep, memory cases.
 
-  python scripts/benchmark.py                                   # everything below (~15 min on 2 cores)
+  python scripts/benchmark.py                                   # everything below (~30 min on 2 cores)
   python scripts/benchmark.py --config=configs/benchmark.py:quick   # goal shapes, float32 forward only
   python scripts/benchmark.py --config=configs/benchmark.py:smoke   # seconds: checks the script runs
   python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
