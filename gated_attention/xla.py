@@ -15,8 +15,8 @@ implementation 'xla' against AF2's formulation).
 
 Masking adds MASK_VALUE to the masked logits instead of selecting it: masked keys still get exactly
 zero weight in every row that has a key to attend to, and rows with none are set to AF2's result
-(the uniform average) explicitly. On XLA:CPU the select over the logits was a separate loop that
-took about a third of a tile's time at the MSA-row shape; the add fuses with the bias add.
+(the uniform average) explicitly. On XLA:CPU the select over the logits ran as a loop of its own,
+while the add fuses with the bias add (scripts/benchmark.py: see the MSA-row rows in the README).
 
 Each tile is wrapped in jax.checkpoint: under differentiation the loop saves only the tiles' inputs
 and recomputes a tile's logits in the backward pass, so forward+backward memory is bounded by the
