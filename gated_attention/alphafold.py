@@ -118,6 +118,17 @@ def _pair_bias(pair_normed: jax.Array, num_head: int, dtype: Any) -> jax.Array:
     return jnp.einsum("qkc,ch->hqk", pair_normed, weights)  # [h, q, k]
 
 
+def _check_msa(msa_act: Any, msa_mask: Any) -> None:
+    _check_act("msa_act", msa_act, "[..., N_seq, N_res, c_m]")
+    _check_mask("msa_mask", msa_mask, tuple(msa_act.shape[:-1]), "msa_act")
+
+
+def _normed_columns(msa_act: jax.Array) -> jax.Array:
+    """msa_act [s, r, c_m] layer-normed (AF2's query_norm) and transposed to columns [r, s, c_m]."""
+    normed = _layer_norm(msa_act, "query_norm").astype(msa_act.dtype)  # [s, r, c_m]
+    return jnp.swapaxes(normed, -3, -2)
+
+
 def _key_mask(mask: jax.Array) -> jax.Array:
     """[..., b, k] 0/1 mask -> bool [..., b, 1, 1, k]: every head and query sees the same keys."""
     return mask.astype(bool)[..., :, None, None, :]
@@ -193,10 +204,9 @@ class MSARowAttentionWithPairBias(_FamilyModule):
         Returns:
           [..., N_seq, N_res, c_m] in msa_act's dtype.
         """
-        _check_act("msa_act", msa_act, "[..., N_seq, N_res, c_m]")
+        _check_msa(msa_act, msa_mask)
         _check_act("pair_act", pair_act, "[..., N_res, N_res, c_z]")
         lead, (num_res, _) = msa_act.shape[:-3], msa_act.shape[-2:]
-        _check_mask("msa_mask", msa_mask, tuple(msa_act.shape[:-1]), "msa_act")
         expected = (*lead, num_res, num_res)
         if tuple(pair_act.shape[:-1]) != expected:
             raise ValueError(
@@ -233,12 +243,10 @@ class MSAColumnAttention(_FamilyModule):
         Returns:
           [..., N_seq, N_res, c_m] in msa_act's dtype.
         """
-        _check_act("msa_act", msa_act, "[..., N_seq, N_res, c_m]")
-        _check_mask("msa_mask", msa_mask, tuple(msa_act.shape[:-1]), "msa_act")
+        _check_msa(msa_act, msa_mask)
 
         def update(msa_act, msa_mask):
-            normed = _layer_norm(msa_act, "query_norm").astype(msa_act.dtype)  # [s, r, c_m]
-            cols = jnp.swapaxes(normed, -3, -2)  # [r, s, c_m]
+            cols = _normed_columns(msa_act)  # [r, s, c_m]
             mask = _key_mask(jnp.swapaxes(msa_mask, -2, -1))  # [r, 1, 1, s]
             return jnp.swapaxes(self._attention(cols, mask, None, is_training), -3, -2)
 
@@ -266,12 +274,10 @@ class MSAColumnGlobalAttention(_FamilyModule):
         Returns:
           [..., N_seq, N_res, c_m] in msa_act's dtype.
         """
-        _check_act("msa_act", msa_act, "[..., N_seq, N_res, c_m]")
-        _check_mask("msa_mask", msa_mask, tuple(msa_act.shape[:-1]), "msa_act")
+        _check_msa(msa_act, msa_mask)
 
         def update(msa_act, msa_mask):
-            normed = _layer_norm(msa_act, "query_norm").astype(msa_act.dtype)  # [s, r, c_m]
-            cols = jnp.swapaxes(normed, -3, -2)  # [r, s, c_m]
+            cols = _normed_columns(msa_act)  # [r, s, c_m]
             mask = jnp.swapaxes(msa_mask.astype(bool), -2, -1)[..., None]  # [r, s, 1]
             attention = modules.GlobalAttention(
                 self.config, self.global_config, cols.shape[-1], name="attention"

@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gated_attention import xla
+
 CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 MAX_HEAD_DIM = 128  # 256 on Hopper and later; 128 holds on every GPU cuDNN flash attention runs on
 
@@ -93,11 +95,4 @@ def attend(
         scale=scale,
         implementation=inner_implementation,
     )  # [B, T, N, H]
-    out = to_btnh(out)  # [B, N, T, H]
-    if mask is None:
-        return out
-    has_key = jnp.any(mask, axis=-1, keepdims=True)  # [b, n, t|1, 1]
-    uniform = jnp.mean(value.astype(jnp.float32), axis=2, keepdims=True).astype(
-        out.dtype
-    )  # [B, N, 1, H]
-    return jnp.where(has_key, out, uniform)
+    return xla.uniform_where_fully_masked(to_btnh(out), value, mask)  # [B, N, T, H]

@@ -184,10 +184,11 @@ class Attention(_AttentionModule):
         )
         implementation, options = config_lib.attention_options(cfg, self.global_config)
         compute = precision.compute_dtype(q_data.dtype, options.compute_dtype)
+        p = precision.cast_floats(params, compute)  # once, not per tile
 
         def forward(q_data, m_data, mask, *biases):  # pure: parameters are closed over
             out_dtype = q_data.dtype
-            q_data, m_data, p = precision.cast_floats((q_data, m_data, params), compute)
+            q_data, m_data = precision.cast_floats((q_data, m_data), compute)
             q = jnp.einsum("...qa,ahc->...qhc", q_data, p["query_w"])  # [..., b, q, h, c]
             k = jnp.einsum("...ka,ahc->...khc", m_data, p["key_w"])  # [..., b, k, h, c]
             v = jnp.einsum("...ka,ahc->...khc", m_data, p["value_w"])  # [..., b, k, h, cv]
@@ -321,9 +322,10 @@ class GlobalAttention(_AttentionModule):
         params = _create_params(self, (a, h, key_dim), (m, key_dim), (m, value_dim), dtype)
         implementation, options = config_lib.attention_options(cfg, self.global_config)
         compute = precision.compute_dtype(dtype, options.compute_dtype)
+        p = precision.cast_floats(params, compute)  # once, not per subbatch
 
         def forward(q_data, m_data, q_mask):  # pure: parameters are closed over
-            q_data, m_data, p = precision.cast_floats((q_data, m_data, params), compute)
+            q_data, m_data = precision.cast_floats((q_data, m_data), compute)
             weights = q_mask.astype(compute)  # [..., b, q, 1]
             q_avg = jnp.sum(weights * q_data, axis=-2) / (
                 jnp.sum(weights, axis=-2) + 1e-10
