@@ -18,6 +18,12 @@ GOAL_SHAPES = (
     # Long self-attention: 1 x 4,096 tokens, c=256, 8 heads of 32, key mask.
     ("long 1x4096 c256 h8", 1, 4096, 256, 8, False, "key"),
 )
+# Issue 3's forward goals: Attention's time ('auto') / AF2's formulation's, in every dtype swept.
+GOALS = (
+    ("msa_row 64x256 c64 h8", 0.12),
+    ("triangle 128x128 c128 h4", 0.30),
+    ("long 1x4096 c256 h8", 0.22),
+)
 # Issue 4: TriangleAttention (starting node, c_z=128, 4 heads) at N_res 256 and 512, float32.
 TRIANGLE_SHAPES = (
     ("TriangleAttention 256", 256, 256, 128, 4, True, "key", "triangle_attention"),
@@ -35,6 +41,7 @@ def get_config(preset="full"):
     if preset == "smoke":  # seconds: tiny shapes, for the tests of the script itself
         cfg = get_config("full")
         cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
+        cfg.goals = (("tiny 2x32 c16 h2", 1.0),)
         cfg.sweep_lengths = (32, 64)
         cfg.dtypes = ("float32",)
         cfg.rounds, cfg.steps, cfg.memory_cases = 1, 1, False
@@ -44,6 +51,7 @@ def get_config(preset="full"):
         return cfg
     cfg = ml_collections.ConfigDict()
     cfg.shapes = GOAL_SHAPES
+    cfg.goals = GOALS  # (shape name, largest forward ratio to AF2): a table above the results
     cfg.sweep_lengths = SWEEP_LENGTHS if preset == "full" else ()
     cfg.implementations = ("auto", "xla", "chunked")  # 'cudnn' joins on GPU via 'auto'
     cfg.dtypes = ("float32", "bfloat16") if preset == "full" else ("float32",)

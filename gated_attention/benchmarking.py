@@ -4,8 +4,10 @@ For each shape x dtype x mode (forward, forward+backward) the variants are: gate
 with each requested implementation, the AlphaFold 2 formulation (baseline.AF2Attention, AF2's 'bqhc'
 einsums) and a same-FLOP matrix product (the roofline). All variants of a cell share parameters and
 inputs, are compiled first, then timed in interleaved rounds in this one process (each round times
-every variant `steps` times and keeps the median; the result is the median over rounds), so that
-machine load moves every variant alike. XLA's compiled memory analysis is recorded per variant.
+every variant `steps` times and keeps the median; the time is the median over rounds), so that
+machine load moves every variant alike. The ratio to AF2 is taken per round (against AF2's time in
+the same round) and reported as the median over rounds with its range. XLA's compiled memory
+analysis is recorded per variant, and the CPU steal share during the timed rounds per cell.
 
 Op-level memory entries compile dot_product_attention on jax.ShapeDtypeStructs (nothing is
 allocated or run) and record XLA's temp bytes forward and forward+backward against a goal.
@@ -138,6 +140,30 @@ def _temp_bytes(fn: Callable, args: tuple) -> int | None:
     return None if stats is None else int(stats.temp_size_in_bytes)
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """(steal, total) CPU ticks of the whole machine since boot, from /proc/stat; None elsewhere.
+
+    Steal is time the hypervisor gave this VM's virtual CPUs to someone else: on a shared host it
+    is the visible part of the noise in the timings.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return ticks[7], sum(ticks)
+
+
+def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Percent of all CPU ticks between two cpu_ticks() readings that were stolen (None: unknown)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return 100 * (after[0] - before[0]) / (after[1] - before[1])
+
+
 def run_cell(
     shape: Shape,
     dtype: str,
@@ -166,16 +192,21 @@ def run_cell(
         temp[name] = _temp_bytes(fn, args)
     reference = jax.tree.leaves(outputs[AF2])
     per_round = {name: [] for name in variants}
+    cpu_before = cpu_ticks()
     for r in range(rounds):
         for name, (fn, args) in variants.items():
             per_round[name].append(_time(fn, args, steps))
         log(f"  {shape.name} {dtype} {mode}: round {r + 1}/{rounds} done")
+    steal = steal_percent(cpu_before, cpu_ticks())
     med = {name: statistics.median(ts) for name, ts in per_round.items()}
     roofline_gflops = mm_flops / med[ROOFLINE] / 1e9
     rows = []
     for name in variants:
         cell_flops = mm_flops if name == ROOFLINE else flops
         gflops = cell_flops / med[name] / 1e9
+        # Each round's ratio to AF2's time in the same round: a slowdown of the whole machine
+        # during one round moves both times of that round, not the ratio.
+        ratios = [t / t_af2 for t, t_af2 in zip(per_round[name], per_round[AF2], strict=True)]
         rows.append(
             dict(
                 shape=shape.name,
@@ -188,12 +219,14 @@ def run_cell(
                 rel_diff_vs_af2=None
                 if name == ROOFLINE
                 else _relative_diff(outputs[name], reference),
-                ratio_to_af2=med[name] / med[AF2],
+                ratio_to_af2=statistics.median(ratios),
+                ratio_range=[min(ratios), max(ratios)],
                 gflops_per_s=gflops,
                 percent_of_roofline=100 * gflops / roofline_gflops,
                 compile_s=compile_s[name],
                 temp_bytes=temp[name],
                 rounds_ms=[t * 1e3 for t in per_round[name]],
+                cpu_steal_percent=steal,
                 batch=shape.batch,
                 length=shape.length,
                 channels=shape.channels,
@@ -259,20 +292,110 @@ def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -
     return result
 
 
-def markdown(rows: list[dict[str, Any]], memory_rows: list[dict[str, Any]]) -> str:
-    """The results as Markdown tables."""
-    lines = [
-        "| shape | dtype | mode | variant | time (ms) | / AF2 | GFLOP/s | % roofline | XLA temp (MiB) "
-        "| rel. diff vs AF2 |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+def check_goals(
+    goals, shape_names: Iterable[str], modes: Iterable[str], implementations: Iterable[str]
+) -> None:
+    """Raises ValueError unless goals are (shape name, ratio > 0) pairs naming swept shapes, and
+    the forward mode and the 'auto' implementation they are about are swept (scripts/benchmark.py
+    checks this before anything runs)."""
+    shape_names, modes, implementations = set(shape_names), tuple(modes), tuple(implementations)
+    for goal in goals:
+        if (
+            not isinstance(goal, (tuple, list))
+            or len(goal) != 2
+            or not isinstance(goal[1], (int, float))
+            or isinstance(goal[1], bool)
+            or goal[1] <= 0
+        ):
+            raise ValueError(
+                f"config.goals entries must be (shape name, ratio > 0) pairs, got {goal!r}"
+            )
+        if goal[0] not in shape_names:
+            raise ValueError(
+                f"config.goals names shape {goal[0]!r}, which is not swept; swept shapes: "
+                f"{sorted(shape_names)}"
+            )
+    if goals and "forward" not in modes:
+        raise ValueError(f"config.goals are forward ratios, but config.modes is {modes}")
+    if goals and "auto" not in implementations:
+        raise ValueError(
+            f"config.goals are about implementation 'auto', but config.implementations is "
+            f"{implementations}"
+        )
+
+
+def goal_rows(
+    rows: list[dict[str, Any]], goals: Iterable[tuple[str, float]], variant: str = "auto"
+) -> list[dict[str, Any]]:
+    """The forward ratio goals against `variant`'s rows (the default implementation), per dtype.
+
+    Args:
+      rows: run_cell rows.
+      goals: (shape name, largest ratio to AF2's time) pairs.
+      variant: the implementation the goals are about.
+
+    Returns:
+      One dict per goal and dtype measured: shape, dtype, goal, ratio (median of the per-round
+      ratios), ratio_range, met (the median is at most the goal).
+    """
+    out = []
+    for shape, goal in goals:
+        for r in rows:
+            if (r["shape"], r["mode"], r["variant"]) == (shape, "forward", variant):
+                out.append(
+                    dict(
+                        shape=shape,
+                        dtype=r["dtype"],
+                        goal=float(goal),
+                        ratio=r["ratio_to_af2"],
+                        ratio_range=r["ratio_range"],
+                        met=r["ratio_to_af2"] <= goal,
+                    )
+                )
+    return out
+
+
+def markdown(
+    rows: list[dict[str, Any]],
+    memory_rows: list[dict[str, Any]],
+    goals: Iterable[tuple[str, float]] = (),
+) -> str:
+    """The results as Markdown tables: goals (if any), every cell, memory cases (if any).
+
+    "/ AF2" is the median over rounds of each round's time ratio to AF2's formulation, with the
+    lowest and highest round in brackets; "steal %" is the share of the machine's CPU time the
+    hypervisor took during the cell's timed rounds (Linux only).
+    """
+    lines = []
+    met = goal_rows(rows, goals)
+    if met:
+        lines += [
+            "| goal shape (forward, 'auto') | dtype | goal: / AF2 at most | / AF2 (rounds) | met |",
+            "| --- | --- | ---: | ---: | --- |",
+        ]
+        for g in met:
+            low, high = g["ratio_range"]
+            lines.append(
+                f"| {g['shape']} | {g['dtype']} | {g['goal']:.2f} | {g['ratio']:.3f} "
+                f"({low:.2f}-{high:.2f}) | {'yes' if g['met'] else 'no'} |"
+            )
+        lines.append("")
+    lines += [
+        "| shape | dtype | mode | variant | time (ms) | / AF2 (rounds) | GFLOP/s | % roofline "
+        "| XLA temp (MiB) | rel. diff vs AF2 | steal % |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         temp = "" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"
         diff = r.get("rel_diff_vs_af2")
         diff = "" if diff is None else f"{diff:.1e}"
+        low, high = r["ratio_range"]
+        steal = r.get("cpu_steal_percent")
+        steal = "" if steal is None else f"{steal:.0f}"
         lines.append(
             f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['variant']} | {r['time_ms']:.2f} | "
-            f"{r['ratio_to_af2']:.3f} | {r['gflops_per_s']:.1f} | {r['percent_of_roofline']:.0f} | {temp} | {diff} |"
+            f"{r['ratio_to_af2']:.3f} ({low:.2f}-{high:.2f}) | {r['gflops_per_s']:.1f} | "
+            f"{r['percent_of_roofline']:.0f} | {temp} | {diff} | {steal} |"
         )
     if memory_rows:
         lines += [

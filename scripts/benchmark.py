@@ -35,6 +35,7 @@ def main(argv):
         benchmarking.Shape(f"sweep 1x{n} c256 h8", 1, n, 256, 8, False, "key")
         for n in cfg.sweep_lengths
     ]
+    benchmarking.check_goals(cfg.goals, {s.name for s in shapes}, cfg.modes, cfg.implementations)
     cells = [(s, d, m) for s in shapes for d in cfg.dtypes for m in cfg.modes]
     # Family cells: float32 forward (their LayerNorm parameters are float32 in every mode).
     cells += [(benchmarking.Shape(*s), "float32", "forward") for s in cfg.triangle_shapes]
@@ -56,10 +57,11 @@ def main(argv):
             for impl in ("auto", "chunked"):
                 print(f"memory: {case.name} {impl}", flush=True)
                 memory_rows.append(benchmarking.memory_case(case, impl))
+    goals = benchmarking.goal_rows(rows, cfg.goals)
     (out_dir / "results.json").write_text(
-        json.dumps(dict(cells=rows, memory=memory_rows), indent=2)
+        json.dumps(dict(goals=goals, cells=rows, memory=memory_rows), indent=2)
     )
-    table = benchmarking.markdown(rows, memory_rows)
+    table = benchmarking.markdown(rows, memory_rows, cfg.goals)
     (out_dir / "results.md").write_text(table)
     print(table)
     if cfg.sweep_lengths:

@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 
@@ -32,10 +33,85 @@ def test_run_cell_rows_are_consistent():
         assert r["time_ms"] > 0 and len(r["rounds_ms"]) == 2
         if r["variant"] != benchmarking.ROOFLINE:  # same params and inputs: same gradients as AF2
             assert r["rel_diff_vs_af2"] < 1e-5
-        assert r["ratio_to_af2"] == pytest.approx(
-            r["time_ms"] / by_variant[benchmarking.AF2]["time_ms"]
-        )
+        # The ratio is per round (against AF2's time in the same round), its median and range.
+        ratios = [
+            t / t_af2
+            for t, t_af2 in zip(
+                r["rounds_ms"], by_variant[benchmarking.AF2]["rounds_ms"], strict=True
+            )
+        ]
+        assert r["ratio_to_af2"] == pytest.approx(statistics.median(ratios))
+        assert r["ratio_range"] == pytest.approx([min(ratios), max(ratios)])
+        steal = r["cpu_steal_percent"]
+        assert steal is None or 0 <= steal <= 100
     assert shape.flops() == 2 * 2 * 16 * 8 * 8 * 5 + 2 * 2 * 16 * 16 * 8 * 2
+
+
+def _row(shape, dtype, mode, variant, ratio, low, high):
+    return dict(
+        shape=shape,
+        dtype=dtype,
+        mode=mode,
+        variant=variant,
+        time_ms=10.0,
+        ratio_to_af2=ratio,
+        ratio_range=[low, high],
+        gflops_per_s=1.0,
+        percent_of_roofline=50.0,
+        temp_bytes=2**20,
+        rel_diff_vs_af2=1e-7,
+        cpu_steal_percent=12.5,
+    )
+
+
+def test_goals_are_judged_on_auto_forward_median_ratios():
+    rows = [
+        _row("a", "float32", "forward", "auto", 0.11, 0.10, 0.13),
+        _row("a", "bfloat16", "forward", "auto", 0.125, 0.12, 0.13),
+        _row("a", "float32", "forward", "xla", 0.05, 0.05, 0.05),  # not the default: ignored
+        _row("a", "float32", "forward_backward", "auto", 0.01, 0.01, 0.01),  # not forward
+        _row("b", "float32", "forward", "auto", 0.5, 0.4, 0.6),  # no goal
+    ]
+    goals = benchmarking.goal_rows(rows, [("a", 0.12)])
+    assert [(g["dtype"], g["ratio"], g["met"]) for g in goals] == [
+        ("float32", 0.11, True),
+        ("bfloat16", 0.125, False),
+    ]
+    table = benchmarking.markdown(rows, [], [("a", 0.12)])
+    assert "| a | float32 | 0.12 | 0.110 (0.10-0.13) | yes |" in table
+    assert "| a | bfloat16 | 0.12 | 0.125 (0.12-0.13) | no |" in table
+    assert "| a | float32 | forward | xla | 10.00 | 0.050 (0.05-0.05) |" in table
+    assert table.rstrip().endswith("| 1.0 | 1.0e-07 | 12 |")
+    assert "goal shape" not in benchmarking.markdown(rows, [])
+
+
+@pytest.mark.parametrize(
+    "goals, modes, implementations, match",
+    [
+        ([("c", 0.1)], ("forward",), ("auto",), r"names shape 'c', which is not swept"),
+        ([("a", 0)], ("forward",), ("auto",), r"\(shape name, ratio > 0\) pairs, got \('a', 0\)"),
+        ([("a",)], ("forward",), ("auto",), r"pairs, got \('a',\)"),
+        ([("a", "0.1")], ("forward",), ("auto",), r"pairs, got \('a', '0.1'\)"),
+        ([("a", 0.1)], ("forward_backward",), ("auto",), r"modes is \('forward_backward',\)"),
+        ([("a", 0.1)], ("forward",), ("xla",), r"implementations is \('xla',\)"),
+    ],
+)
+def test_bad_goals_are_rejected_before_anything_runs(goals, modes, implementations, match):
+    with pytest.raises(ValueError, match=match):
+        benchmarking.check_goals(goals, {"a", "b"}, modes, implementations)
+    benchmarking.check_goals([("a", 0.1), ("b", 1)], {"a", "b"}, ("forward",), ("auto", "xla"))
+
+
+def test_steal_percent():
+    assert benchmarking.steal_percent((10, 1000), (30, 1200)) == pytest.approx(10.0)
+    assert benchmarking.steal_percent(None, (30, 1200)) is None
+    assert benchmarking.steal_percent((10, 1000), (10, 1000)) is None  # no tick elapsed
+    ticks = benchmarking.cpu_ticks()
+    if pathlib.Path("/proc/stat").exists():
+        steal, total = ticks
+        assert 0 <= steal <= total
+    else:
+        assert ticks is None
 
 
 def test_memory_case_reports_temp_bytes_against_goals():
@@ -83,6 +159,8 @@ def test_benchmark_script_smoke(tmp_path):
         "| tiny 2x32 c16 h2 | float32 | forward | auto |" in (tmp_path / "results.md").read_text()
     )
     assert "[1/7]" in result.stdout  # progress
+    assert [(g["shape"], g["goal"]) for g in results["goals"]] == [("tiny 2x32 c16 h2", 1.0)]
+    assert "| goal shape (forward, 'auto') |" in (tmp_path / "results.md").read_text()
 
 
 def test_benchmark_presets_share_one_schema():
