@@ -2,8 +2,11 @@
 
 Rabe & Staats (2021), "Self-attention does not need O(n^2) memory", in the FlashAttention-2 form:
 the forward loops over query chunks (outer) and key chunks (inner), carrying per query row the
-running maximum m, the running sum of exp(logit - m) and the float32 output accumulator; it never
-holds more than one [B, N, tq, tk] tile of logits. The backward (a `jax.custom_vjp`) saves only
+sum of exp(logit - m) and the float32 output accumulator; it never holds more than one
+[B, N, tq, tk] tile of logits. The shift m is first a fixed upper bound on the row's logits (from
+|q| max|k| and the bias's row maximum), which saves the running maximum and the rescaling after
+every key tile; a block of rows where that bound is so loose that the sum nears underflow is
+recomputed with the running maximum (see _forward). The backward (a `jax.custom_vjp`) saves only
 q, k, v, bias, mask, the output and the per-row softmax statistics (m and log-sum, together the
 logsumexp), and recomputes the probabilities tile by tile, key chunks outer and query chunks inner:
 D = rowsum(dO * O); per tile p = exp(s - lse), dv += p^T dO, dp = dO v^T, ds = p * (dp - D)
@@ -294,14 +297,40 @@ def _logits(q_i, k_j, bias, mask, i, j, *, scale, tq, tk, kv_len, add_mask=False
 # ------------------------------------------------------------------------------------------------
 
 
+def _row_bounds(q_i, key_norm, bias_rows, scale) -> jax.Array:
+    """An upper bound on every logit of each query row of a block, [B, N, tq] (accumulation dtype).
+
+    |scale * q.k| <= scale * |q| * max_j |k_j| (Cauchy-Schwarz; key_norm [B, N] is that maximum,
+    padded keys are zero vectors), and each bias adds at most its row maximum (bias_rows: the
+    block's rows of each bias); the mask only lowers logits.
+    """
+    acc = accumulation_dtype(q_i.dtype)
+    query_norm = jnp.sqrt(jnp.sum(jnp.square(q_i.astype(acc)), axis=-1))  # [B, N, tq]
+    bound = query_norm * (jnp.asarray(scale, acc) * key_norm[..., None])
+    for b in bias_rows:
+        bound = bound + jnp.max(b, axis=-1).astype(acc)  # [B|1, N|1, tq|1]
+    return bound
+
+
 def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
-    """Output [B, N, T, Hv] (query dtype), row max and row sum of exp(s - max) ([B, N, T], acc)."""
+    """Output [B, N, T, Hv] (query dtype), the rows' softmax shifts m and sums of exp(s - m)
+    ([B, N, T], accumulation dtype): m + log(sum) is each row's logsumexp.
+
+    Each block of query rows first runs with a fixed shift per row, an upper bound on its logits
+    (_row_bounds): no running maximum, no rescaling of the sum and the output after every key
+    tile. scripts/benchmark.py shows the effect at the long shape. A bound far above a row's
+    largest logit would push exp(s - m) towards underflow; a block in which some row's sum falls
+    below kv_len * sqrt(tiny) (so its largest term may be below sqrt(tiny)) is recomputed with the
+    running maximum (FlashAttention's online softmax) instead. Under vmap both run (lax.cond).
+    """
     batch, heads, q_len, _ = q.shape
     acc = accumulation_dtype(q.dtype)
     n_q, n_k = q_len // tq, k.shape[2] // tk
     tile_logits = functools.partial(
         _logits, scale=scale, tq=tq, tk=tk, kv_len=kv_len, add_mask=True
     )
+    key_norm = jnp.sqrt(jnp.max(jnp.sum(jnp.square(k.astype(acc)), axis=-1), axis=-1))  # [B, N]
+    min_sum = jnp.asarray(kv_len * float(np.sqrt(jnp.finfo(acc).tiny)), acc)
 
     if mask is not None:
         # Rows with no key to attend to get the uniform average of the (unpadded) values and the
@@ -310,8 +339,30 @@ def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
         has_key = jnp.any(mask[..., :kv_len], axis=-1)  # [B|1, N|1, T|1]
         uniform = jnp.mean(v[:, :, :kv_len].astype(acc), axis=2, keepdims=True)  # [B, N, 1, Hv]
 
-    def rows(i, carry):
+    def zeros():
+        return (
+            jnp.zeros((batch, heads, tq), acc),
+            jnp.zeros((batch, heads, tq, v.shape[3]), acc),
+        )
+
+    def bounded(i):  # fixed shift per row: the bound
         q_i = _slice(q, i * tq, tq, 2)  # [B, N, tq, H]
+        bias_rows = [_slice(b, i * tq, tq, 2) for b in bias]
+        m = _row_bounds(q_i, key_norm, bias_rows, scale)  # [B, N, tq]
+
+        def step(j, state):
+            row_sum, o = state
+            k_j, v_j = _slice(k, j * tk, tk, 2), _slice(v, j * tk, tk, 2)
+            p = jnp.exp(tile_logits(q_i, k_j, bias, mask, i, j) - m[..., None])  # [B, N, tq, tk]
+            pv = jnp.einsum(
+                "bnqk,bnkh->bnqh", p.astype(v.dtype), v_j, preferred_element_type=acc
+            )  # [B, N, tq, Hv]
+            return row_sum + jnp.sum(p, axis=-1), o + pv
+
+        return (m, *_loop(n_k, step, zeros()))
+
+    def online(i):  # running maximum, FlashAttention-2
+        q_i = _slice(q, i * tq, tq, 2)  # sliced here, not passed in: no copy for the cond
 
         def step(j, state):
             m, row_sum, o = state
@@ -326,15 +377,17 @@ def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
             )  # [B, N, tq, Hv]
             return m_new, row_sum, o * correction[..., None] + pv
 
-        init = (
-            jnp.full((batch, heads, tq), -jnp.inf, acc),
-            jnp.zeros((batch, heads, tq), acc),
-            jnp.zeros((batch, heads, tq, v.shape[3]), acc),
-        )
-        m, row_sum, o = _loop(n_k, step, init)
-        o = o / row_sum[..., None]
+        return _loop(n_k, step, (jnp.full((batch, heads, tq), -jnp.inf, acc), *zeros()))
+
+    def rows(i, carry):
+        m, row_sum, o = bounded(i)
+        fine = row_sum >= min_sum  # False for NaN too
         if mask is not None:
             has_key_i = _slice(has_key, i * tq, tq, 2)  # [B|1, N|1, tq|1]
+            fine = fine | ~has_key_i
+        m, row_sum, o = jax.lax.cond(jnp.all(fine), lambda: (m, row_sum, o), lambda: online(i))
+        o = o / row_sum[..., None]
+        if mask is not None:
             o = jnp.where(has_key_i[..., None], o, uniform)
             m = jnp.where(has_key_i, m, jnp.asarray(MASK_VALUE, acc))
             row_sum = jnp.where(has_key_i, row_sum, jnp.asarray(kv_len, acc))

@@ -262,6 +262,35 @@ def test_no_bias_no_mask_and_large_logits():
     )
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_loose_row_bounds_fall_back_to_the_running_maximum(dtype):
+    # The forward first shifts each row by an upper bound on its logits. Here the bounds are far
+    # above the logits: queries 0-7 are orthogonal to every key (|q| = |k| = 30, q.k = 0, bound
+    # 0.3 * 900 = 270), and row 9's bias has +500 on a masked key. exp(-270) underflows in float32,
+    # so those blocks must be recomputed with the running maximum; the float64 sums stay normal.
+    # Rows 10-15 are ordinary (their block takes the bounded path), row 16 is fully masked.
+    shape = (1, 2, 20, 30, 8)
+    q, k, v, bias, mask, cotangent = make_inputs(
+        3, shape, bias_shape=(1, 2, 20, 30), mask_shape=(1, 1, 20, 30), dtype=dtype
+    )
+    q, k, bias, mask = q.copy(), k.copy(), bias.copy(), mask.copy()
+    q[:, :, :8] = 0.0
+    q[:, :, :8, 0] = 30.0
+    k = 0.01 * k
+    k[..., 1] = 30.0
+    mask[:, :, 9, 4] = False
+    bias[:, :, 9, 4] = 500.0
+    mask[:, :, 16] = False
+    check(
+        shape,
+        dtype=dtype,
+        inputs=(q, k, v, bias, mask, cotangent),
+        tol=2e-4 if dtype == jnp.float32 else None,
+        query_chunk_size=8,
+        key_chunk_size=16,
+    )
+
+
 @pytest.mark.parametrize(
     "q_len, kv_len, chunks",
     [(1, 1, (None, None)), (1, 7, (4, 4)), (7, 1, (4, 4)), (5, 9, (64, 64)), (6, 10, (1, 3))],
