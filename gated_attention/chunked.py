@@ -312,6 +312,19 @@ def _row_bounds(q_i, key_norm, bias_rows, scale) -> jax.Array:
     return bound
 
 
+@jax.custom_batching.custom_vmap
+def _all_mapped(x: jax.Array) -> jax.Array:
+    """jnp.all(x), reduced over vmapped axes as well: a lax.cond on it stays a cond under vmap
+    (both branches are then batched), where a batched predicate would make vmap run both."""
+    return jnp.all(x)
+
+
+@_all_mapped.def_vmap
+def _all_mapped_vmap(axis_size, in_batched, x):
+    del axis_size, in_batched
+    return _all_mapped(x), False
+
+
 def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
     """Output [B, N, T, Hv] (query dtype), the rows' softmax shifts m and sums of exp(s - m)
     ([B, N, T], accumulation dtype): m + log(sum) is each row's logsumexp.
@@ -321,7 +334,8 @@ def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
     tile. scripts/benchmark.py shows the effect at the long shape. A bound far above a row's
     largest logit would push exp(s - m) towards underflow; a block in which some row's sum falls
     below kv_len * sqrt(tiny) (so its largest term may be below sqrt(tiny)) is recomputed with the
-    running maximum (FlashAttention's online softmax) instead. Under vmap both run (lax.cond).
+    running maximum (FlashAttention's online softmax) instead. Under vmap a block is recomputed
+    for every mapped element when one of them needs it (_all_mapped), so the cond stays a cond.
     """
     batch, heads, q_len, _ = q.shape
     acc = accumulation_dtype(q.dtype)
@@ -385,7 +399,7 @@ def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
         if mask is not None:
             has_key_i = _slice(has_key, i * tq, tq, 2)  # [B|1, N|1, tq|1]
             fine = fine | ~has_key_i
-        m, row_sum, o = jax.lax.cond(jnp.all(fine), lambda: (m, row_sum, o), lambda: online(i))
+        m, row_sum, o = jax.lax.cond(_all_mapped(fine), lambda: (m, row_sum, o), lambda: online(i))
         o = o / row_sum[..., None]
         if mask is not None:
             o = jnp.where(has_key_i[..., None], o, uniform)

@@ -269,9 +269,23 @@ def test_loose_row_bounds_fall_back_to_the_running_maximum(dtype):
     # 0.3 * 900 = 270), and row 9's bias has +500 on a masked key. exp(-270) underflows in float32,
     # so those blocks must be recomputed with the running maximum; the float64 sums stay normal.
     # Rows 10-15 are ordinary (their block takes the bounded path), row 16 is fully masked.
-    shape = (1, 2, 20, 30, 8)
+    check(
+        _LOOSE_SHAPE,
+        dtype=dtype,
+        inputs=_loose_bound_inputs(dtype),
+        tol=2e-4 if dtype == jnp.float32 else None,
+        query_chunk_size=8,
+        key_chunk_size=16,
+    )
+
+
+_LOOSE_SHAPE = (1, 2, 20, 30, 8)
+
+
+def _loose_bound_inputs(dtype):
+    """Inputs whose row bounds are far above the logits (see the test above)."""
     q, k, v, bias, mask, cotangent = make_inputs(
-        3, shape, bias_shape=(1, 2, 20, 30), mask_shape=(1, 1, 20, 30), dtype=dtype
+        3, _LOOSE_SHAPE, bias_shape=(1, 2, 20, 30), mask_shape=(1, 1, 20, 30), dtype=dtype
     )
     q, k, bias, mask = q.copy(), k.copy(), bias.copy(), mask.copy()
     q[:, :, :8] = 0.0
@@ -281,14 +295,27 @@ def test_loose_row_bounds_fall_back_to_the_running_maximum(dtype):
     mask[:, :, 9, 4] = False
     bias[:, :, 9, 4] = 500.0
     mask[:, :, 16] = False
-    check(
-        shape,
-        dtype=dtype,
-        inputs=(q, k, v, bias, mask, cotangent),
-        tol=2e-4 if dtype == jnp.float32 else None,
-        query_chunk_size=8,
-        key_chunk_size=16,
+    return q, k, v, bias, mask, cotangent
+
+
+def test_loose_row_bounds_under_vmap():
+    # One mapped element needs the fallback, the other does not: under vmap the fallback runs for
+    # both (the cond's predicate covers the mapped axis), and both must match the reference.
+    loose = _loose_bound_inputs(jnp.float32)
+    plain = make_inputs(
+        4, _LOOSE_SHAPE, bias_shape=(1, 2, 20, 30), mask_shape=(1, 1, 20, 30), dtype=jnp.float32
     )
+    stacked = [np.stack([a, b]) for a, b in zip(loose, plain, strict=True)]
+
+    def fwd(q, k, v, bias, mask):
+        return chunked_attention(
+            q, k, v, bias, mask, scale=0.3, query_chunk_size=8, key_chunk_size=16
+        )
+
+    args = [jnp.asarray(x) if x.dtype == bool else jnp.asarray(x, jnp.float32) for x in stacked]
+    out = np.asarray(jax.jit(jax.vmap(fwd))(*args[:5]), np.float64)
+    for i, inputs in enumerate((loose, plain)):
+        assert_close(out[i], reference(*inputs[:5], 0.3), 2e-4, f"element {i}")
 
 
 @pytest.mark.parametrize(
@@ -337,7 +364,10 @@ def test_vmap():
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(cotangent)
 
-    out, grads = jax.jit(jax.vmap(fwd_bwd))(*[jnp.asarray(x, jnp.float32) for x in stacked])
+    args = [jnp.asarray(x, jnp.float32) for x in stacked]
+    # The forward's fallback stays a lax.cond under vmap (not a select computing both branches).
+    assert "cond[" in str(jax.make_jaxpr(jax.vmap(fwd_bwd))(*args))
+    out, grads = jax.jit(jax.vmap(fwd_bwd))(*args)
     for i in range(2):
         xs = [x[i] for x in stacked]
         assert_close(np.asarray(out[i], np.float64), reference(*xs[:3], bias, mask, 0.5), 1e-5)
