@@ -135,6 +135,15 @@ def _relative_diff(tree, reference_leaves) -> float:
     return worst
 
 
+def _as_float32(tree):
+    """tree with its floating leaves cast to float32 (the bool mask stays bool)."""
+
+    def cast(a):
+        return a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
+
+    return jax.tree.map(cast, tree)
+
+
 def _temp_bytes(fn: Callable, args: tuple) -> int | None:
     stats = fn.lower(*args).compile().memory_analysis()
     return None if stats is None else int(stats.temp_size_in_bytes)
@@ -193,8 +202,7 @@ def run_cell(
     # The accuracy reference: AF2's formulation in float32 on the same (rounded) params and inputs.
     reference = outputs[AF2]
     if jnp.dtype(dtype) != jnp.float32:
-        as_f32 = lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
-        reference = jax.jit(_timed_fn(fns[AF2], mode))(*jax.tree.map(as_f32, variants[AF2][1]))
+        reference = jax.jit(_timed_fn(fns[AF2], mode))(*_as_float32(variants[AF2][1]))
     reference = jax.tree.leaves(reference)
     per_round = {name: [] for name in variants}
     cpu_before = cpu_ticks()
