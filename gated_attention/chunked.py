@@ -48,18 +48,25 @@ _PAD_VALUE = -1e30
 # Working-set budget (tile_bytes) used to choose chunk sizes when none are given. Measured on the
 # 2-core CPU (jax 0.10.2, float32 forward, jit, median of 5 interleaved rounds, ratios to a dense
 # head-major einsum in the same run; ratios move +-0.15 between runs on this shared machine):
-#   B=1, N=8, T=S=4096, H=32: tiles from 128x512 to 512x1024 and 128x4096 all ran at 0.34-0.70 of
-#     dense, with no stable order among them; 64x512 (0.62-0.75) and 1024x1024 (0.72-0.77) were
-#     consistently slower. The budget is not the limit here (512x512 needs 29 MiB); the
-#     per-head cap _MAX_TILE_ELEMENTS is, and picks 512x512 (0.37-0.59).
+#   B=1, N=8, T=S=4096, H=32: 64x512 (0.62-0.75) and 1024x1024 (0.72-0.77) were consistently
+#     slower than tiles from 128x512 to 512x1024. The budget is not the limit here (512x512 needs
+#     29 MiB); the per-head cap _MAX_TILE_ELEMENTS is (see there).
 #   B=64, N=8, T=S=256, H=8: splitting keys costs (256x128: 0.89-1.19, 128x128: 0.77-1.15), splitting
 #     queries hardly does (256x256: 0.62-0.72, 128x256: 0.54-0.67, 64x256: 0.62-0.74). 256 MiB
 #     gives 128x256 (the whole problem would need 421 MiB by tile_bytes, which counts the backward).
 # 256 MiB is also the budget attention.py uses to decide when to leave the dense implementation.
 DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
 
-# Upper bound on tq * tk per (batch, head): 1 MiB of float32 logits (see above).
-_MAX_TILE_ELEMENTS = 512 * 512
+# Upper bound on tq * tk per (batch, head): 512 KiB of float32 logits, 4 MiB per tile at 8 heads.
+# Measured with the Attention module at the long shape (B=1, T=S=4096, c=256, 8 heads of 32, key
+# mask), forward, ratio to AF2's formulation per round, median of 5 interleaved rounds, 3 runs in
+# float32 and bfloat16: tiles of 512 * 256 logits (512x256: 0.21-0.24, 1024x128: 0.21-0.22,
+# 256x512: 0.22-0.25) beat tiles of 512 * 512 or more (512x512: 0.26-0.28, 1024x256: 0.26).
+# Each forward step holds two tiles (logits, probabilities). At 512x512 the module's XLA temp
+# was 34 MiB, above glibc's largest mmap threshold (32 MiB), so it was mapped afresh on every call
+# (about 9,000 page faults); at 512x256 or 256x512 it is 28 MiB and none. 256x512 is chosen (ties
+# go to the longer key chunk, see B=64 above).
+_MAX_TILE_ELEMENTS = 512 * 256
 
 # Number of float32 [B, N, tq, tk] buffers live at once in the tiled backward (p, dp, ds), which is
 # also enough for the forward (logits, probabilities).
@@ -177,7 +184,7 @@ def choose_chunk_sizes(
     The working set is `tile_bytes` (float32 logits tiles for all B * N plus accumulators and
     q/k/v tiles). Candidates per axis are the length itself, its divisors that are multiples of 8
     or powers of two, and smaller powers of two (the lengths are then padded). Among the pairs that
-    fit the budget and hold at most _MAX_TILE_ELEMENTS (512 * 512) logits per batch-head, the
+    fit the budget and hold at most _MAX_TILE_ELEMENTS (512 * 256) logits per batch-head, the
     largest useful area wins: tq * tk times the fraction of the padded grid that is real. Ties go
     to less padding, then to squarer tiles, then to the longer key chunk. If nothing fits, (1, 1).
 

@@ -132,11 +132,11 @@ def test_memory_case_reports_temp_bytes_against_goals():
     chunked = benchmarking.memory_case(case, "chunked")
     dense = benchmarking.memory_case(case, "xla")
     # The chunked op never holds the [1, 2, 2048, 2048] float32 logits (32 MiB), only a few
-    # 512 x 512 tiles of 2 MiB (the forward's bounded pass and its fallback each have their own).
+    # 256 x 512 tiles of 1 MiB (the forward's bounded pass and its fallback each have their own).
     # (XLA's temp of the dense op is no comparison: XLA:CPU runs its dense tile as one YNNPACK
     # fusion whose scratch memory is not XLA temp.)
     logits_mib = 2 * 2048 * 2048 * 4 / 2**20
-    assert 0 < chunked["forward_temp_mib"] < logits_mib / 3
+    assert 0 < chunked["forward_temp_mib"] < logits_mib / 4
     assert 0 < chunked["forward_backward_temp_mib"] < logits_mib / 2
     table = benchmarking.markdown([], [chunked, dense])
     assert "| small | chunked |" in table and "| small | xla |" in table
