@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from gated_attention import chunked, cudnn, precision, xla
+from gated_attention import chunked, cudnn, mapping, precision, xla
 
 LAYOUTS = ("BTNH", "BNTH")
 
@@ -78,11 +78,16 @@ class Implementation:
         inputs on the current backend, else a string saying why not.
       caller_row_tile: fn(batch, row_queries, row_logits) -> the batch rows per tile in which a
         caller able to run its whole computation per tile (the modules) should do so, or None.
+      row_tile: fn(batch, heads, q_len, kv_len) -> the batch rows fn should be called on at a time,
+        or None (the whole batch at once). dot_product_attention then runs fn per tile of rows,
+        with the layout change and the compute-dtype cast inside the tile (no head-major copy of
+        the whole query, key and value), each tile recomputed in the backward (jax.checkpoint).
     """
 
     fn: Callable[..., jax.Array]
     supports: Callable[..., str | None]
     caller_row_tile: Callable[[int, int, int], int | None] = lambda *args: None
+    row_tile: Callable[[int, int, int, int], int | None] = lambda *args: None
 
 
 def _always(*args) -> None:
@@ -105,7 +110,7 @@ def _chunked(query, key, value, bias, mask, *, scale, options):
 
 
 IMPLEMENTATIONS: dict[str, Implementation] = {
-    "xla": Implementation(xla.attend, _always, xla.caller_row_tile),
+    "xla": Implementation(xla.dense, _always, xla.caller_row_tile, xla.row_tile),
     "chunked": Implementation(_chunked, _always),
     "cudnn": Implementation(cudnn.attend, cudnn.supports),
 }
@@ -371,10 +376,10 @@ def dot_product_attention(
     if not isinstance(options, AttentionOptions):
         raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
     _check_qkv(query, key, value, layout)
-    if layout == "BTNH":
-        query, key, value = (jnp.swapaxes(x, -3, -2) for x in (query, key, value))
+    seq, head = (-3, -2) if layout == "BTNH" else (-2, -3)
     batch_dims = tuple(query.shape[:-3])
-    target = (*batch_dims, query.shape[-3], query.shape[-2], key.shape[-2])
+    heads, q_len, kv_len = query.shape[head], query.shape[seq], key.shape[seq]
+    target = (*batch_dims, heads, q_len, kv_len)
     target_desc = "[..., N, T, S]"
     biases = _check_biases(bias, target, target_desc)
     if mask is not None:
@@ -384,15 +389,34 @@ def dot_product_attention(
         scale = query.shape[-1] ** -0.5
     out_dtype = query.dtype
     compute = precision.compute_dtype(out_dtype, options.compute_dtype)
-    if compute != out_dtype:  # biases are cast by the implementations, as for any dtype
-        query, key, value = (x.astype(compute) for x in (query, key, value))
-    q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))
+    q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))  # caller's layout
     biases = tuple(_flatten_batch(b, batch_dims) for b in biases)
     m = None if mask is None else _flatten_batch(mask, batch_dims)
-    chosen = _resolve(implementation, q, k, v, biases, m, options)
-    out = IMPLEMENTATIONS[chosen].fn(q, k, v, biases, m, scale=scale, options=options)
-    out = out.reshape((*batch_dims, *out.shape[1:])).astype(out_dtype)  # [..., N, T, Hv]
-    return jnp.swapaxes(out, -3, -2) if layout == "BTNH" else out
+    batch = q.shape[0]
+    head_major = [
+        jax.ShapeDtypeStruct((batch, heads, x.shape[seq], x.shape[-1]), compute) for x in (q, k, v)
+    ]
+    chosen = _resolve(implementation, *head_major, biases, m, options)
+    impl = IMPLEMENTATIONS[chosen]
+
+    def run(q, k, v, m, *biases):  # a tile of batch rows (or all of them)
+        if layout == "BTNH":
+            q, k, v = (jnp.swapaxes(x, -3, -2) for x in (q, k, v))
+        if compute != out_dtype:  # biases are cast by the implementations, as for any dtype
+            q, k, v = (x.astype(compute) for x in (q, k, v))
+        out = impl.fn(q, k, v, biases, m, scale=scale, options=options).astype(out_dtype)
+        return (
+            jnp.swapaxes(out, -3, -2) if layout == "BTNH" else out
+        )  # [B, T, N, Hv] | [B, N, T, Hv]
+
+    rows = impl.row_tile(batch, heads, q_len, kv_len)
+    if rows is None:
+        out = run(q, k, v, m, *biases)
+    else:
+        args = [q, k, v, m, *biases]
+        batched = [True] * 3 + [x is not None and x.shape[0] != 1 for x in args[3:]]
+        out = mapping.subbatch(jax.checkpoint(run), args, subbatch_size=rows, batched=batched)
+    return out.reshape((*batch_dims, *out.shape[1:]))
 
 
 def num_flops(query_shape, key_shape, value_shape) -> int:

@@ -7,28 +7,29 @@ Written head-major on purpose: on CPU, XLA fuses 'bnqh,bnkh->bnqk', the bias and
 the softmax into one loop nest, where AlphaFold 2's 'bqhc' layout costs 3-11x (DESIGN.md). Nothing
 sits between the logits and the softmax that could split that fusion.
 
-`dense` is the formula. `attend` runs it over tiles of batch rows (jax.lax.map through
-mapping.subbatch) so that one tile's logits stay near TILE_BYTES: on CPU, buffers of tens of MiB are
-mapped fresh on every call and page faults then dominate (DESIGN.md). Every row is computed exactly
-as `dense` computes it. scripts/benchmark.py shows the effect (MSA-row and triangle shapes,
-implementation 'xla' against AF2's formulation).
+`dense` is the formula. `row_tile` says how many batch rows it should run on at a time so that one
+tile's logits stay near TILE_BYTES: on CPU, buffers of tens of MiB are mapped fresh on every call
+and page faults then dominate (DESIGN.md). The op layer (attention.py) runs the tiles, with the
+layout change and the compute-dtype cast inside each tile, so that no head-major copy of the whole
+query, key and value is made. Every row is computed exactly as `dense` computes it.
+scripts/benchmark.py shows the effect (MSA-row and triangle shapes, implementation 'xla' against
+AF2's formulation).
 
 Masking adds MASK_VALUE to the masked logits instead of selecting it: masked keys still get exactly
 zero weight in every row that has a key to attend to, and rows with none are set to AF2's result
 (the uniform average) explicitly. On XLA:CPU the select over the logits ran as a loop of its own,
 while the add fuses with the bias add (scripts/benchmark.py: see the MSA-row rows in the README).
 
-Each tile is wrapped in jax.checkpoint: under differentiation the loop saves only the tiles' inputs
-and recomputes a tile's logits in the backward pass, so forward+backward memory is bounded by the
-tiles too (otherwise the loop would stack every tile's probabilities: the whole [B, N, T, S]).
+The op layer wraps each tile in jax.checkpoint: under differentiation the loop saves only the
+tiles' inputs and recomputes a tile's logits in the backward pass, so forward+backward memory is
+bounded by the tiles too (otherwise the loop would stack every tile's probabilities: the whole
+[B, N, T, S]).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
-from gated_attention import mapping
 
 # Masked logits are replaced by this value (not added to): a fully masked row becomes a uniform
 # average over the keys, as in AlphaFold 2.
@@ -62,15 +63,11 @@ def caller_row_tile(batch: int, row_queries: int, row_logits: int) -> int | None
     return rows if rows < batch and rows * row_queries >= MIN_CALLER_TILE_QUERIES else None
 
 
-def attend(query, key, value, biases=(), mask=None, *, scale: float, options=None) -> jax.Array:
-    """`dense` over tiles of batch rows whose logits take about TILE_BYTES; same arguments."""
-    del options
-    batch, heads, q_len, _ = query.shape
-    rows = max(1, TILE_BYTES // (4 * heads * q_len * key.shape[2]))
-    if rows >= batch:
-        return dense(query, key, value, biases, mask, scale=scale)
-    fn = jax.checkpoint(lambda q, k, v, mask, *biases: dense(q, k, v, biases, mask, scale=scale))
-    return mapping.subbatch(fn, [query, key, value, mask, *biases], subbatch_size=rows)
+def row_tile(batch: int, heads: int, q_len: int, kv_len: int) -> int | None:
+    """Batch rows per call of `dense` so that a tile's float32 logits take about TILE_BYTES, or
+    None when the whole batch fits (one call)."""
+    rows = max(1, TILE_BYTES // (4 * heads * q_len * kv_len))
+    return rows if rows < batch else None
 
 
 def dense(query, key, value, biases=(), mask=None, *, scale: float, options=None) -> jax.Array:
