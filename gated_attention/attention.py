@@ -405,17 +405,13 @@ def dot_product_attention(
         if compute != out_dtype:  # biases are cast by the implementations, as for any dtype
             q, k, v = (x.astype(compute) for x in (q, k, v))
         out = impl.fn(q, k, v, biases, m, scale=scale, options=options).astype(out_dtype)
-        return (
-            jnp.swapaxes(out, -3, -2) if layout == "BTNH" else out
-        )  # [B, T, N, Hv] | [B, N, T, Hv]
+        return jnp.swapaxes(out, -3, -2) if layout == "BTNH" else out  # the caller's layout
 
     rows = impl.row_tile(batch, heads, q_len, kv_len)
     if rows is None:
         out = run(q, k, v, m, *biases)
-    else:
-        args = [q, k, v, m, *biases]
-        batched = [True] * 3 + [x is not None and x.shape[0] != 1 for x in args[3:]]
-        out = mapping.subbatch(jax.checkpoint(run), args, subbatch_size=rows, batched=batched)
+    else:  # every arg's leading dim is batch (cut into tiles) or 1 (shared by every tile)
+        out = mapping.subbatch(jax.checkpoint(run), [q, k, v, m, *biases], subbatch_size=rows)
     return out.reshape((*batch_dims, *out.shape[1:]))
 
 

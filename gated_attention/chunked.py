@@ -58,14 +58,13 @@ _PAD_VALUE = -1e30
 DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
 
 # Upper bound on tq * tk per (batch, head): 512 KiB of float32 logits, 4 MiB per tile at 8 heads.
-# Measured with the Attention module at the long shape (B=1, T=S=4096, c=256, 8 heads of 32, key
-# mask), forward, ratio to AF2's formulation per round, median of 5 interleaved rounds, 3 runs in
-# float32 and bfloat16: tiles of 512 * 256 logits (512x256: 0.21-0.24, 1024x128: 0.21-0.22,
-# 256x512: 0.22-0.25) beat tiles of 512 * 512 or more (512x512: 0.26-0.28, 1024x256: 0.26).
-# Each forward step holds two tiles (logits, probabilities). At 512x512 the module's XLA temp
-# was 34 MiB, above glibc's largest mmap threshold (32 MiB), so it was mapped afresh on every call
-# (about 9,000 page faults); at 512x256 or 256x512 it is 28 MiB and none. 256x512 is chosen (ties
-# go to the longer key chunk, see B=64 above).
+# Each forward step holds two tiles (logits, probabilities). With 512 * 512 the long shape
+# (B=1, T=S=4096, c=256, 8 heads of 32) ran in 512x512 tiles, and the Attention module's XLA temp
+# was 34 MiB: above glibc's largest mmap threshold (32 MiB), so the buffer is mapped and faulted
+# in afresh on every call. With 512 * 256 it runs in 256x512 tiles (ties go to the longer key
+# chunk, see B=64 above) in 28 MiB. scripts/benchmark.py, forward, ratio to AF2's formulation
+# (float32 / bfloat16): 0.262 / 0.235 with 512x512 tiles, 0.220 / 0.214 with 256x512 tiles (both
+# runs with steal at 0-3%; see the README).
 _MAX_TILE_ELEMENTS = 512 * 256
 
 # Number of float32 [B, N, tq, tk] buffers live at once in the tiled backward (p, dp, ds), which is

@@ -59,15 +59,20 @@ def caller_row_tile(batch: int, row_queries: int, row_logits: int) -> int | None
       row_queries: query positions in one row.
       row_logits: logits (heads x queries x keys) of one row.
     """
-    rows = max(1, TILE_BYTES // (4 * row_logits))
+    rows = _rows_per_tile(row_logits)
     return rows if rows < batch and rows * row_queries >= MIN_CALLER_TILE_QUERIES else None
 
 
 def row_tile(batch: int, heads: int, q_len: int, kv_len: int) -> int | None:
     """Batch rows per call of `dense` so that a tile's float32 logits take about TILE_BYTES, or
     None when the whole batch fits (one call)."""
-    rows = max(1, TILE_BYTES // (4 * heads * q_len * kv_len))
+    rows = _rows_per_tile(heads * q_len * kv_len)
     return rows if rows < batch else None
+
+
+def _rows_per_tile(row_logits: int) -> int:
+    """Batch rows whose float32 logits (row_logits per row) take about TILE_BYTES; at least 1."""
+    return max(1, TILE_BYTES // (4 * row_logits))
 
 
 def dense(query, key, value, biases=(), mask=None, *, scale: float, options=None) -> jax.Array:
