@@ -18,10 +18,11 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["gated_attention", "gated_attention.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=[
-        "jax>=0.4.30",
-        "jaxlib>=0.4.30",
+        # 0.10: the release tested; sharding.py reads explicit shardings (jax.typeof, jax.shard_map).
+        "jax>=0.10",
+        "jaxlib>=0.10",
         "dm-haiku>=0.0.13",
         "numpy>=1.24",
         "absl-py>=1.0",

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from gated_attention import chunked, cudnn, mapping, precision, xla
+from gated_attention import chunked, cudnn, mapping, precision, sharding, xla
 
 LAYOUTS = ("BTNH", "BNTH")
 
@@ -389,30 +389,39 @@ def dot_product_attention(
         scale = query.shape[-1] ** -0.5
     out_dtype = query.dtype
     compute = precision.compute_dtype(out_dtype, options.compute_dtype)
-    q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))  # caller's layout
-    biases = tuple(_flatten_batch(b, batch_dims) for b in biases)
-    m = None if mask is None else _flatten_batch(mask, batch_dims)
-    batch = q.shape[0]
-    head_major = [
-        jax.ShapeDtypeStruct((batch, heads, x.shape[seq], x.shape[-1]), compute) for x in (q, k, v)
-    ]
-    chosen = _resolve(implementation, *head_major, biases, m, options)
-    impl = IMPLEMENTATIONS[chosen]
 
-    def run(q, k, v, m, *biases):  # a tile of batch rows (or all of them)
-        if layout == "BTNH":
-            q, k, v = (jnp.swapaxes(x, -3, -2) for x in (q, k, v))
-        if compute != out_dtype:  # biases are cast by the implementations, as for any dtype
-            q, k, v = (x.astype(compute) for x in (q, k, v))
-        out = impl.fn(q, k, v, biases, m, scale=scale, options=options).astype(out_dtype)
-        return jnp.swapaxes(out, -3, -2) if layout == "BTNH" else out  # the caller's layout
+    def attend(query, key, value, biases, mask):  # all of the inputs, or one device's shard
+        batch_dims = tuple(query.shape[:-3])
+        heads, q_len, kv_len = query.shape[head], query.shape[seq], key.shape[seq]
+        q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))  # caller's layout
+        biases = tuple(_flatten_batch(b, batch_dims) for b in biases)
+        m = None if mask is None else _flatten_batch(mask, batch_dims)
+        batch = q.shape[0]
+        head_major = [
+            jax.ShapeDtypeStruct((batch, heads, x.shape[seq], x.shape[-1]), compute)
+            for x in (q, k, v)
+        ]
+        chosen = _resolve(implementation, *head_major, biases, m, options)
+        impl = IMPLEMENTATIONS[chosen]
 
-    rows = impl.row_tile(batch, heads, q_len, kv_len)
-    if rows is None:
-        out = run(q, k, v, m, *biases)
-    else:  # every arg's leading dim is batch (cut into tiles) or 1 (shared by every tile)
-        out = mapping.subbatch(jax.checkpoint(run), [q, k, v, m, *biases], subbatch_size=rows)
-    return out.reshape((*batch_dims, *out.shape[1:]))
+        def run(q, k, v, m, *biases):  # a tile of batch rows (or all of them)
+            if layout == "BTNH":
+                q, k, v = (jnp.swapaxes(x, -3, -2) for x in (q, k, v))
+            if compute != out_dtype:  # biases are cast by the implementations, as for any dtype
+                q, k, v = (x.astype(compute) for x in (q, k, v))
+            out = impl.fn(q, k, v, biases, m, scale=scale, options=options).astype(out_dtype)
+            return jnp.swapaxes(out, -3, -2) if layout == "BTNH" else out  # the caller's layout
+
+        rows = impl.row_tile(batch, heads, q_len, kv_len)
+        if rows is None:
+            out = run(q, k, v, m, *biases)
+        else:  # every arg's leading dim is batch (cut into tiles) or 1 (shared by every tile)
+            out = mapping.subbatch(jax.checkpoint(run), [q, k, v, m, *biases], subbatch_size=rows)
+        return out.reshape((*batch_dims, *out.shape[1:]))
+
+    # On a mesh with explicit axes each device attends for its own rows, heads and queries.
+    out = sharding.shard_attention(attend, query, key, value, biases, mask, layout)
+    return attend(query, key, value, biases, mask) if out is None else out
 
 
 def num_flops(query_shape, key_shape, value_shape) -> int:

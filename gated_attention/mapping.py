@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gated_attention import sharding
+
 
 def subbatch(
     fn: Callable[..., Any],
@@ -65,34 +67,47 @@ def subbatch(
     flags = _batched_flags(args, int(axis), batched)
     cut = [i for i, flag in enumerate(flags) if flag]
     batch = np.shape(args[cut[0]])[_axis(axis, args[cut[0]], cut[0])] if cut else 1
-    if size is None or size >= batch:
+    # On a mesh with explicit axes the batch may be split over devices: each device then runs its
+    # own rows, subbatch_size at a time, and the loop never cuts across devices (sharding.py).
+    # The args are then viewed as [..., shards, batch // shards, ...]; off is 1 for that extra
+    # dimension (0 on one device, where the args keep their shape).
+    shards = sharding.batch_shards([args[i] for i in cut], axis)
+    local, off = batch // shards, int(shards > 1)
+    if size is None or size >= local:
         return fn(*args)
-    num_full, remainder = divmod(batch, size)
+    num_full, remainder = divmod(local, size)
+    where = {i: _axis(axis, args[i], i) for i in cut}  # the batch axis of each cut arg
 
-    def call(pieces):
+    def call(pieces, rows):  # pieces [..., (shards,) rows, ...] -> fn's output, the same way
         full = list(args)
         for i, piece in zip(cut, pieces, strict=True):
-            full[i] = piece
-        return fn(*full)
+            full[i] = _merge(piece, where[i]) if off else piece
+        out = fn(*full)
+        _check_outputs(out, axis, shards * rows)
+        return jax.tree.map(
+            lambda x: _split(x, _leaf_axis(axis, x.ndim), shards) if off else x, out
+        )
 
-    chunks = [_split_full(args[i], _axis(axis, args[i], i), num_full, size) for i in cut]
-    stacked = jax.lax.map(call, chunks)  # Every leaf: [num_full, ..., size, ...].
-    _check_outputs(
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked), axis, size
-    )
-    out = jax.tree.map(lambda x: _merge_full(x, axis, size), stacked)
-    if not remainder:
-        return out
-    tail = call(
-        [
-            jax.lax.slice_in_dim(args[i], num_full * size, batch, axis=_axis(axis, args[i], i))
-            for i in cut
-        ]
-    )
-    _check_outputs(tail, axis, remainder)
-    return jax.tree.map(
-        lambda x, y: jnp.concatenate([x, y], axis=_leaf_axis(axis, x.ndim)), out, tail
-    )
+    split = {i: _split(args[i], where[i], shards) if off else args[i] for i in cut}
+    tiles = [_tiles(split[i], where[i] + off, num_full, size) for i in cut]
+    stacked = jax.lax.map(lambda pieces: call(pieces, size), tiles)  # [num_full, ..., size, ...]
+    out = jax.tree.map(lambda x: _untile(x, axis, off), stacked)  # [..., num_full * size, ...]
+    if remainder:
+        tail = call(
+            [
+                jax.lax.slice_in_dim(split[i], num_full * size, local, axis=where[i] + off)
+                for i in cut
+            ],
+            remainder,
+        )
+        out = jax.tree.map(
+            lambda x, y: jnp.concatenate([x, y], axis=_leaf_axis(axis, x.ndim - off) + off),
+            out,
+            tail,
+        )
+    if off:
+        out = jax.tree.map(lambda x: _merge(x, _leaf_axis(axis, x.ndim - 1)), out)
+    return out
 
 
 def subbatch_size_for_budget(batch: int, bytes_per_example: Real, memory_budget_bytes: Real) -> int:
@@ -181,22 +196,35 @@ def _batched_flags(args: tuple, axis: int, batched: Sequence[bool] | None) -> li
     return flags
 
 
-def _split_full(arg: jax.Array, axis: int, num_full: int, size: int) -> jax.Array:
-    """[..., batch, ...] -> [num_full, ..., size, ...]: the full subbatches, stacked in front."""
-    shape = np.shape(arg)
-    head = jax.lax.slice_in_dim(arg, 0, num_full * size, axis=axis)
+def _split(x: jax.Array, axis: int, shards: int) -> jax.Array:
+    """[..., batch, ...] -> [..., shards, batch // shards, ...] (axis: the batch's index). Each
+    device's rows stay its own: on a mesh the shards dimension takes the batch's sharding."""
+    shape = np.shape(x)
+    return x.reshape(shape[:axis] + (shards, shape[axis] // shards) + shape[axis + 1 :])
+
+
+def _merge(x: jax.Array, axis: int) -> jax.Array:
+    """[..., shards, rows, ...] (shards at `axis`) -> [..., shards * rows, ...], inverting _split."""
+    shape = np.shape(x)
+    return x.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2 :])
+
+
+def _tiles(x: jax.Array, axis: int, num_full: int, size: int) -> jax.Array:
+    """[..., local, ...] (local at `axis`) -> [num_full, ..., size, ...]: the full subbatches of
+    every shard, stacked in front for the loop."""
+    shape = np.shape(x)
+    head = jax.lax.slice_in_dim(x, 0, num_full * size, axis=axis)
     head = head.reshape(shape[:axis] + (num_full, size) + shape[axis + 1 :])
     return jnp.moveaxis(head, axis, 0)
 
 
-def _merge_full(stacked: jax.Array, axis: int, size: int) -> jax.Array:
-    """[num_full, ..., size, ...] -> [..., num_full * size, ...], inverting _split_full."""
-    piece_axis = _leaf_axis(axis, stacked.ndim - 1)
-    merged = jnp.moveaxis(stacked, 0, piece_axis)  # [..., num_full, size, ...]
-    shape = merged.shape
-    return merged.reshape(
-        shape[:piece_axis] + (shape[piece_axis] * size,) + shape[piece_axis + 2 :]
-    )
+def _untile(stacked: jax.Array, axis: int, off: int) -> jax.Array:
+    """[num_full, ..., (shards,) size, ...] -> [..., (shards,) num_full * size, ...], inverting
+    _tiles for an output leaf (off: 1 when it has the shards dimension)."""
+    s = _leaf_axis(axis, stacked.ndim - 1 - off) + off  # where size is, once the loop's dim goes
+    moved = jnp.moveaxis(stacked, 0, s)  # [..., (shards,) num_full, size, ...]
+    shape = moved.shape
+    return moved.reshape(shape[:s] + (shape[s] * shape[s + 1],) + shape[s + 2 :])
 
 
 def _check_outputs(tree: Any, axis: int, size: int) -> None:

@@ -20,7 +20,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gated_attention import attention, mapping, precision
+from gated_attention import attention, mapping, precision, sharding
 from gated_attention import config as config_lib
 
 
@@ -281,7 +281,13 @@ def _gated_output(weighted_avg, q_data, params):
     if "gating_w" in params:
         gate = jnp.einsum("...qa,ahc->...qhc", q_data, params["gating_w"])  # [..., b, q, h, cv]
         weighted_avg = weighted_avg * jax.nn.sigmoid(gate + params["gating_b"])
-    out = jnp.einsum("...qhc,hco->...qo", weighted_avg, params["output_w"])  # [..., b, q, o]
+    # The sum over heads: with heads sharded over devices, an all-reduce into the batch's sharding.
+    out = jnp.einsum(
+        "...qhc,hco->...qo",
+        weighted_avg,
+        params["output_w"],
+        out_sharding=sharding.out_sharding(weighted_avg, keep=weighted_avg.ndim - 2),
+    )  # [..., b, q, o]
     return out + params["output_b"]
 
 

@@ -1,7 +1,15 @@
-"""Test-wide settings: float64 available (the reference and float64 inputs need it), hypothesis."""
+"""Test-wide settings: 8 virtual CPU devices (for the multi-device tests; single-device tests run on
+the first), float64 available (the reference and float64 inputs need it), hypothesis."""
 
-import jax
-from hypothesis import settings
+import os
+
+# Before jax is imported: the host platform's device count is read once, at backend start-up.
+_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+if _DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICES_FLAG}=8".strip()
+
+import jax  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 

@@ -1,0 +1,279 @@
+"""Many devices: shardings read at trace time, per-shard execution, and parameter specs.
+
+JAX's explicit sharding mode (mesh axes of type Explicit, `jax.make_mesh`'s default; arrays placed with
+`jax.device_put(x, P(...))` under `jax.set_mesh(mesh)`, or with a NamedSharding) puts every array's
+sharding in its type, so the library can see it while tracing and keep the work where the data is:
+
+* `dot_product_attention` runs its implementation under `jax.shard_map` over the mesh axes that
+  shard the query's batch, head and query-position dimensions (`shard_attention`). Each device
+  attends for its own rows, heads and queries; attention needs no communication along those. What
+  attention cannot split is gathered first: keys and values sharded along key positions or
+  channels, and any dimension of a bias or mask shared by the batch (size 1 there).
+* `mapping.subbatch` (the row tiles of the op and of the modules, AlphaFold 2's subbatch_size)
+  loops over each device's own rows when the batch axis is sharded (`batch_shards`): it views the
+  batch as [shards, rows per device], which keeps the batch's sharding on the first dimension, and
+  loops over the second. A loop over the sharded axis itself would be an error (explicit axes) or
+  gather the whole batch onto every device. (A shard_map over the batch axes alone would not do:
+  in jax 0.10 its boundary replicates the other axes, so head-sharded parameters were gathered.)
+* `head_parallel_specs` gives PartitionSpecs that shard AlphaFold 2's attention parameters by
+  head, for tensor parallelism; the modules then ask for the output projection's sum over heads
+  (`out_sharding`), which XLA makes one all-reduce.
+
+Under mesh axes of type Auto, shardings are not visible while tracing, and nothing here applies:
+XLA's partitioner then sees the row loops over a sharded batch and all-gathers it, so that every
+device computes every row. Use Explicit axes (the default of `jax.make_mesh`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+Axes = tuple[str, ...]  # the mesh axes that shard one array dimension (empty: not sharded)
+
+
+def explicit_axes(x: Any) -> tuple[Any, tuple[Axes, ...]]:
+    """The explicit sharding of x at trace time: (mesh, mesh axes per dimension).
+
+    Works on arrays and tracers. Axes that are not of type Explicit are left out (Auto axes are
+    invisible at trace time; Manual ones are already split by an enclosing shard_map).
+
+    Returns:
+      (mesh, axes): mesh is the array's (abstract) mesh, or None when no dimension is sharded
+      over an explicit axis; axes has one tuple of axis names per dimension of x.
+    """
+    ndim = len(x.shape)
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not mesh.axis_names:
+        return None, ((),) * ndim
+    explicit = {
+        name
+        for name, kind in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if kind == AxisType.Explicit
+    }
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    axes = tuple(tuple(a for a in _entry_axes(entry) if a in explicit) for entry in spec)
+    return (mesh if any(axes) else None), axes
+
+
+def _entry_axes(entry: Any) -> Axes:
+    if entry is None or entry is P.UNCONSTRAINED:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec(axes: Sequence[Axes]) -> P:
+    """Axes per dimension -> PartitionSpec, without trailing Nones (P(None, 'x') == its spec)."""
+    entries = [None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in axes]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+def _mesh_of(arrays: Sequence[Any]) -> Any:
+    for x in arrays:
+        if x is not None:
+            mesh, _ = explicit_axes(x)
+            if mesh is not None:
+                return mesh
+    return None
+
+
+def _used_axes(arrays: Sequence[Any]) -> set[str]:
+    used: set[str] = set()
+    for x in arrays:
+        if x is not None:
+            for axes in explicit_axes(x)[1]:
+                used.update(axes)
+    return used
+
+
+def _conform(x: Any, mesh: Any, wanted: Sequence[Axes]) -> Any:
+    """x resharded to `wanted` (mesh axes per dimension) unless it is sharded so already: a
+    shard_map takes its inputs only as its in_specs say. This is where a key sharded along S is
+    gathered, or a shared bias replicated."""
+    if explicit_axes(x)[1] == tuple(wanted):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(mesh, _spec(wanted)))
+
+
+def batch_shards(batched: Sequence[Any], axis: int) -> int:
+    """Over how many devices the batch axis of these arrays is split (explicit mesh axes; 1 if
+    none): the first array whose `axis` is sharded decides."""
+    for x in batched:
+        mesh, axes = explicit_axes(x)
+        batch_axes = axes[axis % len(x.shape)]
+        if batch_axes:
+            return math.prod(mesh.shape[a] for a in batch_axes)
+    return 1
+
+
+def shard_attention(
+    attend: Callable[..., Any],
+    query: Any,
+    key: Any,
+    value: Any,
+    biases: Sequence[Any],
+    mask: Any,
+    layout: str,
+) -> Any:
+    """Runs attend(query, key, value, biases, mask) on each device's own rows, heads and queries.
+
+    The arrays are dot_product_attention's validated inputs: query [*batch, T, N, H] ('BTNH') or
+    [*batch, N, T, H] ('BNTH'), key/value likewise with S; each bias and the mask [*batch|1, N|1,
+    T|1, S|1]. The mesh axes sharding query's batch, head and position dimensions become manual:
+    every input is brought to query's layout over them (keys and values replicated along S and
+    the channels, biases and mask along their size-1 and S dimensions) and the output comes back
+    with query's sharding. Every other explicit axis any input uses is made manual too, with every
+    input replicated along it, so that no contraction inside runs over a sharded dimension.
+
+    Returns:
+      attend's output [*batch, T, N, Hv] / [*batch, N, T, Hv], or None when no input is sharded
+      over an explicit mesh axis (the caller then calls attend itself).
+    """
+    arrays = [query, key, value, *biases, mask]
+    mesh = _mesh_of(arrays)
+    if mesh is None:
+        return None
+    rank = len(query.shape)
+    seq, head = (rank - 3, rank - 2) if layout == "BTNH" else (rank - 2, rank - 3)
+    _, q_axes = explicit_axes(query)
+    batch_axes = q_axes[: rank - 3]
+    t_axes, n_axes = q_axes[seq], q_axes[head]
+
+    def qkv_axes(x, is_query):
+        axes = [*batch_axes, (), (), ()]
+        axes[head] = n_axes
+        if is_query:
+            axes[seq] = t_axes
+        return [a if x.shape[d] != 1 else () for d, a in enumerate(axes)]
+
+    def pair_axes(x):  # [*batch|1, N|1, T|1, S|1]
+        axes = [*batch_axes, n_axes, t_axes, ()]
+        return [a if x.shape[d] != 1 else () for d, a in enumerate(axes)]
+
+    manual = _used_axes(arrays)
+    wanted = [qkv_axes(query, True), qkv_axes(key, False), qkv_axes(value, False)]
+    wanted += [pair_axes(b) for b in biases]
+    if mask is not None:
+        wanted.append(pair_axes(mask))
+    inputs = [
+        _conform(x, mesh, w)
+        for x, w in zip(
+            [query, key, value, *biases, *([] if mask is None else [mask])], wanted, strict=True
+        )
+    ]
+    specs = [_spec(w) for w in wanted]
+    num_biases = len(biases)
+
+    def attend_local(query, key, value, *rest):
+        biases, mask = rest[:num_biases], (rest[num_biases] if len(rest) > num_biases else None)
+        return attend(query, key, value, tuple(biases), mask)
+
+    out_axes = [*batch_axes, (), (), ()]
+    out_axes[seq], out_axes[head] = t_axes, n_axes
+    return jax.shard_map(
+        attend_local,
+        mesh=mesh,
+        in_specs=tuple(specs),
+        out_specs=_spec(out_axes),
+        axis_names=manual,
+        check_vma=False,  # the implementations (loops, custom_vjp) are not typed for varying axes
+    )(*inputs)
+
+
+def out_sharding(x: Any, keep: int) -> NamedSharding | None:
+    """The sharding for a contraction's output that keeps x's first `keep` dimensions as they are
+    sharded and leaves the new last dimension replicated, or None when x has no explicit sharding.
+
+    For einsums that sum over a dimension that may be sharded (the output projection over heads):
+    explicit mode asks for the output's sharding there, and XLA then adds the all-reduce.
+    """
+    mesh, axes = explicit_axes(x)
+    if mesh is None:
+        return None
+    return NamedSharding(mesh, _spec([*axes[:keep], ()]))
+
+
+# AlphaFold 2's attention parameters sharded by head: name -> (rank, index of the head dimension).
+_HEAD_DIMS = {
+    "query_w": (3, 1),  # [a, h, c]
+    "key_w": (3, 1),  # [m, h, c] (GlobalAttention's [m, c] has no head dimension)
+    "value_w": (3, 1),  # [m, h, cv]
+    "gating_w": (3, 1),  # [a, h, cv]
+    "gating_b": (2, 0),  # [h, cv]
+    "output_w": (3, 0),  # [h, cv, o]
+    "feat_2d_weights": (2, 1),  # [c_z, h]: the pair bias's projection
+}
+
+
+def head_parallel_specs(params: Any, head_axis: str | Sequence[str], mesh: Any = None) -> Any:
+    """PartitionSpecs that shard AlphaFold 2 attention parameters by head over `head_axis`.
+
+    The parameters of AF2's attention modules with a head dimension (query_w, key_w, value_w,
+    gating_w, gating_b, output_w, and feat_2d_weights of the pair bias) are sharded along it;
+    everything else (output_b, LayerNorm scales and offsets, GlobalAttention's single key/value
+    head, parameters of other modules) is replicated. A leading stacked-layer axis (AF2
+    checkpoints stack 48 Evoformer blocks) is read off query_w's rank in the same scope or the
+    scope below it, and left unsharded.
+
+    Args:
+      params: Haiku params {module: {name: array}} (arrays or ShapeDtypeStructs).
+      head_axis: the mesh axis name (or names) to shard heads over.
+      mesh: optional Mesh; when given, every head count must be divisible by the axis size.
+
+    Returns:
+      {module: {name: PartitionSpec}}, for jax.device_put or jit shardings.
+
+    Raises:
+      TypeError: params is not a {module: {name: array}} mapping.
+      ValueError: a head_axis that is not an axis of mesh, or a head count the axis size does not
+        divide.
+    """
+    axes = (head_axis,) if isinstance(head_axis, str) else tuple(head_axis)
+    size = None
+    if mesh is not None:
+        unknown = [a for a in axes if a not in mesh.axis_names]
+        if unknown:
+            raise ValueError(f"head_axis {unknown} is not an axis of the mesh {mesh.axis_names}")
+        size = math.prod(mesh.shape[a] for a in axes)
+    if not isinstance(params, Mapping) or not all(isinstance(v, Mapping) for v in params.values()):
+        raise TypeError(
+            f"params must be Haiku params {{module: {{name: array}}}}, got {type(params).__name__}"
+        )
+
+    def stacked(module: str) -> int | None:  # leading stacked-layer axes of module's parameters
+        for scope in (module, *sorted(m for m in params if m.startswith(module + "/"))):
+            query_w = params[scope].get("query_w")
+            if query_w is not None:
+                return len(query_w.shape) - 3
+        return None
+
+    specs = {}
+    for module, leaves in params.items():
+        lead = stacked(module)
+        specs[module] = {}
+        for name, leaf in leaves.items():
+            shape = tuple(leaf.shape)
+            rank, head_dim = _HEAD_DIMS.get(name, (None, None))
+            if rank is not None and lead is None and len(shape) in (rank, rank + 1):
+                lead_here = len(shape) - rank  # no query_w to tell: read it off this rank
+            else:
+                lead_here = lead
+            if rank is None or len(shape) != rank + (lead_here or 0):
+                specs[module][name] = P()  # no head dimension (e.g. GlobalAttention's key_w)
+                continue
+            head_dim += lead_here or 0
+            if size is not None and shape[head_dim] % size:
+                raise ValueError(
+                    f"params[{module!r}][{name!r}] of shape {shape} has {shape[head_dim]} "
+                    f"heads, which the {size} devices of mesh axes {axes} cannot share evenly"
+                )
+            specs[module][name] = _spec([axes if d == head_dim else () for d in range(len(shape))])
+    return specs
