@@ -305,6 +305,14 @@ def experiment_config() -> ml_collections.ConfigDict:
     cfg.data.masked_fraction = 0.1  # fraction of keys masked out at random
     cfg.data.nonbatched_bias = True  # a [h, q, k] bias shared by the batch (Attention only)
 
+    # Devices: a mesh of data x heads devices with explicit axes ('data', 'heads'); 1 x 1 runs on
+    # one device. The batch rows (the MSA's sequences, the pair's rows) are split over 'data', the
+    # heads over 'heads' (sharding.head_parallel_specs). On CPU, more devices than cores come from
+    # XLA_FLAGS=--xla_force_host_platform_device_count=N, set before JAX starts.
+    cfg.mesh = ml_collections.ConfigDict()
+    cfg.mesh.data = 1
+    cfg.mesh.heads = 1
+
     cfg.run = ml_collections.ConfigDict()
     cfg.run.seed = 0
     cfg.run.steps = 10  # timed steps after the compiling call
@@ -347,6 +355,21 @@ def check_experiment(cfg: ml_collections.ConfigDict) -> None:
         raise ValueError(
             f"global_attention needs config.data.num_keys == num_queries, got "
             f"{data.num_keys} and {data.num_queries}"
+        )
+    _check_int("config.mesh", "data", cfg.mesh.data, 1, optional=False)
+    _check_int("config.mesh", "heads", cfg.mesh.heads, 1, optional=False)
+    rows = data.num_queries if cfg.module == "triangle_attention" else data.batch
+    if rows % cfg.mesh.data:
+        what = "num_queries (the pair's rows)" if cfg.module == "triangle_attention" else "batch"
+        raise ValueError(
+            f"config.mesh.data={cfg.mesh.data} devices cannot share config.data.{what}={rows} "
+            "rows evenly; expected a divisor of it"
+        )
+    num_head = cfg.attention.num_head
+    if num_head % cfg.mesh.heads:
+        raise ValueError(
+            f"config.mesh.heads={cfg.mesh.heads} devices cannot share config.attention.num_head="
+            f"{num_head} heads evenly; expected a divisor of it"
         )
     _check_int("config.run", "steps", cfg.run.steps, 1, optional=False)
     _check_int("config.run", "warmup", cfg.run.warmup, 0, optional=False)

@@ -6,7 +6,9 @@ scripts stay short and the logic is tested.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -17,8 +19,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from gated_attention import alphafold, attention, modules, precision
+from gated_attention import alphafold, attention, modules, precision, sharding
 from gated_attention import config as config_lib
 from gated_attention import params as params_lib
 
@@ -230,6 +234,58 @@ def memory_analysis(fn: Callable, args: tuple) -> dict[str, int | None]:
     return {key: (None if stats is None else int(getattr(stats, key))) for key in keys}
 
 
+MESH_AXES = ("data", "heads")
+
+
+def make_mesh(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
+    """cfg.mesh's data x heads mesh with explicit axes ('data', 'heads'), or None for 1 x 1.
+
+    Raises:
+      ValueError: the mesh needs more devices than JAX has.
+    """
+    shape = (cfg.mesh.data, cfg.mesh.heads)
+    size = math.prod(shape)
+    if size == 1:
+        return None
+    devices = jax.devices()
+    if size > len(devices):
+        hint = (
+            f"; on CPU, start with XLA_FLAGS=--xla_force_host_platform_device_count={size}"
+            if jax.default_backend() == "cpu"
+            else ""
+        )
+        raise ValueError(
+            f"config.mesh asks for data x heads = {shape[0]} x {shape[1]} = {size} devices, but "
+            f"JAX has {len(devices)} ({jax.default_backend()}){hint}"
+        )
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    return jax.make_mesh(shape, MESH_AXES, axis_types=explicit, devices=devices[:size])
+
+
+def _input_specs(cfg: ml_collections.ConfigDict, inputs) -> list[P]:
+    """Each input's placement: rows over 'data' (the batch, or the pair's rows for triangle
+    attention), the nonbatched bias [h, q, k] over 'heads'; the MSA row module's pair_act whole."""
+    if cfg.module == "attention":  # q_data, m_data, mask [b|1, ...] or None, nonbatched [h, q, k]
+        mask = inputs[2]
+        return [
+            P("data"),
+            P("data"),
+            P("data") if mask is not None and mask.shape[0] > 1 else P(),
+            P("heads"),
+        ]
+    if cfg.module == "global_attention":  # q_data, m_data, q_mask
+        return [P("data")] * 3
+    return [P("data"), P("data")] + [P()] * (len(inputs) - 2)  # act, mask (, pair_act)
+
+
+def _place(mesh, cfg, params, inputs):
+    """params by head over 'heads' (sharding.head_parallel_specs), inputs by _input_specs."""
+    put = lambda x, spec: None if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+    specs = sharding.head_parallel_specs(params, "heads", mesh)
+    params = jax.tree.map(put, params, specs)
+    return params, tuple(put(x, s) for x, s in zip(inputs, _input_specs(cfg, inputs), strict=True))
+
+
 def run_forward(cfg: ml_collections.ConfigDict, params: Any = None) -> dict[str, Any]:
     """Initializes (or takes) params and runs the jit-compiled forward of cfg; returns the report.
 
@@ -242,19 +298,30 @@ def run_forward(cfg: ml_collections.ConfigDict, params: Any = None) -> dict[str,
       memory analysis and an output checksum.
     """
     problem = build(cfg)
+    mesh = make_mesh(cfg)
     if params is None:
         params = jax.jit(problem.forward.init)(jax.random.PRNGKey(cfg.run.seed), *problem.inputs)
+    inputs = problem.inputs
+    if mesh is not None:
+        params, inputs = _place(mesh, cfg, params, inputs)
 
     def apply(params, *inputs):
         return problem.forward.apply(params, None, *inputs)
 
-    with attention.record_implementation_choices() as choices:
-        timing = time_jitted(apply, (params, *problem.inputs), cfg.run.steps, cfg.run.warmup)
-    out = np.asarray(timing.pop("output"), np.float64)
+    with contextlib.ExitStack() as stack:
+        if mesh is not None:
+            stack.enter_context(jax.set_mesh(mesh))
+        choices = stack.enter_context(attention.record_implementation_choices())
+        timing = time_jitted(apply, (params, *inputs), cfg.run.steps, cfg.run.warmup)
+        memory = memory_analysis(apply, (params, *inputs))
+    output = timing.pop("output")
+    out = np.asarray(output, np.float64)
     return dict(
         module=cfg.module,
         backend=jax.default_backend(),
         devices=[str(d) for d in jax.devices()],
+        mesh=None if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)),
+        output_sharding=str(getattr(output.sharding, "spec", output.sharding)),
         dtype=cfg.data.dtype,
         compute_dtype=str(precision.compute_dtype(cfg.data.dtype, cfg.global_config.compute_dtype)),
         input_shapes=[None if x is None else list(x.shape) for x in problem.inputs],
@@ -267,7 +334,7 @@ def run_forward(cfg: ml_collections.ConfigDict, params: Any = None) -> dict[str,
         min_step_s=timing["min_s"],
         steps=cfg.run.steps,
         gflops_per_s=problem.flops / timing["median_s"] / 1e9,
-        memory=memory_analysis(apply, (params, *problem.inputs)),
+        memory=memory,  # per device on a mesh
         output_checksum=dict(
             sum=float(out.sum()),
             abs_sum=float(np.abs(out).sum()),

@@ -3,6 +3,8 @@ r"""Runs one jit-compiled forward pass of a config's module on random inputs and
   python scripts/run_forward.py                                   # configs/default.py on CPU
   python scripts/run_forward.py --config=configs/alphafold.py:msa_row --config.attention.num_head=4
   python scripts/run_forward.py --platform=gpu --output_json=/tmp/report.json
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python scripts/run_forward.py \
+      --config=configs/alphafold.py:msa_row --config.mesh.data=4 --config.mesh.heads=2
   python scripts/run_forward.py --config=configs/evoformer.py:triangle_end --params=params_model_1.npz \
       --params_prefix=alphafold/alphafold_iteration/evoformer/evoformer_iteration --layer=47
 
@@ -11,7 +13,10 @@ With --params, the module's params come from an AlphaFold 2 .npz checkpoint inst
 msa_row_attention_with_pair_bias), --layer one block of stacked params; every missing, unexpected or
 mis-shaped param is reported.
 
-The report: devices, shapes, dtype, the implementation chosen, compile time, median and min step time,
+With config.mesh larger than 1 x 1, the rows are split over the mesh's 'data' axis and the heads
+(parameters and pair bias) over its 'heads' axis (explicit axes; README, "Many devices").
+
+The report: devices, the mesh and the output's sharding, shapes, dtype, the implementation chosen, compile time, median and min step time,
 GFLOP/s, XLA's compiled memory analysis and an output checksum.
 """
 

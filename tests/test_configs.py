@@ -92,6 +92,15 @@ EXPERIMENT_ERRORS = {
         lambda c: setattr(c.attention, "num_head", -1),
         r"config.num_head must be an int >= 1",
     ),
+    "mesh_size": (lambda c: setattr(c.mesh, "data", 0), r"config.mesh.data must be an int >= 1"),
+    "mesh_rows": (
+        lambda c: setattr(c.mesh, "data", 3),
+        r"config.mesh.data=3 devices cannot share config.data.batch=4 rows evenly",
+    ),
+    "mesh_heads": (
+        lambda c: setattr(c.mesh, "heads", 3),
+        r"config.mesh.heads=3 devices cannot share config.attention.num_head=4 heads evenly",
+    ),
 }
 
 
@@ -102,6 +111,37 @@ def test_experiment_errors(case):
     mutate(cfg)
     with pytest.raises(ValueError, match=match):
         config_lib.check_experiment(cfg)
+
+
+@pytest.mark.parametrize(
+    "file,preset",
+    [("default.py", None), ("evoformer.py", "triangle_end"), ("evoformer.py", "msa_row")],
+)
+def test_run_forward_on_a_mesh_matches_one_device(file, preset):
+    """data x heads = 2 x 2 of the 8 virtual devices (tests/conftest.py): rows over 'data', heads
+    over 'heads', the same output as on one device."""
+    cfg = _load(file, preset)
+    cfg.data.batch, cfg.data.num_queries, cfg.data.num_keys = 4, 8, 8
+    cfg.attention.num_head = 4
+    cfg.run.steps, cfg.run.warmup = 1, 0
+    one = experiment.run_forward(cfg)
+    cfg.mesh.data, cfg.mesh.heads = 2, 2
+    report = experiment.run_forward(cfg)
+    assert one["mesh"] is None and report["mesh"] == {"data": 2, "heads": 2}
+    assert report["output_sharding"] == str(jax.sharding.PartitionSpec("data", None, None))
+    for key in ("sum", "abs_sum"):
+        np.testing.assert_allclose(
+            report["output_checksum"][key], one["output_checksum"][key], rtol=1e-5
+        )
+
+
+def test_run_forward_mesh_larger_than_the_devices():
+    cfg = _shrink(config_lib.experiment_config())
+    cfg.data.batch, cfg.mesh.data = 16, 16
+    with pytest.raises(
+        ValueError, match=r"config.mesh asks for data x heads = 16 x 1 = 16 devices, but JAX has 8"
+    ):
+        experiment.run_forward(cfg)
 
 
 def test_global_attention_needs_equal_lengths():
@@ -139,10 +179,13 @@ def test_run_forward_script_end_to_end(tmp_path):
         "--config.data.num_keys=16",
         "--config.attention.num_head=2",
         "--config.run.steps=2",
+        "--config.mesh.data=2",  # the 8 virtual devices of tests/conftest.py's XLA_FLAGS
+        "--config.mesh.heads=2",
         f"--output_json={out}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["mesh"] == {"data": 2, "heads": 2} and "mesh" in result.stdout
     assert (
         report["input_shapes"][0] == [2, 16, 128] and report["config"]["attention"]["num_head"] == 2
     )
