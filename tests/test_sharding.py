@@ -173,30 +173,40 @@ def _attention_fn(num_head, output_dim):
     return hk.without_apply_rng(hk.transform(forward))
 
 
-def test_attention_module_data_and_head_parallel(mesh):
-    """Attention at an MSA-row shape (row tiles inside the op) with the batch over 'data' and heads
-    over 'model': the reference's values, and one all-reduce (the sum over heads of the output
-    projection) as the only communication."""
-    b, r, c, h = 16, 128, 32, 4
-    rng = np.random.default_rng(4)
+def _placed_attention(mesh, b, r, c, h, seed):
+    """An Attention problem on `mesh`: rows over 'data', heads (params, pair bias) over 'model'.
+
+    Returns:
+      (fn, head specs, placed params, placed (x, mask, bias), float64 (params, x, mask, bias) of
+      the values placed).
+    """
+    rng = np.random.default_rng(seed)
     x, x64 = rand(rng, (b, r, c), jnp.float32)
     bias, bias64 = rand(rng, (h, r, r), jnp.float32)
     mask = rng.random((b, 1, 1, r)) > 0.1
-    fn = _attention_fn(h, c)
-    params = reference.random_attention_params(rng, c, c, h, c // h, c // h, c)
-    params = {"attention": {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}}
+    p64 = reference.random_attention_params(rng, c, c, h, c // h, c // h, c)
+    params = {"attention": {k: jnp.asarray(v, jnp.float32) for k, v in p64.items()}}
+    p64 = {k: np.asarray(v, np.float64) for k, v in params["attention"].items()}  # as rounded
     specs = sharding.head_parallel_specs(params, "model", mesh)
-    assert specs["attention"]["query_w"] == P(None, "model")
     placed = jax.tree.map(lambda p, s: put(mesh, p, s), params, specs)
     args = (
         put(mesh, x, P("data")),
         put(mesh, jnp.asarray(mask), P("data")),
         put(mesh, bias, P("model")),
     )
+    return _attention_fn(h, c), specs, placed, args, (p64, x64, mask, bias64)
+
+
+def test_attention_module_data_and_head_parallel(mesh):
+    """Attention at an MSA-row shape (row tiles inside the op) with the batch over 'data' and heads
+    over 'model': the reference's values, and one all-reduce (the sum over heads of the output
+    projection) as the only communication."""
+    b, r, c = 16, 128, 32
+    fn, specs, placed, args, (p64, x64, mask, bias64) = _placed_attention(mesh, b, r, c, 4, seed=4)
+    assert specs["attention"]["query_w"] == P(None, "model")
 
     out = jax.jit(fn.apply)(placed, *args)
     assert spec_of(out) == P("data")
-    p64 = {k: np.asarray(v, np.float64) for k, v in params["attention"].items()}
     assert_close(out, reference.attention(p64, x64, x64, mask, bias64), F32)
 
     # Gradients for the head-sharded parameters and the sharded input, against the reference's.
@@ -257,7 +267,8 @@ def test_triangle_attention_with_pair_rows_over_devices(mesh, orientation):
 
     out = jax.jit(fn.apply)(placed, *args)
     assert spec_of(out) == P("data")
-    expected = reference.triangle_attention(params, pair64, pair_mask, h, orientation)
+    params64 = jax.tree.map(lambda v: np.asarray(np.float32(v), np.float64), params)  # as placed
+    expected = reference.triangle_attention(params64, pair64, pair_mask, h, orientation)
     assert_close(out, expected, reference.tolerance("float32", family=True))
 
 
@@ -390,21 +401,6 @@ def test_attention_module_under_auto_axes_is_correct(mesh):
         axis_types=(jax.sharding.AxisType.Auto,) * 2,
         devices=jax.devices()[:8],
     )
-    b, r, c, h = 8, 64, 16, 4
-    rng = np.random.default_rng(8)
-    x, x64 = rand(rng, (b, r, c), jnp.float32)
-    bias, bias64 = rand(rng, (h, r, r), jnp.float32)
-    mask = rng.random((b, 1, 1, r)) > 0.1
-    fn = _attention_fn(h, c)
-    params = reference.random_attention_params(rng, c, c, h, c // h, c // h, c)
-    params = {"attention": {k: jnp.asarray(v, jnp.float32) for k, v in params.items()}}
-    specs = sharding.head_parallel_specs(params, "model", auto)
-    placed = jax.tree.map(lambda p, s: put(auto, p, s), params, specs)
-    args = (
-        put(auto, x, P("data")),
-        put(auto, jnp.asarray(mask), P("data")),
-        put(auto, bias, P("model")),
-    )
+    fn, _, placed, args, (p64, x64, mask, bias64) = _placed_attention(auto, 8, 64, 16, 4, seed=8)
     out = jax.jit(fn.apply)(placed, *args)
-    p64 = {k: np.asarray(v, np.float64) for k, v in params["attention"].items()}
     assert_close(out, reference.attention(p64, x64, x64, mask, bias64), F32)
