@@ -349,6 +349,10 @@ def dot_product_attention(
     uniform average of the values (never NaN). bfloat16/float16 inputs are computed in float32 on
     CPU unless options.compute_dtype says otherwise (precision.py); the output has query's dtype.
 
+    On a mesh with explicit axes, each device attends for its own batch rows, heads and queries,
+    as the inputs are sharded, with no communication; keys and values sharded along S are
+    gathered first (sharding.shard_attention). The output has query's sharding.
+
     Args:
       query: [..., T, N, H] (layout 'BTNH', jax.nn's) or [..., N, T, H] (layout 'BNTH').
       key: [..., S, N, H] or [..., N, S, H].

@@ -14,6 +14,9 @@ piece computes exactly what fn computes on those rows, so results match the sing
 1 ulp (bitwise for the attention op on CPU in float32, in the tests). It works under jax.jit and
 jax.grad; note that the gradient of the loop keeps every subbatch's residuals, so subbatching
 bounds the memory of inference (as in AF2), not of training.
+
+On a mesh with explicit axes, a batch split over devices is subbatched on each device: every
+device runs its own rows, subbatch_size at a time, and no row crosses devices (sharding.py).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def subbatch(
       args: arrays or None. By default an arg is batched when its size along `axis` equals the
         batch size (the size of the first arg whose size there is not 1); args of size 1 there
         and None args are shared: passed whole to every call, never broadcast in memory.
-      subbatch_size: rows per call; None (or >= the batch size) makes a single call fn(*args).
+      subbatch_size: rows per call (per device when the batch is split over devices); None (or
+        >= the batch size) makes a single call fn(*args).
       axis: the batch axis of every batched arg and every output leaf (negative counts from the
         end of each array).
       batched: optional explicit flag per arg; True args are cut, False args are passed whole.
