@@ -132,5 +132,11 @@ def uniform_where_fully_masked(out: jax.Array, value: jax.Array, mask) -> jax.Ar
     if mask is None:
         return out
     has_key = jnp.any(mask, axis=-1, keepdims=True)  # [B|1, N|1, T|1, 1]
-    uniform = jnp.mean(value.astype(accumulation_dtype(value.dtype)), axis=2, keepdims=True)
-    return jnp.where(has_key, out, uniform.astype(out.dtype))  # uniform: [B, N, 1, Hv]
+    # The sum over keys as a product with ones (exact in any dtype), not jnp.mean: it then takes
+    # the same head-major value as the weighted average's product, where XLA:CPU made a second
+    # transposed copy of value for a mean (scripts/benchmark.py: the MSA-row shape).
+    ones = jnp.ones((*value.shape[:2], 1, value.shape[2]), value.dtype)  # [B, N, 1, S]
+    acc = accumulation_dtype(value.dtype)
+    total = jnp.einsum("bnqk,bnkh->bnqh", ones, value, preferred_element_type=acc)  # [B, N, 1, Hv]
+    uniform = total / jnp.asarray(value.shape[2], acc)
+    return jnp.where(has_key, out, uniform.astype(out.dtype))
