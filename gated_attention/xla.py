@@ -133,8 +133,8 @@ def uniform_where_fully_masked(out: jax.Array, value: jax.Array, mask) -> jax.Ar
         return out
     has_key = jnp.any(mask, axis=-1, keepdims=True)  # [B|1, N|1, T|1, 1]
     # The sum over keys as a product with ones (exact in any dtype), not jnp.mean: it then takes
-    # the same head-major value as the weighted average's product, where XLA:CPU made a second
-    # transposed copy of value for a mean (scripts/benchmark.py: the MSA-row shape).
+    # the same head-major value as the weighted average's product. For a mean, XLA:CPU made a
+    # second transposed copy of value in every row tile (seen in a profile of the MSA-row shape).
     ones = jnp.ones((*value.shape[:2], 1, value.shape[2]), value.dtype)  # [B, N, 1, S]
     acc = accumulation_dtype(value.dtype)
     total = jnp.einsum("bnqk,bnkh->bnqh", ones, value, preferred_element_type=acc)  # [B, N, 1, Hv]
