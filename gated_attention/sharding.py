@@ -76,22 +76,16 @@ def _spec(axes: Sequence[Axes]) -> P:
     return P(*entries)
 
 
-def _mesh_of(arrays: Sequence[Any]) -> Any:
+def _mesh_and_axes(arrays: Sequence[Any]) -> tuple[Any, set[str]]:
+    """The mesh of the first explicitly sharded array (None if none is) and every explicit axis
+    the arrays use."""
+    mesh, used = None, set()
     for x in arrays:
         if x is not None:
-            mesh, _ = explicit_axes(x)
-            if mesh is not None:
-                return mesh
-    return None
-
-
-def _used_axes(arrays: Sequence[Any]) -> set[str]:
-    used: set[str] = set()
-    for x in arrays:
-        if x is not None:
-            for axes in explicit_axes(x)[1]:
-                used.update(axes)
-    return used
+            x_mesh, axes = explicit_axes(x)
+            mesh = mesh or x_mesh
+            used.update(a for dim in axes for a in dim)
+    return mesh, used
 
 
 def _conform(x: Any, mesh: Any, wanted: Sequence[Axes]) -> Any:
@@ -137,8 +131,7 @@ def shard_attention(
       attend's output [*batch, T, N, Hv] / [*batch, N, T, Hv], or None when no input is sharded
       over an explicit mesh axis (the caller then calls attend itself).
     """
-    arrays = [query, key, value, *biases, mask]
-    mesh = _mesh_of(arrays)
+    mesh, manual = _mesh_and_axes([query, key, value, *biases, mask])
     if mesh is None:
         return None
     rank = len(query.shape)
@@ -158,7 +151,6 @@ def shard_attention(
         axes = [*batch_axes, n_axes, t_axes, ()]
         return [a if x.shape[d] != 1 else () for d, a in enumerate(axes)]
 
-    manual = _used_axes(arrays)
     wanted = [qkv_axes(query, True), qkv_axes(key, False), qkv_axes(value, False)]
     wanted += [pair_axes(b) for b in biases]
     if mask is not None:
