@@ -1,14 +1,19 @@
 """gated_attention: AlphaFold-style gated multi-head attention for JAX and Haiku.
 
-Public API:
+Public API (everything else is internal):
   Attention, GlobalAttention            Haiku modules with AlphaFold 2's parameters.
   MSARowAttentionWithPairBias, MSAColumnAttention, MSAColumnGlobalAttention, TriangleAttention
                                          AlphaFold 2's attention family (they return the update).
   apply_dropout, dropout_update, dropout_wrapper
                                          dropout on those updates, as AlphaFold 2's Evoformer.
-  dot_product_attention                  the attention op, over several implementations.
-  AttentionOptions, implementation_names, choose_implementation, record_implementation_choices
   ModuleConfig, GlobalConfig             validated configs (modules also take AF2's ConfigDicts).
+  dot_product_attention                  the attention op in jax.nn's layout.
+  Implementation, XlaAttention, ChunkedAttention, CudnnAttention, Auto, IMPLEMENTATIONS
+                                         its implementations (instances carry their tuning).
+  record_implementation_choices          what the op chose, per call.
+  load_af2_params, save_af2_params, check_params, diff_params
+                                         AlphaFold 2 .npz checkpoints <-> Haiku params.
+  head_parallel_specs                    partition specs sharding AF2's params by head.
 """
 
 from gated_attention.alphafold import (
@@ -21,32 +26,45 @@ from gated_attention.alphafold import (
     dropout_wrapper,
 )
 from gated_attention.attention import (
-    AttentionOptions,
-    choose_implementation,
+    IMPLEMENTATIONS,
+    Auto,
     dot_product_attention,
-    implementation_names,
     record_implementation_choices,
 )
+from gated_attention.base import Implementation
+from gated_attention.chunked import ChunkedAttention
 from gated_attention.config import GlobalConfig, ModuleConfig
+from gated_attention.cudnn import CudnnAttention
 from gated_attention.modules import Attention, GlobalAttention
+from gated_attention.params import check_params, diff_params, load_af2_params, save_af2_params
+from gated_attention.sharding import head_parallel_specs
+from gated_attention.xla import XlaAttention
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "IMPLEMENTATIONS",
     "Attention",
-    "AttentionOptions",
+    "Auto",
+    "ChunkedAttention",
+    "CudnnAttention",
     "GlobalAttention",
     "GlobalConfig",
+    "Implementation",
     "MSAColumnAttention",
     "MSAColumnGlobalAttention",
     "MSARowAttentionWithPairBias",
     "ModuleConfig",
     "TriangleAttention",
+    "XlaAttention",
     "apply_dropout",
-    "choose_implementation",
+    "check_params",
+    "diff_params",
     "dot_product_attention",
     "dropout_update",
     "dropout_wrapper",
-    "implementation_names",
+    "head_parallel_specs",
+    "load_af2_params",
     "record_implementation_choices",
+    "save_af2_params",
 ]

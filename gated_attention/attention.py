@@ -1,119 +1,157 @@
-"""dot_product_attention: argument checks, layout handling and dispatch to an implementation.
+"""dot_product_attention: one validation, one choice of implementation, one call.
 
-The op layer knows nothing of Haiku. Every implementation takes the head-major layout
-query [B, N, T, H], key [B, N, S, H], value [B, N, S, Hv], a tuple of biases (possibly empty) and a
-mask or None, each of rank 4 with dimensions 1 or equal to [B, N, T, S], and returns [B, N, T, Hv] in query's dtype (see xla.py, the
-specification). This module turns the public layouts into that one.
+The op layer knows nothing of Haiku. It validates the inputs once, flattens the batch dimensions to
+one, resolves the implementation once from the real shapes (logging and recording the choice), and
+calls it (base.py says what an implementation takes). On a mesh with explicit axes it does so per
+device (sharding.shard_attention).
 
-Dispatch is a table (IMPLEMENTATIONS). An explicitly named implementation never falls back; 'auto'
-chooses by backend, shapes and memory budget, logs its choice at trace time, and the choice can be
-inspected with `record_implementation_choices()`.
+`implementation` accepts a name from IMPLEMENTATIONS, an implementation instance (carrying its own
+tuning, e.g. ChunkedAttention(query_chunk_size=256)), a priority sequence of those (the first that
+takes the inputs runs), or None / 'auto' / an `Auto` instance (rules below). A single named
+implementation never falls back: it raises NotImplementedError saying why it cannot run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
-from collections.abc import Callable, Iterator, Sequence
+import types
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from absl import logging
 
-from gated_attention import chunked, cudnn, mapping, precision, sharding, xla
+from gated_attention import base, checks, numerics, sharding
+from gated_attention.chunked import DEFAULT_MEMORY_BUDGET_BYTES, ChunkedAttention
+from gated_attention.cudnn import CudnnAttention
+from gated_attention.xla import XlaAttention
 
-LAYOUTS = ("BTNH", "BNTH")
-
-# Working-set budget for chunk sizes and the limits of 'auto' (global_config.memory_budget_mib
-# sets it per module; config.py takes its default from here).
-DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
+IMPLEMENTATIONS: types.MappingProxyType[str, base.Implementation] = types.MappingProxyType(
+    {"xla": XlaAttention(), "chunked": ChunkedAttention(), "cudnn": CudnnAttention()}
+)
 
 # Largest float32 logits-and-weights working set of one batch row that 'auto' leaves to the dense
-# implementation (which tiles over rows); longer rows go to the chunked one. See choose_implementation.
+# implementation (which tiles over rows); longer rows go to the chunked one.
 DENSE_ROW_BYTES = 16 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionOptions:
-    """Tuning knobs an implementation may use; the dense one uses none.
+class Auto:
+    """The 'auto' choice: rules, in order, applied to the real (per-device) shapes.
+
+    1. On GPU, `cudnn` when it takes the inputs (bfloat16/float16, head dims it supports).
+    2. `xla` when one batch row's float32 logits and weights, 2 * 4 * N * T * S bytes, fit in
+       min(memory_budget_bytes, dense_row_bytes): it runs in tiles of rows, forward and backward,
+       so its working set stays small whatever the batch. On 2 CPU cores the MSA-row and triangle
+       shapes ran faster in row tiles than in query x key tiles (scripts/benchmark.py).
+    3. Otherwise (long rows) `chunked`, whose query x key tiles bound the working set.
 
     Attributes:
-      query_chunk_size: query tile length for 'chunked' (None: chosen from the budget).
-      key_chunk_size: key tile length for 'chunked' (None: chosen from the budget).
-      memory_budget_bytes: working-set budget for 'auto' and for choosing chunk sizes.
-      compute_dtype: the precision policy (precision.POLICIES): 'auto' computes bfloat16/float16
-        inputs in float32 on CPU, 'input' in their own dtype, 'float32' in float32 everywhere.
+      memory_budget_bytes: the working-set budget (global_config.memory_budget_mib).
+      dense_row_bytes: the largest row working set left to `xla`.
+      xla, chunked, cudnn: the instances to run (None: defaults, chunked with this budget).
     """
 
-    query_chunk_size: int | None = None
-    key_chunk_size: int | None = None
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
-    compute_dtype: str = "auto"
+    dense_row_bytes: int = DENSE_ROW_BYTES
+    xla: XlaAttention | None = None
+    chunked: ChunkedAttention | None = None
+    cudnn: CudnnAttention | None = None
 
     def __post_init__(self):
-        for name in ("query_chunk_size", "key_chunk_size"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
-        budget = self.memory_budget_bytes
-        if not _is_int(budget) or budget < 1:
-            raise ValueError(f"memory_budget_bytes must be an int >= 1, got {budget!r}")
-        precision.check_policy("compute_dtype", self.compute_dtype)
+        checks.check_int("memory_budget_bytes", self.memory_budget_bytes)
+        checks.check_int("dense_row_bytes", self.dense_row_bytes)
+        defaults = dict(
+            xla=XlaAttention(),
+            chunked=ChunkedAttention(memory_budget_bytes=self.memory_budget_bytes),
+            cudnn=CudnnAttention(),
+        )
+        for name, default in defaults.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+
+    def choose(self, query, key, value, biases, mask, *, compute_dtype):
+        """(implementation, reason) for these flattened inputs."""
+        if jax.default_backend() == "gpu":
+            try:
+                self.cudnn.check(query, key, value, biases, mask, compute_dtype=compute_dtype)
+                return self.cudnn, "GPU backend and cuDNN takes these inputs"
+            except NotImplementedError:
+                pass  # the rules below apply
+        _, q_len, heads, _ = query.shape
+        row_bytes = 2 * 4 * heads * q_len * key.shape[1]
+        limit = min(self.memory_budget_bytes, self.dense_row_bytes)
+        sizes = f"one row's dense logits need {_mib(row_bytes)} MiB, limit {_mib(limit)} MiB"
+        return (self.chunked if row_bytes > limit else self.xla), sizes
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+Spec = str | base.Implementation | Auto | Sequence[str | base.Implementation] | None
 
 
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    """An entry of the dispatch table.
-
-    Attributes:
-      fn: fn(query, key, value, biases, mask, *, scale, options) in the head-major layout;
-        biases is a tuple, added by the implementation (never summed whole beforehand).
-      supports: fn(query, key, value, biases, mask) -> None if the implementation can take these
-        inputs on the current backend, else a string saying why not.
-      caller_row_tile: fn(batch, row_queries, row_logits) -> the batch rows per tile in which a
-        caller able to run its whole computation per tile (the modules) should do so, or None.
-      row_tile: fn(batch, heads, q_len, kv_len) -> the batch rows fn should be called on at a time,
-        or None (the whole batch at once). dot_product_attention then runs fn per tile of rows,
-        with the layout change and the compute-dtype cast inside the tile (no head-major copy of
-        the whole query, key and value), each tile recomputed in the backward (jax.checkpoint).
-    """
-
-    fn: Callable[..., jax.Array]
-    supports: Callable[..., str | None]
-    caller_row_tile: Callable[[int, int, int], int | None] = lambda *args: None
-    row_tile: Callable[[int, int, int, int], int | None] = lambda *args: None
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.3g}"
 
 
-def _always(*args) -> None:
-    del args
-    return None
-
-
-def _chunked(query, key, value, bias, mask, *, scale, options):
-    return chunked.chunked_attention(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        scale=scale,
-        query_chunk_size=options.query_chunk_size,
-        key_chunk_size=options.key_chunk_size,
-        memory_budget_bytes=options.memory_budget_bytes,
+def _instance(item: Any, name: str) -> base.Implementation:
+    if isinstance(item, base.Implementation):
+        return item
+    if isinstance(item, str) and item in IMPLEMENTATIONS:
+        return IMPLEMENTATIONS[item]
+    if isinstance(item, str):
+        raise ValueError(
+            f"{name} must be one of {('auto', *IMPLEMENTATIONS)}, an implementation instance or "
+            f"a sequence of them, got {item!r}"
+        )
+    raise TypeError(
+        f"{name} must be a name, an implementation instance (e.g. gated_attention.XlaAttention()) "
+        f"or a sequence of them, got {type(item).__name__}"
     )
 
 
-IMPLEMENTATIONS: dict[str, Implementation] = {
-    "xla": Implementation(xla.dense, _always, xla.caller_row_tile, xla.row_tile),
-    "chunked": Implementation(_chunked, _always),
-    "cudnn": Implementation(cudnn.attend, cudnn.supports),
-}
+def resolve(implementation: Spec) -> Auto | tuple[base.Implementation, ...]:
+    """Validates `implementation`: an Auto, or the implementations to try in order."""
+    if implementation is None or implementation == "auto":
+        return Auto()
+    if isinstance(implementation, Auto):
+        return implementation
+    if isinstance(implementation, (list, tuple)):
+        if not implementation:
+            raise ValueError("implementation must not be an empty sequence")
+        return tuple(_instance(x, f"implementation[{i}]") for i, x in enumerate(implementation))
+    return (_instance(implementation, "implementation"),)
+
+
+def describe(implementation: Spec) -> str:
+    """A short label of an implementation spec, for logs and records."""
+    if implementation is None or isinstance(implementation, (str, Auto)):
+        return "auto" if not isinstance(implementation, str) else implementation
+    if isinstance(implementation, (list, tuple)):
+        return "(" + ", ".join(describe(x) for x in implementation) + ")"
+    return implementation.name
+
+
+def _choose(resolved, query, key, value, biases, mask, compute_dtype):
+    if isinstance(resolved, Auto):
+        return resolved.choose(query, key, value, biases, mask, compute_dtype=compute_dtype)
+    reasons = []
+    for impl in resolved:
+        try:
+            impl.check(query, key, value, biases, mask, compute_dtype=compute_dtype)
+        except NotImplementedError as e:
+            if len(resolved) == 1:
+                raise NotImplementedError(
+                    f"implementation={impl.name!r} cannot take these inputs: {e}"
+                ) from None
+            reasons.append(f"{impl.name}: {e}")
+            continue
+        first = "requested explicitly" if len(resolved) == 1 else "first of the priority list"
+        return impl, "; ".join([*reasons, first])
+    raise NotImplementedError(
+        "no implementation of the priority list takes these inputs: " + "; ".join(reasons)
+    )
+
 
 _choice_log: list[list[dict[str, Any]]] = []
 
@@ -123,7 +161,8 @@ def record_implementation_choices() -> Iterator[list[dict[str, Any]]]:
     """Collects the implementation chosen by every dot_product_attention traced inside the block.
 
     Yields:
-      A list that receives one dict per call: requested, chosen, reason and the head-major shapes.
+      A list that receives one dict per call: requested, chosen, reason and the flattened
+      [B, T|S, N, H] shapes of query, key and value.
     """
     record: list[dict[str, Any]] = []
     _choice_log.append(record)
@@ -133,103 +172,7 @@ def record_implementation_choices() -> Iterator[list[dict[str, Any]]]:
         _choice_log.remove(record)
 
 
-def implementation_names() -> tuple[str, ...]:
-    """The names `implementation` accepts: 'auto' and every entry of the dispatch table."""
-    return ("auto", *IMPLEMENTATIONS)
-
-
-def choose_implementation(
-    query, key, value, bias=None, mask=None, *, memory_budget_bytes: int | None = None
-) -> tuple[str, str]:
-    """The implementation 'auto' picks for head-major inputs, and why.
-
-    Rules, in order: on GPU, 'cudnn' when it supports the inputs. Otherwise 'xla' when the float32
-    logits and weights of one batch row, 2 * 4 * N * T * S bytes, fit in min(memory budget,
-    DENSE_ROW_BYTES): the dense implementation then runs in tiles of rows, forward and backward
-    (recomputing each tile), so its working set stays small whatever the batch. Otherwise (long
-    sequences) 'chunked', whose query x key tiles bound the working set. Measured on 2 CPU cores
-    with scripts/benchmark.py (float32 forward): the MSA-row shape and TriangleAttention at N_res
-    256 and 512 ran 1.4-1.8x faster in row tiles than in query x key tiles (the 128^2 triangle was
-    level); self-attention at 1 x 1,024 tokens and beyond ran 1.6-2.6x faster chunked.
-    Arrays or jax.ShapeDtypeStructs are accepted.
-
-    Returns:
-      (name, reason).
-    """
-    budget = memory_budget_bytes or DEFAULT_MEMORY_BUDGET_BYTES
-    if jax.default_backend() == "gpu" and "cudnn" in IMPLEMENTATIONS:
-        why_not = IMPLEMENTATIONS["cudnn"].supports(query, key, value, bias, mask)
-        if why_not is None:
-            return "cudnn", "GPU backend and cuDNN supports these inputs"
-    _, heads, q_len, _ = query.shape
-    row_bytes = 2 * 4 * heads * q_len * key.shape[2]
-    limit = min(budget, DENSE_ROW_BYTES)
-    sizes = f"one row's dense logits need {_mib(row_bytes)} MiB, limit {_mib(limit)} MiB"
-    if "chunked" in IMPLEMENTATIONS and row_bytes > limit:
-        return "chunked", sizes
-    return "xla", sizes
-
-
-def caller_row_tile(
-    implementation: str | None,
-    query_shape: tuple[int, ...],
-    key_shape: tuple[int, ...],
-    dtype=jnp.float32,
-    options: AttentionOptions | None = None,
-) -> int | None:
-    """Rows of the leading axis per tile for a caller that can run all its work per tile.
-
-    A module whose rows are independent (projections, attention, gate, output) may run them in
-    tiles of this many rows of its leading axis, which keeps a tile's whole working set in cache;
-    None means it should not tile. Depends on the implementation dot_product_attention would use
-    ('auto' resolved as it would be, without logging).
-
-    Args:
-      implementation: as for dot_product_attention.
-      query_shape: [..., T, N, H] (the 'BTNH' layout); the leading axis is the one tiled.
-      key_shape: [..., S, N, H].
-      dtype: the dtype query and key will have.
-      options: as for dot_product_attention.
-    """
-    options = AttentionOptions() if options is None else options
-    name = "auto" if implementation is None else implementation
-    if name not in IMPLEMENTATIONS and name != "auto":
-        return None  # dot_product_attention raises the error
-    *lead, q_len, heads, head_dim = query_shape
-    if not lead:
-        return None
-    if name == "auto":
-        rows = math.prod(lead)
-        q = jax.ShapeDtypeStruct((rows, heads, q_len, head_dim), dtype)
-        k = jax.ShapeDtypeStruct((rows, heads, key_shape[-3], head_dim), dtype)
-        name, _ = choose_implementation(q, k, k, memory_budget_bytes=options.memory_budget_bytes)
-    row_queries = math.prod(lead[1:]) * q_len
-    return IMPLEMENTATIONS[name].caller_row_tile(
-        lead[0], row_queries, row_queries * heads * key_shape[-3]
-    )
-
-
-def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.3g}"
-
-
-def _resolve(name, query, key, value, bias, mask, options: AttentionOptions) -> str:
-    requested = "auto" if name is None else name
-    if requested not in implementation_names():
-        raise ValueError(
-            f"implementation must be one of {implementation_names()} or None, got {requested!r}"
-        )
-    if requested == "auto":
-        chosen, reason = choose_implementation(
-            query, key, value, bias, mask, memory_budget_bytes=options.memory_budget_bytes
-        )
-    else:
-        why_not = IMPLEMENTATIONS[requested].supports(query, key, value, bias, mask)
-        if why_not is not None:
-            raise NotImplementedError(
-                f"implementation={requested!r} cannot take these inputs: {why_not}"
-            )
-        chosen, reason = requested, "requested explicitly"
+def _log_choice(requested: str, chosen: str, reason: str, query, key, value) -> None:
     logging.log_first_n(
         logging.INFO,
         "dot_product_attention: %s -> %s (%s), query %s",
@@ -239,72 +182,49 @@ def _resolve(name, query, key, value, bias, mask, options: AttentionOptions) -> 
         reason,
         tuple(query.shape),
     )
+    shapes = dict(query=tuple(query.shape), key=tuple(key.shape), value=tuple(value.shape))
     for record in _choice_log:
-        record.append(
-            dict(
-                requested=requested,
-                chosen=chosen,
-                reason=reason,
-                query=tuple(query.shape),
-                key=tuple(key.shape),
-                value=tuple(value.shape),
-            )
-        )
-    return chosen
+        record.append(dict(requested=requested, chosen=chosen, reason=reason, **shapes))
 
 
-def _check_dtype(name: str, x, kind: str) -> None:
-    dtype = jnp.result_type(x)
-    if kind == "bool" and dtype != jnp.bool_:
-        raise TypeError(
-            f"{name} must be a boolean array (True = attend), got dtype {dtype}; pass an additive "
-            "float bias as bias= instead"
-        )
-    if kind == "float" and not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
-
-
-def _check_broadcastable(name: str, x, target: tuple[int, ...], target_desc: str) -> None:
-    shape = tuple(x.shape)
-    if len(shape) != len(target) or any(
-        d not in (1, t) for d, t in zip(shape, target, strict=True)
-    ):
-        raise ValueError(
-            f"{name} of shape {shape} must have rank {len(target)} and broadcast to {target_desc} "
-            f"= {target} (each dimension 1 or equal)"
-        )
-
-
-def _check_qkv(query, key, value, layout: str) -> None:
+def _check_qkv(query, key, value) -> None:
     for name, x in (("query", query), ("key", key), ("value", value)):
-        _check_dtype(name, x, "float")
+        checks.check_float_array(name, x)
         if x.ndim < 3:
-            raise ValueError(
-                f"{name} must have rank >= 3 ([..., T, N, H] for layout {layout!r}), "
-                f"got shape {tuple(x.shape)}"
-            )
-    if not query.ndim == key.ndim == value.ndim:
-        raise ValueError(
-            f"query, key and value must have the same rank, got shapes {tuple(query.shape)}, "
-            f"{tuple(key.shape)} and {tuple(value.shape)}"
-        )
-    seq, head = (-3, -2) if layout == "BTNH" else (-2, -3)
-    letters = "[..., T, N, H]" if layout == "BTNH" else "[..., N, T, H]"
+            raise ValueError(f"{name} must have rank >= 3 ([..., T, N, H]), got shape {x.shape}")
     q, k, v = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    if not len(q) == len(k) == len(v):
+        raise ValueError(
+            f"query, key and value must have the same rank, got shapes {q}, {k} and {v}"
+        )
     problems = []
     if not q[:-3] == k[:-3] == v[:-3]:
         problems.append(f"batch dimensions differ: {q[:-3]}, {k[:-3]}, {v[:-3]}")
-    if not q[head] == k[head] == v[head]:
-        problems.append(f"head counts N differ: {q[head]}, {k[head]}, {v[head]}")
-    if k[seq] != v[seq]:
-        problems.append(f"key and value lengths S differ: {k[seq]} != {v[seq]}")
+    if not q[-2] == k[-2] == v[-2]:
+        problems.append(f"head counts N differ: {q[-2]}, {k[-2]}, {v[-2]}")
+    if k[-3] != v[-3]:
+        problems.append(f"key and value lengths S differ: {k[-3]} != {v[-3]}")
     if q[-1] != k[-1]:
         problems.append(f"query and key head dims H differ: {q[-1]} != {k[-1]}")
+    if 0 in q[-3:] or 0 in k[-3:] or 0 in v[-1:]:
+        problems.append("T, S, N, H and Hv must be non-empty")
     if problems:
         raise ValueError(
-            f"query {q}, key {k} and value {v} (layout {letters}) do not fit: "
+            f"query {q}, key {k} and value {v} (layout [..., T, N, H]) do not fit: "
             + "; ".join(problems)
         )
+
+
+def _as_biases(bias, target: tuple[int, ...]) -> tuple:
+    """bias (None, an array or a sequence of arrays) -> a tuple of validated arrays."""
+    if bias is None:
+        return ()
+    biases = tuple(bias) if isinstance(bias, (list, tuple)) else (bias,)
+    for i, b in enumerate(biases):
+        name = "bias" if len(biases) == 1 else f"bias[{i}]"
+        checks.check_float_array(name, b)
+        checks.check_broadcastable(name, b.shape, target, "[..., N, T, S]")
+    return biases
 
 
 def _flatten_batch(x, batch_dims: tuple[int, ...]):
@@ -318,18 +238,6 @@ def _flatten_batch(x, batch_dims: tuple[int, ...]):
     return x.reshape((-1, *x.shape[-3:]))
 
 
-def _check_biases(bias, target, target_desc) -> tuple:
-    """bias (None, an array or a sequence of arrays) -> a tuple of validated arrays."""
-    if bias is None:
-        return ()
-    biases = tuple(bias) if isinstance(bias, (list, tuple)) else (bias,)
-    for i, b in enumerate(biases):
-        name = "bias" if len(biases) == 1 else f"bias[{i}]"
-        _check_dtype(name, b, "float")
-        _check_broadcastable(name, b, target, target_desc)
-    return biases
-
-
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -338,98 +246,67 @@ def dot_product_attention(
     mask: jax.Array | None = None,
     *,
     scale: float | None = None,
-    implementation: str | None = None,
-    layout: str = "BTNH",
-    options: AttentionOptions | None = None,
+    implementation: Spec = None,
+    compute_dtype: str = "auto",
 ) -> jax.Array:
-    """Softmax attention with an additive bias and a boolean mask, over several implementations.
+    """Softmax attention with additive biases and a boolean mask, over several implementations.
 
-    softmax(scale * q.k + bias, masked entries replaced by -1e9) . v, with logits and softmax in
-    float32 (float64 for float64 inputs) whatever the input dtype. A fully masked query row gives the
-    uniform average of the values (never NaN). bfloat16/float16 inputs are computed in float32 on
-    CPU unless options.compute_dtype says otherwise (precision.py); the output has query's dtype.
+    As jax.nn.dot_product_attention, in its layout, with these extensions: any number of leading
+    batch dimensions; a sequence of biases, each with its own broadcast dimensions (a bias whose
+    batch dimensions are 1 stays shared, never copied per row); logits and softmax in float32
+    (float64 for float64 inputs) whatever the input dtype; masked positions never leak (NaN, inf
+    or garbage in masked queries, keys and values reach no unmasked output or gradient); a fully
+    masked query row gives the uniform average of the values, never NaN (numerics.py).
 
-    On a mesh with explicit axes, each device attends for its own batch rows, heads and queries,
-    as the inputs are sharded, with no communication; keys and values sharded along S are
-    gathered first (sharding.shard_attention). The output has query's sharding.
+    On a mesh with explicit axes each device attends for its own batch rows, heads and queries, as
+    the inputs are sharded, with no communication; keys and values sharded along S are gathered
+    first (sharding.shard_attention). The output has query's sharding.
+
+    Shapes: T queries, S keys, N heads, H query/key head dim, Hv value head dim.
 
     Args:
-      query: [..., T, N, H] (layout 'BTNH', jax.nn's) or [..., N, T, H] (layout 'BNTH').
-      key: [..., S, N, H] or [..., N, S, H].
-      value: [..., S, N, Hv] or [..., N, S, Hv].
-      bias: None, a float array, or a sequence of float arrays added together; each has query's rank
-        and broadcasts to [..., N, T, S] (each dimension 1 or equal). A bias whose batch dimensions
-        are 1 stays shared over the batch.
-      mask: None or a bool array of query's rank broadcastable to [..., N, T, S]; False = masked out.
-      scale: logit scale, default H ** -0.5.
-      implementation: None or 'auto' (choose), or a name from `implementation_names()`.
-      layout: 'BTNH' or 'BNTH', the layout of query, key, value and the output.
-      options: AttentionOptions (chunk sizes, memory budget).
+      query: [..., T, N, H].
+      key: [..., S, N, H].
+      value: [..., S, N, Hv].
+      bias: None, a float array or a sequence of float arrays added together; each has query's
+        rank and broadcasts to [..., N, T, S] (each dimension 1 or equal).
+      mask: None or a bool array of query's rank broadcastable to [..., N, T, S]; False = masked.
+      scale: logit scale (a Python number), default H ** -0.5.
+      implementation: None or 'auto', a name from IMPLEMENTATIONS, an implementation instance,
+        an `Auto`, or a priority sequence of names and instances (module docstring).
+      compute_dtype: the precision policy, one of numerics.POLICIES: 'auto' computes bfloat16 and
+        float16 inputs in float32 on CPU; 'input' in their own dtype; 'float32' in float32.
 
     Returns:
-      [..., T, N, Hv] ('BTNH') or [..., N, T, Hv] ('BNTH') in query's dtype.
+      [..., T, N, Hv] in query's dtype.
 
     Raises:
-      TypeError: a non-boolean mask, a non-float query/key/value/bias.
-      ValueError: shapes that do not fit, an unknown implementation or layout.
+      TypeError: a non-boolean mask, a non-float query/key/value/bias, a bad implementation type.
+      ValueError: shapes that do not fit, an unknown implementation name or policy.
       NotImplementedError: a named implementation that cannot take these inputs here.
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    options = AttentionOptions() if options is None else options
-    if not isinstance(options, AttentionOptions):
-        raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
-    _check_qkv(query, key, value, layout)
-    seq, head = (-3, -2) if layout == "BTNH" else (-2, -3)
+    _check_qkv(query, key, value)
     batch_dims = tuple(query.shape[:-3])
-    heads, q_len, kv_len = query.shape[head], query.shape[seq], key.shape[seq]
-    target = (*batch_dims, heads, q_len, kv_len)
-    target_desc = "[..., N, T, S]"
-    biases = _check_biases(bias, target, target_desc)
+    q_len, heads = query.shape[-3:-1]
+    target = (*batch_dims, heads, q_len, key.shape[-3])
+    biases = _as_biases(bias, target)
     if mask is not None:
-        _check_dtype("mask", mask, "bool")
-        _check_broadcastable("mask", mask, target, target_desc)
-    if scale is None:
-        scale = query.shape[-1] ** -0.5
-    out_dtype = query.dtype
-    compute = precision.compute_dtype(out_dtype, options.compute_dtype)
+        checks.check_bool_mask("mask", mask)
+        checks.check_broadcastable("mask", mask.shape, target, "[..., N, T, S]")
+    checks.check_one_of("compute_dtype", compute_dtype, numerics.POLICIES)
+    resolved = resolve(implementation)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    compute = numerics.compute_dtype(query.dtype, compute_dtype)
 
     def attend(query, key, value, biases, mask):  # all of the inputs, or one device's shard
         batch_dims = tuple(query.shape[:-3])
-        heads, q_len, kv_len = query.shape[head], query.shape[seq], key.shape[seq]
-        q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))  # caller's layout
-        biases = tuple(_flatten_batch(b, batch_dims) for b in biases)
+        q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))
+        flat_biases = tuple(_flatten_batch(b, batch_dims) for b in biases)
         m = None if mask is None else _flatten_batch(mask, batch_dims)
-        batch = q.shape[0]
-        head_major = [
-            jax.ShapeDtypeStruct((batch, heads, x.shape[seq], x.shape[-1]), compute)
-            for x in (q, k, v)
-        ]
-        chosen = _resolve(implementation, *head_major, biases, m, options)
-        impl = IMPLEMENTATIONS[chosen]
-
-        def run(q, k, v, m, *biases):  # a tile of batch rows (or all of them)
-            if layout == "BTNH":
-                q, k, v = (jnp.swapaxes(x, -3, -2) for x in (q, k, v))
-            if compute != out_dtype:  # biases are cast by the implementations, as for any dtype
-                q, k, v = (x.astype(compute) for x in (q, k, v))
-            out = impl.fn(q, k, v, biases, m, scale=scale, options=options).astype(out_dtype)
-            return jnp.swapaxes(out, -3, -2) if layout == "BTNH" else out  # the caller's layout
-
-        rows = impl.row_tile(batch, heads, q_len, kv_len)
-        if rows is None:
-            out = run(q, k, v, m, *biases)
-        else:  # every arg's leading dim is batch (cut into tiles) or 1 (shared by every tile)
-            out = mapping.subbatch(jax.checkpoint(run), [q, k, v, m, *biases], subbatch_size=rows)
+        impl, reason = _choose(resolved, q, k, v, flat_biases, m, compute)
+        _log_choice(describe(implementation), impl.name, reason, q, k, v)
+        out = impl(q, k, v, flat_biases, m, scale=scale, compute_dtype=compute)
         return out.reshape((*batch_dims, *out.shape[1:]))
 
-    # On a mesh with explicit axes each device attends for its own rows, heads and queries.
-    out = sharding.shard_attention(attend, query, key, value, biases, mask, layout)
+    out = sharding.shard_attention(attend, query, key, value, biases, mask)
     return attend(query, key, value, biases, mask) if out is None else out
-
-
-def num_flops(query_shape, key_shape, value_shape) -> int:
-    """Multiply-add FLOPs (2 per MAC) of the two attention matmuls for 'BTNH' shapes."""
-    *lead, t, n, h = query_shape
-    s, hv = key_shape[-3], value_shape[-1]
-    return 2 * math.prod(lead) * n * t * s * (h + hv)

@@ -1,70 +1,57 @@
 """Memory-efficient attention: online softmax over query and key tiles, with a tiled backward.
 
-Rabe & Staats (2021), "Self-attention does not need O(n^2) memory", in the FlashAttention-2 form:
-the forward loops over query chunks (outer) and key chunks (inner), carrying per query row the
-sum of exp(logit - m) and the float32 output accumulator; it never holds more than one
-[B, N, tq, tk] tile of logits. The shift m is first a fixed upper bound on the row's logits (from
-|q| max|k| and the bias's row maximum), which saves the running maximum and the rescaling after
-every key tile; a block of rows where that bound is so loose that the sum nears underflow is
-recomputed with the running maximum (see _forward). The backward (a `jax.custom_vjp`) saves only
-q, k, v, bias, mask, the output and the per-row softmax statistics (m and log-sum, together the
-logsumexp), and recomputes the probabilities tile by tile, key chunks outer and query chunks inner:
+Rabe & Staats (2021), "Self-attention does not need O(n^2) memory", in the FlashAttention-2 form.
+`ChunkedAttention` loops over blocks of batch rows (outer): each block is brought to head-major
+layout [r, N, T, H] in the compute dtype, its masked positions zeroed (numerics.py), and attended
+in query x key tiles; no copy of the whole query, key or value is made. Within a block the forward
+loops over query chunks and key chunks, carrying per query row the sum of exp(logit - m) and the
+float32 output accumulator; it never holds more than one [r, N, tq, tk] tile of logits. The shift m
+is first a fixed upper bound on the row's logits (from |q| max|k| and the bias's row maximum), which
+saves the running maximum and the rescaling after every key tile; a block of rows where that bound
+is so loose that the sum nears underflow is recomputed with the running maximum (see _forward).
+
+The backward (a `jax.custom_vjp` over the whole call) saves only the inputs, the output and the
+per-row softmax statistics (m and the sum; m + log(sum) is the logsumexp), and recomputes the
+probabilities block by block, tile by tile, key chunks outer and query chunks inner:
 D = rowsum(dO * O); per tile p = exp(s - lse), dv += p^T dO, dp = dO v^T, ds = p * (dp - D)
 (zero where masked), dq += ds k, dk += ds^T q, dbias += ds summed to the bias's own shape.
 
-Layout and numerics are those of xla.py (the specification): head-major query [B, N, T, H],
-key [B, N, S, H], value [B, N, S, Hv]; bias and mask of rank 4 whose every dimension is 1 or equal
-to [B, N, T, S]; logits accumulate in float32 (float64 for float64 inputs); masked keys get zero
-weight and a fully masked row is the uniform average of the values. As in xla.py, the forward adds
--1e9 to masked logits (a fused add, not a select) and sets fully masked rows, and their softmax
-statistics, to what replacing every logit by -1e9 gives; the backward recomputes with replacement.
-The two agree wherever the largest unmasked logit of a row is far above -1e9 (it differs only for
-rows whose every unmasked logit has a bias near -1e9 itself). For float32/float64 inputs the scale
-multiplies the query tile before the dot rather than the logits after it (see _logits).
+Numerics are those of xla.py (the specification), through numerics.py: logits accumulate in float32
+(float64 for float64 inputs), the same masking in forward and backward, and a fully masked row is
+the uniform average of the values. For float32/float64 inputs the scale multiplies the query tile
+before the dot rather than the logits after it (see _logits).
 
 Einsum letters: b batch, n heads, q query positions, k key positions, h per-head channel.
 
-Chunk sizes that do not divide the lengths are handled by padding: padded keys get the logit -1e30,
-far below the mask value, so they never take weight even in a fully masked row; padded query rows
-are sliced off. Lengths that the chunk sizes divide are never copied.
+Chunk sizes that do not divide the lengths are handled by padding each block: padded keys get the
+logit -1e30, far below the mask value, so they never take weight even in a fully masked row; padded
+query rows are sliced off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gated_attention.xla import MASK_VALUE, accumulation_dtype, mask_bias
+from gated_attention import base, checks, numerics
+from gated_attention.numerics import MASK_VALUE, accumulation_dtype
 
 # Logit of padded keys: exp(_PAD_VALUE - MASK_VALUE) == 0, so padding never takes weight.
 _PAD_VALUE = -1e30
 
-# Working-set budget (tile_bytes) used to choose chunk sizes when none are given. Measured on the
-# 2-core CPU (jax 0.10.2, float32 forward, jit, median of 5 interleaved rounds, ratios to a dense
-# head-major einsum in the same run; ratios move +-0.15 between runs on this shared machine):
-#   B=1, N=8, T=S=4096, H=32: 64x512 (0.62-0.75) and 1024x1024 (0.72-0.77) were consistently
-#     slower than tiles from 128x512 to 512x1024. The budget is not the limit here (512x512 needs
-#     29 MiB); the per-head cap _MAX_TILE_ELEMENTS is (see there).
-#   B=64, N=8, T=S=256, H=8: splitting keys costs (256x128: 0.89-1.19, 128x128: 0.77-1.15), splitting
-#     queries hardly does (256x256: 0.62-0.72, 128x256: 0.54-0.67, 64x256: 0.62-0.74). 256 MiB
-#     gives 128x256 (the whole problem would need 421 MiB by tile_bytes, which counts the backward).
-# 256 MiB is also the budget attention.py uses to decide when to leave the dense implementation.
+# Working-set budget of the tiles when no chunk sizes are given (and of 'auto''s limits).
 DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
 
-# Upper bound on tq * tk per (batch, head): 512 KiB of float32 logits, 4 MiB per tile at 8 heads.
-# Each forward step holds two tiles (logits, probabilities). With 512 * 512 the long shape
-# (B=1, T=S=4096, c=256, 8 heads of 32) ran in 512x512 tiles, and the Attention module's XLA temp
-# was 34 MiB: above glibc's largest mmap threshold (32 MiB), so the buffer is mapped and faulted
-# in afresh on every call. With 512 * 256 it runs in 256x512 tiles (ties go to the longer key
-# chunk, see B=64 above) in 28 MiB. scripts/benchmark.py, forward, ratio to AF2's formulation
-# (float32 / bfloat16): 0.262 / 0.235 with 512x512 tiles, 0.220 / 0.214 with 256x512 tiles (both
-# runs with steal at 0-3%; see the README).
+# Upper bound on tq * tk per (batch, head): 512 KiB of float32 logits. Larger tiles ran slower on
+# CPU at the long shape and pushed the working set past glibc's 32 MiB mmap threshold
+# (benchmark_results/ and the commit history of this line have the figures).
 _MAX_TILE_ELEMENTS = 512 * 256
 
 # Number of float32 [B, N, tq, tk] buffers live at once in the tiled backward (p, dp, ds), which is
@@ -72,38 +59,73 @@ _MAX_TILE_ELEMENTS = 512 * 256
 _TILE_BUFFERS = 3
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+@dataclasses.dataclass(frozen=True)
+class ChunkedAttention(base.Implementation):
+    """Online-softmax attention in blocks of batch rows and query x key tiles.
 
+    Attributes:
+      query_chunk_size: query rows per tile (clipped to T); None: from `choose_chunk_sizes`.
+      key_chunk_size: keys per tile (clipped to S); None: from `choose_chunk_sizes`.
+      memory_budget_bytes: budget of a block's tiles (`tile_bytes`) when choosing chunk sizes.
+      block_bytes: target working set of one block of batch rows (its head-major copies and
+        tiles); at least one row a block.
+    """
 
-def _check_shapes(query, key, value, bias, mask) -> None:
-    """Raises ValueError unless the inputs follow the head-major layout of the module docstring."""
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must have rank 4 (head-major layout), got shape {x.shape}")
-    batch, heads, q_len, head_dim = query.shape
-    if key.shape[:2] != (batch, heads) or key.shape[3] != head_dim:
-        raise ValueError(f"key shape {key.shape} does not match query shape {query.shape}")
-    if value.shape[:3] != key.shape[:3]:
-        raise ValueError(f"value shape {value.shape} does not match key shape {key.shape}")
-    if 0 in query.shape or 0 in value.shape:
-        raise ValueError(
-            f"query, key and value need non-empty axes, got shapes {query.shape}, {value.shape}"
+    name = "chunked"
+    query_chunk_size: int | None = None
+    key_chunk_size: int | None = None
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+    block_bytes: int = 16 * 2**20
+
+    def __post_init__(self):
+        checks.check_int("query_chunk_size", self.query_chunk_size, optional=True)
+        checks.check_int("key_chunk_size", self.key_chunk_size, optional=True)
+        checks.check_int("memory_budget_bytes", self.memory_budget_bytes)
+        checks.check_int("block_bytes", self.block_bytes)
+
+    def tiling(self, batch, heads, q_len, kv_len, head_dim, value_dim, dtype) -> tuple[int, ...]:
+        """(rows per block, query chunk, key chunk) for [batch, q_len, heads, head_dim] queries."""
+        one_row = choose_chunk_sizes(
+            1, heads, q_len, kv_len, head_dim, value_dim, dtype, self.memory_budget_bytes
         )
-    full = (batch, heads, q_len, key.shape[2])
-    named = [(f"bias[{i}]" if len(bias) > 1 else "bias", b) for i, b in enumerate(bias)]
-    for name, x in (*named, ("mask", mask)):
-        if x is None:
-            continue
-        if x.ndim != 4 or any(d not in (1, f) for d, f in zip(x.shape, full, strict=True)):
-            raise ValueError(
-                f"{name} must have rank 4 with every dimension 1 or equal to {full}, got {x.shape}"
+        copies = heads * (q_len + kv_len) * (head_dim + value_dim) * jnp.dtype(dtype).itemsize
+        per_row = tile_bytes(1, heads, *one_row, head_dim, value_dim, dtype) + copies
+        limit = max(1, min(batch, self.block_bytes // per_row))
+        rows = max(d for d in range(1, limit + 1) if batch % d == 0)
+        tq, tk = self.query_chunk_size, self.key_chunk_size
+        if tq is None or tk is None:
+            auto = choose_chunk_sizes(
+                rows, heads, q_len, kv_len, head_dim, value_dim, dtype, self.memory_budget_bytes
             )
-    if mask is not None and mask.dtype != jnp.bool_:
-        raise ValueError(f"mask must be a bool array, got dtype {mask.dtype}")
+            tq, tk = tq or auto[0], tk or auto[1]
+        return rows, min(tq, q_len), min(tk, kv_len)
+
+    def __call__(self, query, key, value, biases, mask, *, scale, compute_dtype):
+        batch, q_len, heads, head_dim = query.shape
+        kv_len, value_dim = key.shape[1], value.shape[-1]
+        rows, tq, tk = self.tiling(batch, heads, q_len, kv_len, head_dim, value_dim, compute_dtype)
+        tiling = _Tiling(float(scale), tq, tk, q_len, kv_len, rows, jnp.dtype(compute_dtype))
+        return _attention(query, key, value, tuple(biases), mask, tiling)
+
+
+class _Tiling(NamedTuple):
+    """The static shape of one call: what every function below needs besides the arrays."""
+
+    scale: float
+    tq: int  # query chunk
+    tk: int  # key chunk
+    q_len: int  # T, unpadded
+    kv_len: int  # S, unpadded
+    rows: int  # batch rows per block
+    compute_dtype: Any
+
+    @property
+    def q_pad(self) -> int:
+        return -(-self.q_len // self.tq) * self.tq
+
+    @property
+    def kv_pad(self) -> int:
+        return -(-self.kv_len // self.tk) * self.tk
 
 
 # ------------------------------------------------------------------------------------------------
@@ -209,9 +231,7 @@ def choose_chunk_sizes(
         ("value_dim", value_dim),
         ("memory_budget_bytes", memory_budget_bytes),
     ):
-        _check_positive_int(name, v)
-        if v is None:
-            raise ValueError(f"{name} must be a positive int, got None")
+        checks.check_int(name, v)
     best, best_key = (1, 1), None
     for tq in _candidates(q_len):
         for tk in _candidates(kv_len):
@@ -270,31 +290,23 @@ def _loop(n: int, body: Callable, init):
     return jax.lax.fori_loop(0, n, body, init)
 
 
-def _logits(q_i, k_j, bias, mask, i, j, *, scale, tq, tk, kv_len, add_mask=False) -> jax.Array:
-    """Scaled, biased, masked logits of tile (i, j), [B, N, tq, tk] in the accumulation dtype.
-
-    Masked logits are replaced by MASK_VALUE, or with add_mask (the forward) have MASK_VALUE added:
-    the same softmax in every row with a key to attend to, and one fused add instead of a select
-    (see xla.dense); _forward sets fully masked rows to what replacement gives.
-    """
+def _logits(q_i, k_j, bias, mask, i, j, t: _Tiling) -> jax.Array:
+    """Scaled, biased, masked logits of tile (i, j), [B, N, tq, tk] in the accumulation dtype."""
     acc = accumulation_dtype(q_i.dtype)
     if q_i.dtype == acc:
         # Scaling the query tile rather than the logits: the same value up to float32 rounding,
-        # and the multiply no longer sits between the dot and the softmax (1.1-1.7x faster).
-        q_i = q_i * jnp.asarray(scale, acc)
+        # and the multiply no longer sits between the dot and the softmax.
+        q_i = q_i * jnp.asarray(t.scale, acc)
         s = jnp.einsum("bnqh,bnkh->bnqk", q_i, k_j, preferred_element_type=acc)  # [B, N, tq, tk]
     else:
         s = jnp.einsum("bnqh,bnkh->bnqk", q_i, k_j, preferred_element_type=acc)  # [B, N, tq, tk]
-        s = s * jnp.asarray(scale, acc)
+        s = s * jnp.asarray(t.scale, acc)
     for b in bias:  # a tuple: several biases are added tile by tile, never summed whole
-        s = s + _tile(b, i, j, tq, tk).astype(acc)
-    if mask is not None and add_mask:
-        s = s + mask_bias(_tile(mask, i, j, tq, tk), acc)
-    elif mask is not None:
-        s = jnp.where(_tile(mask, i, j, tq, tk), s, jnp.asarray(MASK_VALUE, acc))
-    if kv_len % tk:  # the last key tile is padded
-        key_pos = j * tk + jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, tk), 3)
-        s = jnp.where(key_pos < kv_len, s, jnp.asarray(_PAD_VALUE, acc))
+        s = s + _tile(b, i, j, t.tq, t.tk).astype(acc)
+    s = numerics.mask_logits(s, _tile(mask, i, j, t.tq, t.tk))
+    if t.kv_len % t.tk:  # the last key tile is padded
+        key_pos = j * t.tk + jax.lax.broadcasted_iota(jnp.int32, (1, 1, 1, t.tk), 3)
+        s = jnp.where(key_pos < t.kv_len, s, jnp.asarray(_PAD_VALUE, acc))
     return s
 
 
@@ -331,9 +343,11 @@ def _all_mapped_vmap(axis_size, in_batched, x):
     return _all_mapped(x), False
 
 
-def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
+def _forward(q, k, v, bias, mask, uniform, t: _Tiling):
     """Output [B, N, T, Hv] (query dtype), the rows' softmax shifts m and sums of exp(s - m)
-    ([B, N, T], accumulation dtype): m + log(sum) is each row's logsumexp.
+    ([B, N, T], accumulation dtype): m + log(sum) is each row's logsumexp. Padded, head-major
+    inputs; masked positions already zeroed. uniform: None (no mask) or [B, N, 1, Hv], the output
+    of rows with no key to attend to.
 
     Each block of query rows first runs with a fixed shift per row, an upper bound on its logits
     (_row_bounds): no running maximum, no rescaling of the sum and the output after every key
@@ -345,19 +359,16 @@ def _forward(q, k, v, bias, mask, scale, tq, tk, kv_len):
     """
     batch, heads, q_len, _ = q.shape
     acc = accumulation_dtype(q.dtype)
+    tq, tk, kv_len, scale = t.tq, t.tk, t.kv_len, t.scale
     n_q, n_k = q_len // tq, k.shape[2] // tk
-    tile_logits = functools.partial(
-        _logits, scale=scale, tq=tq, tk=tk, kv_len=kv_len, add_mask=True
-    )
+    tile_logits = functools.partial(_logits, t=t)
     key_norm = jnp.sqrt(jnp.max(jnp.sum(jnp.square(k.astype(acc)), axis=-1), axis=-1))  # [B, N]
     min_sum = jnp.asarray(kv_len * float(np.sqrt(jnp.finfo(acc).tiny)), acc)
 
     if mask is not None:
-        # Rows with no key to attend to get the uniform average of the (unpadded) values and the
-        # statistics replacement gives (every logit MASK_VALUE), which the backward recomputes.
-        # Applied per row block: a select over the whole output would copy it.
+        # Rows with no key to attend to get `uniform` and the statistics of a row whose every logit
+        # is MASK_VALUE. Applied per row block: a select over the whole output would copy it.
         has_key = jnp.any(mask[..., :kv_len], axis=-1)  # [B|1, N|1, T|1]
-        uniform = jnp.mean(v[:, :, :kv_len].astype(acc), axis=2, keepdims=True)  # [B, N, 1, Hv]
 
     def zeros():
         return (
@@ -436,11 +447,13 @@ def _reduce_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def _backward(q, k, v, bias, mask, out, m, row_sum, g, scale, tq, tk, kv_len):
-    """Gradients (dq, dk, dv, dbias) of the padded problem, recomputing p tile by tile."""
+def _backward(q, k, v, bias, mask, out, m, row_sum, g, t: _Tiling):
+    """Gradients (dq, dk, dv, dbias) of a padded head-major block, recomputing p tile by tile;
+    dbias in the accumulation dtype. g is zero in rows with no key to attend to."""
     acc = accumulation_dtype(q.dtype)
+    tq, tk, scale = t.tq, t.tk, t.scale
     n_q, n_k = q.shape[2] // tq, k.shape[2] // tk
-    tile_logits = functools.partial(_logits, scale=scale, tq=tq, tk=tk, kv_len=kv_len)
+    tile_logits = functools.partial(_logits, t=t)
     delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)  # [B, N, T]
     log_sum = jnp.log(row_sum)  # [B, N, T]
     g = g.astype(v.dtype)
@@ -501,7 +514,6 @@ def _backward(q, k, v, bias, mask, out, m, row_sum, g, scale, tq, tk, kv_len):
     )
     dq, dk, dv, dbias = _loop(n_k, key_block, init)
     dq = (dq * jnp.asarray(scale, acc)).astype(q.dtype)
-    dbias = tuple(db.astype(b.dtype) for db, b in zip(dbias, bias, strict=True))
     return dq, dk, dv, dbias
 
 
@@ -517,27 +529,8 @@ def _add_rows(x: jax.Array, rows: jax.Array, start) -> jax.Array:
     return _put(x, _slice(x, start, rows.shape[2], 2) + rows, start)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _attention(q, k, v, bias, mask, scale, tq, tk, kv_len):
-    return _forward(q, k, v, bias, mask, scale, tq, tk, kv_len)[0]
-
-
-def _attention_fwd(q, k, v, bias, mask, scale, tq, tk, kv_len):
-    out, m, row_sum = _forward(q, k, v, bias, mask, scale, tq, tk, kv_len)
-    return out, (q, k, v, bias, mask, out, m, row_sum)
-
-
-def _attention_bwd(scale, tq, tk, kv_len, residuals, g):
-    q, k, v, bias, mask, out, m, row_sum = residuals
-    dq, dk, dv, dbias = _backward(q, k, v, bias, mask, out, m, row_sum, g, scale, tq, tk, kv_len)
-    return dq, dk, dv, dbias, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
-
-
 # ------------------------------------------------------------------------------------------------
-# Public entry point
+# Blocks of batch rows: layout change, zeroing and padding per block, under one custom_vjp
 # ------------------------------------------------------------------------------------------------
 
 
@@ -550,64 +543,159 @@ def _pad_axis(x: jax.Array | None, axis: int, length: int, padded: int, value) -
     return jnp.pad(x, widths, constant_values=value)
 
 
-def chunked_attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: jax.Array | tuple[jax.Array, ...] | None = None,
-    mask: jax.Array | None = None,
-    *,
-    scale: float,
-    query_chunk_size: int | None = None,
-    key_chunk_size: int | None = None,
-    memory_budget_bytes: int | None = None,
-) -> jax.Array:
-    """Softmax attention computed tile by tile, in memory bounded by the tiles (forward and grad).
+def _pad_pair(x: jax.Array | None, t: _Tiling, value) -> jax.Array | None:
+    """A bias or mask [., ., T|1, S|1] padded to [., ., q_pad|1, kv_pad|1]."""
+    return _pad_axis(_pad_axis(x, 2, t.q_len, t.q_pad, value), 3, t.kv_len, t.kv_pad, value)
 
-    Args:
-      query: [B, N, T, H].
-      key: [B, N, S, H].
-      value: [B, N, S, Hv].
-      bias: None, or a float array or a tuple of float arrays (added tile by tile, never summed
-        whole), each of rank 4 with dims 1 or equal to [B, N, T, S]; a bias with
-        size-1 dims is never broadcast to [B, N, T, S], and its gradient is summed over them.
-      mask: None or a bool array with the same broadcast rule; False entries are masked out.
-      scale: multiplies q.k; a Python float (it is static: it cannot be traced).
-      query_chunk_size: query rows per tile (clipped to T); None: from `choose_chunk_sizes`.
-        Sizes that do not divide T pad the query (and a bias/mask with a T axis) once.
-      key_chunk_size: keys per tile (clipped to S); None: from `choose_chunk_sizes`.
-        Sizes that do not divide S pad key, value (and a bias/mask with an S axis) once.
-      memory_budget_bytes: budget for `choose_chunk_sizes` when a chunk size is None;
-        None: DEFAULT_MEMORY_BUDGET_BYTES. Under vmap the budget applies per mapped element.
 
-    Returns:
-      [B, N, T, Hv] in query's dtype.
+class _Blocks:
+    """Block i of the call's inputs: rows [i * rows, (i + 1) * rows) of every batched array.
 
-    Raises:
-      ValueError: a chunk size or the budget is not a positive int, or the shapes do not follow
-        the layout above.
+    A bias or mask whose batch dimension is 1 is shared by every block and padded once.
     """
-    _check_positive_int("query_chunk_size", query_chunk_size)
-    _check_positive_int("key_chunk_size", key_chunk_size)
-    _check_positive_int("memory_budget_bytes", memory_budget_bytes)
-    bias = () if bias is None else tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
-    _check_shapes(query, key, value, bias, mask)
-    batch, heads, q_len, head_dim = query.shape
-    kv_len, value_dim = key.shape[2], value.shape[3]
-    if query_chunk_size is None or key_chunk_size is None:
-        budget = memory_budget_bytes or DEFAULT_MEMORY_BUDGET_BYTES
-        auto_q, auto_k = choose_chunk_sizes(
-            batch, heads, q_len, kv_len, head_dim, value_dim, query.dtype, budget
-        )
-        query_chunk_size = query_chunk_size or auto_q
-        key_chunk_size = key_chunk_size or auto_k
-    tq, tk = min(int(query_chunk_size), q_len), min(int(key_chunk_size), kv_len)
-    q_pad, kv_pad = -(-q_len // tq) * tq, -(-kv_len // tk) * tk
 
-    query = _pad_axis(query, 2, q_len, q_pad, 0)
-    key = _pad_axis(key, 2, kv_len, kv_pad, 0)
-    value = _pad_axis(value, 2, kv_len, kv_pad, 0)
-    bias = tuple(_pad_axis(_pad_axis(b, 2, q_len, q_pad, 0), 3, kv_len, kv_pad, 0) for b in bias)
-    mask = _pad_axis(_pad_axis(mask, 2, q_len, q_pad, True), 3, kv_len, kv_pad, True)
-    out = _attention(query, key, value, bias, mask, float(scale), tq, tk, kv_len)
-    return out if q_pad == q_len else out[:, :, :q_len]
+    def __init__(self, query, biases, mask, t: _Tiling):
+        self.t = t
+        self.batch = query.shape[0]
+        self.count = self.batch // t.rows
+        self.biases, self.mask = biases, mask
+        self.padded_biases = tuple(b if self.batched(b) else _pad_pair(b, t, 0) for b in biases)
+        self.padded_mask = mask if self.batched(mask) else _pad_pair(mask, t, True)
+
+    def batched(self, x) -> bool:
+        return x is not None and x.shape[0] != 1
+
+    def rows(self, x, i):
+        """x's rows of block i (x itself when it is shared or there is one block)."""
+        if x is None or self.count == 1 or not self.batched(x):
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, i * self.t.rows, self.t.rows, axis=0)
+
+    def head_major(self, x, i):
+        """[B, L, N, H] -> block i, [rows, N, L, H] in the compute dtype."""
+        return jnp.swapaxes(self.rows(x, i), 1, 2).astype(self.t.compute_dtype)
+
+    def pair(self, i):
+        """Block i's biases and mask, padded."""
+        t = self.t
+        biases = tuple(
+            _pad_pair(self.rows(b, i), t, 0) if self.batched(b) else p
+            for b, p in zip(self.biases, self.padded_biases, strict=True)
+        )
+        mask = self.padded_mask
+        if self.batched(self.mask):
+            mask = _pad_pair(self.rows(self.mask, i), t, True)
+        return biases, mask
+
+    def inputs(self, query, key, value, i):
+        """Block i's head-major q, k, v with masked positions zeroed and padded, the value as
+        given (for the uniform rows) and the unpadded mask."""
+        t = self.t
+        mask = self.rows(self.mask, i)
+        q, k, v = (self.head_major(x, i) for x in (query, key, value))
+        raw_v = v
+        q, k, v = numerics.zero_masked_inputs(q, k, v, mask, head_major=True)
+        q = _pad_axis(q, 2, t.q_len, t.q_pad, 0)
+        k, v = (_pad_axis(x, 2, t.kv_len, t.kv_pad, 0) for x in (k, v))
+        return q, k, v, raw_v, mask
+
+    def map(self, fn, *args):
+        """fn(i) for every block, outputs concatenated along the batch (one call: no loop)."""
+        if self.count == 1:
+            return fn(0)
+        stacked = jax.lax.map(fn, jnp.arange(self.count))
+        return jax.tree.map(lambda x: x.reshape((self.batch, *x.shape[2:])), stacked)
+
+
+def _blocks_forward(query, key, value, biases, mask, t: _Tiling):
+    """out [B, T, N, Hv] in query's dtype; m, row_sum [B, N, T] in the accumulation dtype."""
+    blocks = _Blocks(query, biases, mask, t)
+    acc = accumulation_dtype(t.compute_dtype)
+
+    def block(i):
+        q, k, v, raw_v, _ = blocks.inputs(query, key, value, i)
+        uniform = None
+        if mask is not None:
+            uniform = jnp.mean(raw_v.astype(acc), axis=2, keepdims=True)  # [rows, N, 1, Hv]
+        out, m, row_sum = _forward(q, k, v, *blocks.pair(i), uniform, t)
+        out = jnp.swapaxes(out[:, :, : t.q_len], 1, 2).astype(query.dtype)  # [rows, T, N, Hv]
+        return out, m[..., : t.q_len], row_sum[..., : t.q_len]
+
+    return blocks.map(block)
+
+
+def _blocks_backward(res, g, t: _Tiling):
+    """(dq, dk, dv, dbiases) of the call, block by block (module docstring)."""
+    query, key, value, biases, mask, out, m, row_sum = res
+    blocks = _Blocks(query, biases, mask, t)
+    acc = accumulation_dtype(t.compute_dtype)
+    shared = [i for i, b in enumerate(biases) if not blocks.batched(b)]
+
+    def block(i):
+        q, k, v, _, block_mask = blocks.inputs(query, key, value, i)
+        g_i, out_i = (blocks.head_major(x, i) for x in (g, out))  # [rows, N, T, Hv]
+        m_i, sum_i = blocks.rows(m, i), blocks.rows(row_sum, i)  # [rows, N, T]
+        uniform_grad = None
+        if mask is not None:
+            # Rows with no key to attend to are the uniform average of the values as given: their
+            # cotangent goes to every value alike, and none into the attention below.
+            has_key = jnp.any(block_mask, axis=-1)[..., None]  # [rows|1, N|1, T|1, 1]
+            dead = jnp.where(has_key, jnp.zeros((), g_i.dtype), g_i)
+            uniform_grad = jnp.sum(dead.astype(acc), axis=2, keepdims=True) / t.kv_len
+            g_i = jnp.where(has_key, g_i, jnp.zeros((), g_i.dtype))
+        g_i, out_i = (_pad_axis(x, 2, t.q_len, t.q_pad, 0) for x in (g_i, out_i))
+        m_i = _pad_axis(m_i, 2, t.q_len, t.q_pad, 0)
+        sum_i = _pad_axis(sum_i, 2, t.q_len, t.q_pad, 1)
+        biases_i, mask_i = blocks.pair(i)
+        dq, dk, dv, dbias = _backward(q, k, v, biases_i, mask_i, out_i, m_i, sum_i, g_i, t)
+        dq, dk, dv = dq[:, :, : t.q_len], dk[:, :, : t.kv_len], dv[:, :, : t.kv_len]
+        # Back through zero_masked_inputs: zeroed positions take no gradient.
+        dq, dk, dv = numerics.zero_masked_inputs(dq, dk, dv, block_mask, head_major=True)
+        if uniform_grad is not None:
+            dv = dv + uniform_grad.astype(dv.dtype)
+        grads = tuple(
+            jnp.swapaxes(d, 1, 2).astype(x.dtype) for d, x in ((dq, query), (dk, key), (dv, value))
+        )
+        dbias = tuple(
+            db[:, :, : b.shape[2], : b.shape[3]] for db, b in zip(dbias, biases, strict=True)
+        )
+        return grads, dbias
+
+    if blocks.count == 1:
+        grads, dbias = block(0)
+    else:
+
+        def step(total, i):
+            grads, dbias = block(i)
+            total = tuple(s + dbias[j] for s, j in zip(total, shared, strict=True))
+            batched = tuple(d for j, d in enumerate(dbias) if j not in shared)
+            return total, (grads, batched)
+
+        init = tuple(jnp.zeros(biases[j].shape, acc) for j in shared)
+        total, (grads, batched) = jax.lax.scan(step, init, jnp.arange(blocks.count))
+        grads, batched = jax.tree.map(lambda x: x.reshape((-1, *x.shape[2:])), (grads, batched))
+        parts = {
+            **dict(zip(shared, total, strict=True)),
+            **dict(zip([j for j in range(len(biases)) if j not in shared], batched, strict=True)),
+        }
+        dbias = tuple(parts[j] for j in range(len(biases)))
+    dbias = tuple(d.astype(b.dtype) for d, b in zip(dbias, biases, strict=True))
+    return (*grads, dbias)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(query, key, value, biases, mask, t: _Tiling):
+    return _blocks_forward(query, key, value, biases, mask, t)[0]
+
+
+def _attention_fwd(query, key, value, biases, mask, t):
+    out, m, row_sum = _blocks_forward(query, key, value, biases, mask, t)
+    return out, (query, key, value, biases, mask, out, m, row_sum)
+
+
+def _attention_bwd(t, res, g):
+    dq, dk, dv, dbias = _blocks_backward(res, g, t)
+    return dq, dk, dv, dbias, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

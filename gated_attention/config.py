@@ -20,14 +20,12 @@ from typing import Any
 
 import ml_collections
 
-from gated_attention import attention, precision
+from gated_attention import attention, checks, numerics
+from gated_attention.chunked import ChunkedAttention
 
 ORIENTATIONS = ("per_row", "per_column")
 DEFAULT_MEMORY_BUDGET_MIB = attention.DEFAULT_MEMORY_BUDGET_BYTES // 2**20
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+IMPLEMENTATION_NAMES = ("auto", *attention.IMPLEMENTATIONS)
 
 
 def _as_dict(config: Any, name: str) -> dict[str, Any]:
@@ -41,32 +39,26 @@ def _as_dict(config: Any, name: str) -> dict[str, Any]:
 
 
 def _check_int(where: str, key: str, value: Any, minimum: int, optional: bool) -> None:
-    if value is None and optional:
-        return
-    if not _is_int(value) or value < minimum:
-        none = "None or " if optional else ""
-        raise ValueError(f"{where}.{key} must be {none}an int >= {minimum}, got {value!r}")
+    checks.check_int(f"{where}.{key}", value, minimum=minimum, optional=optional)
 
 
 def _check_bool(where: str, key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{where}.{key} must be a bool, got {value!r}")
+    checks.check_bool(f"{where}.{key}", value)
 
 
 def _check_implementation(where: str, key: str, value: Any, optional: bool) -> None:
-    names = attention.implementation_names()
-    if (value is None and optional) or value in names:
+    if (value is None and optional) or value in IMPLEMENTATION_NAMES:
         return
     raise ValueError(
-        f"{where}.{key} must be one of {names}{' or None' if optional else ''}, got {value!r}"
+        f"{where}.{key} must be one of {IMPLEMENTATION_NAMES}{' or None' if optional else ''}, "
+        f"got {value!r}"
     )
 
 
 def _check_budget(where: str, key: str, value: Any, optional: bool) -> None:
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{where}.{key} must be a positive number of MiB, got {value!r}")
+    checks.check_positive_number(f"{where}.{key}", value, unit="MiB")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +123,7 @@ class GlobalConfig:
       attention_implementation: 'auto' or an implementation name.
       query_chunk_size, key_chunk_size: tile sizes for 'chunked' (None: from the budget).
       memory_budget_mib: working-set budget used by 'auto' choices.
-      compute_dtype: precision policy, one of precision.POLICIES ('auto': bfloat16/float16 inputs
+      compute_dtype: precision policy, one of numerics.POLICIES ('auto': bfloat16/float16 inputs
         are computed in float32 on CPU; 'input': in their own dtype, as AF2; 'float32').
     """
 
@@ -147,7 +139,7 @@ class GlobalConfig:
 
     def __post_init__(self):
         where = "global_config"
-        precision.check_policy(f"{where}.compute_dtype", self.compute_dtype)
+        checks.check_one_of(f"{where}.compute_dtype", self.compute_dtype, numerics.POLICIES)
         _check_bool(where, "zero_init", self.zero_init)
         if self.subbatch_size != "auto":
             _check_int(where, "subbatch_size", self.subbatch_size, 1, optional=True)
@@ -217,22 +209,26 @@ def global_config(config: Any) -> GlobalConfig:
     )
 
 
-def attention_options(
-    module: ModuleConfig, glob: GlobalConfig
-) -> tuple[str, attention.AttentionOptions]:
-    """The implementation name and op options for a module: module keys override global ones."""
+def attention_implementation(module: ModuleConfig, glob: GlobalConfig) -> tuple[Any, str]:
+    """The implementation (an instance with its tuning) and precision policy a module passes to
+    dot_product_attention: module keys override global ones."""
 
     def pick(key):
         value = getattr(module, key)
         return getattr(glob, key) if value is None else value
 
-    budget_mib = pick("memory_budget_mib")
-    return pick("attention_implementation"), attention.AttentionOptions(
+    budget = int(pick("memory_budget_mib") * 2**20)
+    chunked = ChunkedAttention(
         query_chunk_size=pick("query_chunk_size"),
         key_chunk_size=pick("key_chunk_size"),
-        memory_budget_bytes=int(budget_mib * 2**20),
-        compute_dtype=glob.compute_dtype,
+        memory_budget_bytes=budget,
     )
+    name = pick("attention_implementation")
+    if name == "auto":
+        implementation = attention.Auto(memory_budget_bytes=budget, chunked=chunked)
+    else:
+        implementation = chunked if name == "chunked" else attention.IMPLEMENTATIONS[name]
+    return implementation, glob.compute_dtype
 
 
 # --------------------------------------------------------------------------------------------------

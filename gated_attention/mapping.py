@@ -2,11 +2,10 @@
 
 AF2 bounds the memory of attention over an MSA or pair representation by running it on a few rows
 at a time. Here that is a pure function around any batched function, e.g. the (parameter-free)
-attention op in head-major layout, with a bias shared over the batch (size 1) passed whole:
+attention op, with a bias shared over the batch (size 1) passed whole:
 
-    out = subbatch(functools.partial(dot_product_attention, layout='BNTH'),
-                   [query, key, value, bias, None], subbatch_size=4)
-    # query/key/value [B, N, T|S, H] are cut into [4, ...] pieces; bias [1, N, T, S] is shared.
+    out = subbatch(dot_product_attention, [query, key, value, bias, None], subbatch_size=4)
+    # query/key/value [B, T|S, N, H] are cut into [4, ...] pieces; bias [1, N, T, S] is shared.
 
 The full subbatches run as one compiled loop body (jax.lax.map over a [n, size, ...] reshape) and
 a remainder, if any, as one more call: batch 10 with subbatch_size 4 runs 4, 4 and then 2. Each
@@ -21,7 +20,6 @@ device runs its own rows, subbatch_size at a time, and no row crosses devices (s
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
@@ -30,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gated_attention import sharding
+from gated_attention import checks, sharding
 
 
 def subbatch(
@@ -65,7 +63,7 @@ def subbatch(
         without the subbatch along axis.
     """
     args = tuple(args)
-    size = _check_subbatch_size(subbatch_size)
+    size = checks.check_int("subbatch_size", subbatch_size, optional=True)
     if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"axis must be an int, got {axis!r}")
     flags = _batched_flags(args, int(axis), batched)
@@ -130,28 +128,10 @@ def subbatch_size_for_budget(batch: int, bytes_per_example: Real, memory_budget_
     Returns:
       An int in [1, batch], suitable as subbatch(..., subbatch_size=...).
     """
-    batch = _check_positive_int(batch, "batch")
-    for name, value in (
-        ("bytes_per_example", bytes_per_example),
-        ("memory_budget_bytes", memory_budget_bytes),
-    ):
-        if isinstance(value, bool) or not isinstance(value, Real) or not value > 0:
-            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    batch = checks.check_int("batch", batch)
+    checks.check_positive_number("bytes_per_example", bytes_per_example)
+    checks.check_positive_number("memory_budget_bytes", memory_budget_bytes)
     return max(1, min(batch, int(memory_budget_bytes // bytes_per_example)))
-
-
-def _check_subbatch_size(subbatch_size: int | None) -> int | None:
-    return None if subbatch_size is None else _check_positive_int(subbatch_size, "subbatch_size")
-
-
-def _check_positive_int(value: Any, name: str) -> int:
-    try:
-        as_int = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        as_int = None
-    if as_int is None or as_int < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return as_int
 
 
 def _axis(axis: int, arg: Any, index: int) -> int:

@@ -2,13 +2,13 @@
 
 Einsum letters (AlphaFold 2's): b batch, q query positions, k key positions, h heads, c per-head
 channel, a query input channels, m key/value input channels, o output channels; '...' extra leading
-batch axes. Projections are written '...qhc' (a plain matmul on CPU; '...hqc' costs 3-4x) and the op
-transposes to head-major inside, where its tiles stay small.
+batch axes. Projections are written '...qhc' (a plain matmul on CPU; '...hqc' costs 3-4x), the op's
+public layout; implementations change layout inside their own tiles.
 
 Parameter names, shapes and initializers are AlphaFold 2's (DESIGN.md), so AF2 params apply unchanged.
-The module owns parameters, gate and output projection and calls the op once; it never branches on the
-implementation, which comes from the configs. It asks the op layer (attention.caller_row_tile) whether
-to run its whole forward in tiles of batch rows, which it then does for any implementation.
+The module owns parameters, gate and output projection and calls the op once, passing the
+implementation the configs name; it never branches on it nor asks the op what it will do. Its one
+tiling rule (rows_per_tile) decides whether the whole forward runs in tiles of batch rows.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gated_attention import attention, mapping, precision, sharding
+from gated_attention import attention, checks, mapping, numerics, sharding
 from gated_attention import config as config_lib
 
 
@@ -28,14 +28,9 @@ def _glorot_uniform() -> hk.initializers.Initializer:
     return hk.initializers.VarianceScaling(1.0, mode="fan_avg", distribution="uniform")
 
 
-def _check_float(name: str, x) -> None:
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-        raise TypeError(f"{name} must be a floating-point array, got dtype {jnp.result_type(x)}")
-
-
 def _check_data(q_data, m_data, q_name="q_data", m_name="m_data") -> None:
     for name, x in ((q_name, q_data), (m_name, m_data)):
-        _check_float(name, x)
+        checks.check_float_array(name, x)
         if x.ndim < 3:
             raise ValueError(
                 f"{name} must have rank >= 3 ([..., b, positions, channels]), got shape "
@@ -63,24 +58,12 @@ def _head_dims(cfg: config_lib.ModuleConfig, a: int, m: int) -> tuple[int, int]:
     return key_dim // num_head, value_dim // num_head
 
 
-def _check_output_dim(output_dim: Any) -> None:
-    if not isinstance(output_dim, int) or isinstance(output_dim, bool) or output_dim < 1:
-        raise ValueError(f"output_dim must be an int >= 1, got {output_dim!r}")
-
-
-def _mask_or_bias(name, x, batch, heads, q_len, k_len, kind):
+def _mask_or_bias(name, x, batch, heads, q_len, k_len):
     """A per-batch mask or bias as a rank len(batch)+3 array [..., b, h|1, q|1, k|1].
 
     Rank len(batch)+3 is taken as [..., b, h, q, k]; rank len(batch)+2 as [..., b, q, k], shared
     by every head. Each dimension must be 1 or equal.
     """
-    if kind == "mask" and jnp.result_type(x) != jnp.bool_:
-        raise TypeError(
-            f"{name} must be a boolean array (True = attend), got dtype {jnp.result_type(x)}; "
-            "pass an additive float bias as bias= instead"
-        )
-    if kind == "bias":
-        _check_float(name, x)
     full4 = (*batch, heads, q_len, k_len)
     if x.ndim == len(batch) + 2:
         x = jnp.expand_dims(x, -3)
@@ -94,7 +77,7 @@ def _mask_or_bias(name, x, batch, heads, q_len, k_len, kind):
 
 def _nonbatched(nonbatched_bias, batch, heads, q_len, k_len):
     """nonbatched_bias [h, q, k] or [q, k] -> [1, ..., 1, h|1, q, k], shared over the batch."""
-    _check_float("nonbatched_bias", nonbatched_bias)
+    checks.check_float_array("nonbatched_bias", nonbatched_bias)
     shape = tuple(nonbatched_bias.shape)
     if shape not in ((heads, q_len, k_len), (q_len, k_len)):
         raise ValueError(
@@ -105,8 +88,23 @@ def _nonbatched(nonbatched_bias, batch, heads, q_len, k_len):
     return x.reshape((1,) * len(batch) + x.shape)
 
 
+def _mask_and_biases(mask, nonbatched_bias, bias, batch, heads, q_len, k_len):
+    """Attention's mask and biases, validated, each [..., b|1, h|1, q|1, k|1]."""
+    biases = []
+    if nonbatched_bias is not None:
+        biases.append(_nonbatched(nonbatched_bias, batch, heads, q_len, k_len))
+    if bias is not None:
+        checks.check_float_array("bias", bias)
+        biases.append(_mask_or_bias("bias", bias, batch, heads, q_len, k_len))
+    if mask is not None:
+        checks.check_bool_mask("mask", mask)
+        mask = _mask_or_bias("mask", mask, batch, heads, q_len, k_len)
+    return mask, biases
+
+
 class _AttentionModule(hk.Module):
-    """What Attention and GlobalAttention share: validated configs and the output width."""
+    """What Attention and GlobalAttention share: validated configs, the output width, and the
+    steps around the op: parameters in the compute dtype, and the forward in row tiles."""
 
     def __init__(self, config: Any, global_config: Any, output_dim: int, name: str = "attention"):
         """Constructs the module.
@@ -114,16 +112,86 @@ class _AttentionModule(hk.Module):
         Args:
           config: module config (AF2's: num_head, gating, optional key_dim/value_dim, ...); unknown
             keys raise ValueError. See config.ModuleConfig.
-          global_config: AF2's global config (zero_init, ...) plus attention_implementation, chunk
-            sizes and memory_budget_mib. See config.GlobalConfig.
+          global_config: AF2's global config (zero_init, subbatch_size, ...) plus
+            attention_implementation, chunk sizes, memory_budget_mib and compute_dtype. See
+            config.GlobalConfig.
           output_dim: o, channels of the output.
           name: Haiku module name.
         """
         super().__init__(name=name)
         self.config = config_lib.module_config(config)
         self.global_config = config_lib.global_config(global_config)
-        _check_output_dim(output_dim)
+        checks.check_int("output_dim", output_dim)
         self.output_dim = output_dim
+
+    def _setup(self, params: dict[str, jax.Array], dtype) -> tuple[Any, str, Any, dict]:
+        """(implementation, precision policy, compute dtype, params cast to it once)."""
+        implementation, policy = config_lib.attention_implementation(
+            self.config, self.global_config
+        )
+        compute = numerics.compute_dtype(dtype, policy)
+        return implementation, policy, compute, numerics.cast_floats(params, compute)
+
+    def _in_row_tiles(self, forward, args, subbatch_size, **row):
+        """forward(*args) on tiles of rows of the leading axis, by rows_per_tile(**row).
+
+        args: arrays with the leading batch axis, or with size 1 there (shared), or None.
+        """
+        budget = int(self.global_config.memory_budget_mib * 2**20)
+        rows = rows_per_tile(args[0].shape[0], subbatch_size, budget, **row)
+        if rows is None:
+            return forward(*args)
+        batched = [x is not None and x.shape[0] == args[0].shape[0] for x in args]
+        # Under differentiation a tile keeps its projections (matmuls without batch dimensions)
+        # and recomputes attention, so training memory is bounded by a tile too.
+        policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        forward = jax.checkpoint(forward, policy=policy)
+        return mapping.subbatch(forward, args, subbatch_size=rows, batched=batched)
+
+
+# The module's own tiling for speed on CPU, where a tile whose logits stay near TILE_BYTES stays
+# in cache (DESIGN.md: larger buffers are mapped afresh on every call), once a tile holds enough
+# queries for its projections' matmuls to gain (scripts/benchmark.py: the triangle shape).
+TILE_BYTES = 2 * 2**20
+MIN_TILE_QUERIES = 1024
+
+
+def rows_per_tile(
+    batch: int,
+    subbatch_size,
+    memory_budget_bytes: int,
+    *,
+    row_bytes: int,
+    row_queries: int,
+    row_logits: int | None,
+) -> int | None:
+    """Rows of the leading axis per tile of a module's whole forward, or None (one call).
+
+    The module-side tiling rule, the one place besides an implementation's own tiles:
+      subbatch_size an int: that many rows (AF2's inference subbatching);
+      subbatch_size 'auto': the most rows whose working set (row_bytes each) fits the budget;
+      subbatch_size None: on CPU, tiles of about TILE_BYTES of float32 logits when such a tile
+        holds at least one row and MIN_TILE_QUERIES queries; elsewhere none.
+
+    Args:
+      batch: rows of the leading axis.
+      subbatch_size: None, 'auto' or an int >= 1 (validated by the caller).
+      memory_budget_bytes: global_config.memory_budget_mib in bytes.
+      row_bytes: the module's working set for one row (float32 logits and weights, projections).
+      row_queries: query positions in one row.
+      row_logits: logits (heads x queries x keys) in one row, or None: too few to tile for.
+    """
+    if subbatch_size == "auto":
+        rows = mapping.subbatch_size_for_budget(batch, row_bytes, memory_budget_bytes)
+    elif subbatch_size is not None:
+        rows = subbatch_size
+    elif row_logits is not None and jax.default_backend() == "cpu":
+        rows = TILE_BYTES // (4 * row_logits)
+        if rows < 1 or rows * row_queries < MIN_TILE_QUERIES:
+            return None
+    else:
+        return None
+    return rows if rows < batch else None
 
 
 class Attention(_AttentionModule):
@@ -133,7 +201,7 @@ class Attention(_AttentionModule):
     cv = value_dim // h, o = output_dim): query_w [a, h, c], key_w [m, h, c], value_w [m, h, cv],
     gating_w [a, h, cv] and gating_b [h, cv] when config.gating, output_w [h, cv, o], output_b [o];
     created in q_data's dtype with AlphaFold 2's initializers. The forward runs in the dtype of
-    global_config.compute_dtype's policy (precision.py: float32 for bfloat16/float16 on CPU by
+    global_config.compute_dtype's policy (numerics.py: float32 for bfloat16/float16 on CPU by
     default) and returns q_data's dtype.
     """
 
@@ -156,100 +224,70 @@ class Attention(_AttentionModule):
             [..., b, q, k] mask applied to every head. False = masked out.
           nonbatched_bias: None, [h, q, k] or [q, k]; shared by the batch, never broadcast to it.
           bias: None or an additive float bias broadcastable like mask (AF2 before 2023, ColabFold).
-          subbatch_size: inference subbatching over the leading batch axis (AF2's
-            global_config.subbatch_size): None (off), an int >= 1, or 'auto' (the largest subbatch
-            whose projections and dense logits fit the memory budget). Parameters are created
-            once; the whole forward (projections, op, gate, output) runs per subbatch, so its
-            working set is bounded. Results equal the unbatched ones up to float rounding.
+          subbatch_size: tiles of the leading batch axis (rows_per_tile): None, an int >= 1 (AF2's
+            global_config.subbatch_size) or 'auto' (the most rows whose projections and dense
+            logits fit the memory budget). The whole forward (projections, op, gate, output) runs
+            per tile; results equal the untiled ones up to float rounding.
 
         Returns:
           [..., b, q, output_dim] in q_data's dtype.
         """
         _check_data(q_data, m_data)
         _check_subbatch_size(subbatch_size)
-        cfg = self.config
         batch, (q_len, a), (k_len, m) = q_data.shape[:-2], q_data.shape[-2:], m_data.shape[-2:]
-        h = cfg.num_head
-        key_dim, value_dim = _head_dims(cfg, a, m)
-        biases = []
-        if nonbatched_bias is not None:
-            biases.append(_nonbatched(nonbatched_bias, batch, h, q_len, k_len))
-        if bias is not None:
-            biases.append(_mask_or_bias("bias", bias, batch, h, q_len, k_len, "bias"))
-        if mask is not None:
-            mask = _mask_or_bias("mask", mask, batch, h, q_len, k_len, "mask")
-
-        params = _create_params(
-            self, (a, h, key_dim), (m, h, key_dim), (m, h, value_dim), q_data.dtype
-        )
-        implementation, options = config_lib.attention_options(cfg, self.global_config)
-        compute = precision.compute_dtype(q_data.dtype, options.compute_dtype)
-        p = precision.cast_floats(params, compute)  # once, not per tile
+        h = self.config.num_head
+        key_dim, value_dim = _head_dims(self.config, a, m)
+        mask, biases = _mask_and_biases(mask, nonbatched_bias, bias, batch, h, q_len, k_len)
+        shapes = (a, h, key_dim), (m, h, key_dim), (m, h, value_dim)
+        params = _create_params(self, *shapes, q_data.dtype)
+        implementation, policy, compute, p = self._setup(params, q_data.dtype)
 
         def forward(q_data, m_data, mask, *biases):  # pure: parameters are closed over
             out_dtype = q_data.dtype
-            q_data, m_data = precision.cast_floats((q_data, m_data), compute)
-            q = jnp.einsum("...qa,ahc->...qhc", q_data, p["query_w"])  # [..., b, q, h, c]
-            k = jnp.einsum("...ka,ahc->...khc", m_data, p["key_w"])  # [..., b, k, h, c]
-            v = jnp.einsum("...ka,ahc->...khc", m_data, p["value_w"])  # [..., b, k, h, cv]
+            q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
+            q = _project(q_data, p["query_w"])  # [..., b, q, h, c]
+            k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # [.., k, h, c]
             weighted_avg = attention.dot_product_attention(
                 q,
                 k,
                 v,
-                list(biases) or None,
+                biases or None,
                 mask,
                 scale=key_dim**-0.5,
                 implementation=implementation,
-                options=options,
+                compute_dtype=policy,
             )  # [..., b, q, h, cv]
             return _gated_output(weighted_avg, q_data, p).astype(out_dtype)  # [..., b, q, o]
 
+        # Per row: float32 logits and weights, q, gate and the weighted average per query, k and
+        # v per key (key_dim and value_dim per head).
+        queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
+        row_bytes = 4 * h * (2 * queries * k_len + queries * (key_dim + 2 * value_dim))
+        row_bytes += 4 * h * keys * (key_dim + value_dim)
         args = [q_data, m_data, mask, *biases]
-        if subbatch_size == "auto":
-            # Per row of the leading axis (key_dim, value_dim per head): float32 logits and
-            # weights, q, gate and the weighted average per query, k and v per key.
-            rows = math.prod(q_data.shape[1:-2])
-            per_row = (
-                4
-                * rows
-                * h
-                * (
-                    2 * q_len * k_len
-                    + q_len * (key_dim + 2 * value_dim)
-                    + k_len * (key_dim + value_dim)
-                )
-            )
-            subbatch_size = mapping.subbatch_size_for_budget(
-                q_data.shape[0], per_row, options.memory_budget_bytes
-            )
-        batched = [True, True] + [x is not None and x.shape[0] != 1 for x in args[2:]]
-        if subbatch_size is None:
-            # Not asked to subbatch: still run the whole forward in row tiles when the op's
-            # implementation says a tile's work then stays in cache. Under differentiation each
-            # tile keeps its projections (matmuls without batch dims) and recomputes attention.
-            tile = attention.caller_row_tile(
-                implementation,
-                (*batch, q_len, h, key_dim),
-                (*batch, k_len, h, key_dim),
-                compute,
-                options,
-            )
-            if tile is None:
-                return forward(*args)
-            policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-            return mapping.subbatch(
-                jax.checkpoint(forward, policy=policy), args, subbatch_size=tile, batched=batched
-            )
-        return mapping.subbatch(forward, args, subbatch_size=subbatch_size, batched=batched)
+        return self._in_row_tiles(
+            forward,
+            args,
+            subbatch_size,
+            row_bytes=row_bytes,
+            row_queries=queries,
+            row_logits=h * queries * k_len,
+        )
 
 
 def _check_subbatch_size(subbatch_size: Any) -> None:
-    ok = subbatch_size is None or subbatch_size == "auto"
-    ok = ok or (isinstance(subbatch_size, int) and not isinstance(subbatch_size, bool))
-    if not ok or (isinstance(subbatch_size, int) and subbatch_size < 1):
-        raise ValueError(
-            f"subbatch_size must be None, 'auto' or an int >= 1, got {subbatch_size!r}"
-        )
+    if subbatch_size not in (None, "auto"):
+        try:
+            checks.check_int("subbatch_size", subbatch_size)
+        except ValueError:
+            raise ValueError(
+                f"subbatch_size must be None, 'auto' or an int >= 1, got {subbatch_size!r}"
+            ) from None
+
+
+def _project(x, weights):
+    """'...qa,ahc->...qhc' (or '...ka,ac->...kc' for GlobalAttention's single key/value head)."""
+    return jnp.tensordot(x, weights, axes=1)
 
 
 def _create_params(module, query_shape, key_shape, value_shape, dtype) -> dict[str, jax.Array]:
@@ -319,7 +357,6 @@ class GlobalAttention(_AttentionModule):
         """
         _check_data(q_data, m_data)
         _check_subbatch_size(subbatch_size)
-        cfg = self.config
         batch, (q_len, a), (k_len, m) = q_data.shape[:-2], q_data.shape[-2:], m_data.shape[-2:]
         if k_len != q_len:
             raise ValueError(
@@ -327,26 +364,17 @@ class GlobalAttention(_AttentionModule):
                 "masks keys with q_mask, so they must be equal"
             )
         q_mask = _global_mask(q_mask, batch, q_len)
-        h = cfg.num_head
-        key_dim, value_dim = _head_dims(cfg, a, m)
-        dtype = q_data.dtype
-        params = _create_params(self, (a, h, key_dim), (m, key_dim), (m, value_dim), dtype)
-        implementation, options = config_lib.attention_options(cfg, self.global_config)
-        compute = precision.compute_dtype(dtype, options.compute_dtype)
-        p = precision.cast_floats(params, compute)  # once, not per subbatch
+        h = self.config.num_head
+        key_dim, value_dim = _head_dims(self.config, a, m)
+        params = _create_params(self, (a, h, key_dim), (m, key_dim), (m, value_dim), q_data.dtype)
+        implementation, policy, compute, p = self._setup(params, q_data.dtype)
 
         def forward(q_data, m_data, q_mask):  # pure: parameters are closed over
-            q_data, m_data = precision.cast_floats((q_data, m_data), compute)
-            weights = q_mask.astype(compute)  # [..., b, q, 1]
-            q_avg = jnp.sum(weights * q_data, axis=-2) / (
-                jnp.sum(weights, axis=-2) + 1e-10
-            )  # [..., b, a]
-            q = jnp.einsum("...a,ahc->...hc", q_avg, p["query_w"])  # [..., b, h, c]
-            k = jnp.einsum("...ka,ac->...kc", m_data, p["key_w"])  # [..., b, k, c]
-            v = jnp.einsum("...ka,ac->...kc", m_data, p["value_w"])  # [..., b, k, cv]
-            key_mask = jnp.swapaxes(q_mask.astype(bool), -1, -2)[
-                ..., None, :, :
-            ]  # [..., b, 1, 1, k]
+            out_dtype = q_data.dtype
+            q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
+            q = _project(_masked_mean(q_data, q_mask), p["query_w"])  # [..., b, h, c]
+            k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # [..., b, k, c]
+            key_mask = jnp.swapaxes(q_mask.astype(bool), -1, -2)[..., None, :, :]  # [.., 1, 1, k]
             # The h heads attend as h query positions of one head (the shared key/value head).
             avg = attention.dot_product_attention(
                 q[..., None, :],
@@ -356,23 +384,28 @@ class GlobalAttention(_AttentionModule):
                 key_mask,
                 scale=key_dim**-0.5,
                 implementation=implementation,
-                options=options,
+                compute_dtype=policy,
             )  # [..., b, h, 1, cv]
             out = _gated_output(jnp.swapaxes(avg, -3, -2), q_data, p)  # [..., b, q|1, o]
             out = jnp.broadcast_to(out, (*q_data.shape[:-1], self.output_dim))  # [..., b, q, o]
-            return out.astype(dtype)
+            return out.astype(out_dtype)
 
-        if subbatch_size == "auto":  # per row: gate and gated average per query, k and v per key
-            queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
-            per_row = 4 * (
-                queries * (2 * h * value_dim + self.output_dim) + keys * (key_dim + value_dim)
-            )
-            subbatch_size = mapping.subbatch_size_for_budget(
-                q_data.shape[0], per_row, options.memory_budget_bytes
-            )
-        if subbatch_size is None:
-            return forward(q_data, m_data, q_mask)
-        return mapping.subbatch(forward, [q_data, m_data, q_mask], subbatch_size=subbatch_size)
+        # Per row: gate and gated average per query, k and v per key.
+        queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
+        row_bytes = 4 * (queries * (2 * h * value_dim + self.output_dim))
+        row_bytes += 4 * keys * (key_dim + value_dim)
+        args = [q_data, m_data, q_mask]
+        return self._in_row_tiles(
+            forward, args, subbatch_size, row_bytes=row_bytes, row_queries=queries, row_logits=None
+        )
+
+
+def _masked_mean(q_data, q_mask):
+    """AF2's mean of q_data [..., b, q, a] over the positions q_mask [..., b, q, 1] weights (eps
+    1e-10); masked positions are zeroed first, so whatever they hold does not reach the mean."""
+    weights = q_mask.astype(q_data.dtype)
+    kept = jnp.where(q_mask.astype(bool), q_data, jnp.zeros((), q_data.dtype))
+    return jnp.sum(weights * kept, axis=-2) / (jnp.sum(weights, axis=-2) + 1e-10)  # [..., b, a]
 
 
 def _global_mask(q_mask, batch, q_len):

@@ -43,8 +43,9 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+from gated_attention import numerics
 
 SEPARATOR = "//"  # Between a scope and a parameter name in checkpoint keys.
 TOP_LEVEL_SCOPE = "~"  # Haiku's scope for parameters created outside any module.
@@ -193,11 +194,7 @@ def check_params(
 
 def cast_params(params: Any, dtype: Any) -> Any:
     """Casts every floating-point leaf of a params tree to `dtype`; other leaves are unchanged."""
-
-    def cast(x):
-        return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-    return jax.tree.map(cast, params)
+    return numerics.cast_floats(params, dtype)
 
 
 # ---------------------------------------------------------------------------- argument checks

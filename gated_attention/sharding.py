@@ -115,27 +115,25 @@ def shard_attention(
     value: Any,
     biases: Sequence[Any],
     mask: Any,
-    layout: str,
 ) -> Any:
     """Runs attend(query, key, value, biases, mask) on each device's own rows, heads and queries.
 
-    The arrays are dot_product_attention's validated inputs: query [*batch, T, N, H] ('BTNH') or
-    [*batch, N, T, H] ('BNTH'), key/value likewise with S; each bias and the mask [*batch|1, N|1,
-    T|1, S|1]. The mesh axes sharding query's batch, head and position dimensions become manual:
+    The arrays are dot_product_attention's validated inputs: query [*batch, T, N, H], key/value
+    likewise with S; each bias and the mask [*batch|1, N|1, T|1, S|1]. The mesh axes sharding query's batch, head and position dimensions become manual:
     every input is brought to query's layout over them (keys and values replicated along S and
     the channels, biases and mask along their size-1 and S dimensions) and the output comes back
     with query's sharding. Every other explicit axis any input uses is made manual too, with every
     input replicated along it, so that no contraction inside runs over a sharded dimension.
 
     Returns:
-      attend's output [*batch, T, N, Hv] / [*batch, N, T, Hv], or None when no input is sharded
+      attend's output [*batch, T, N, Hv], or None when no input is sharded
       over an explicit mesh axis (the caller then calls attend itself).
     """
     mesh, manual = _mesh_and_axes([query, key, value, *biases, mask])
     if mesh is None:
         return None
     rank = len(query.shape)
-    seq, head = (rank - 3, rank - 2) if layout == "BTNH" else (rank - 2, rank - 3)
+    seq, head = rank - 3, rank - 2
     _, q_axes = explicit_axes(query)
     batch_axes = q_axes[: rank - 3]
     t_axes, n_axes = q_axes[seq], q_axes[head]

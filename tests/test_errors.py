@@ -254,15 +254,30 @@ OP_ERRORS = {
         ValueError,
         r"implementation must be one of \('auto', 'xla'.*got 'flash'",
     ),
-    "layout": (
-        dict(layout="NTH"),
-        ValueError,
-        r"layout must be one of \('BTNH', 'BNTH'\), got 'NTH'",
-    ),
-    "options type": (
-        dict(options=dict(query_chunk_size=4)),
+    "implementation type": (
+        dict(implementation=3),
         TypeError,
-        r"options must be an AttentionOptions, got dict",
+        r"implementation must be a name, an implementation instance.*got int",
+    ),
+    "empty priority": (
+        dict(implementation=()),
+        ValueError,
+        r"implementation must not be an empty sequence",
+    ),
+    "priority item": (
+        dict(implementation=("xla", "flash")),
+        ValueError,
+        r"implementation\[1\] must be one of \('auto', 'xla'.*got 'flash'",
+    ),
+    "policy": (
+        dict(compute_dtype="fp32"),
+        ValueError,
+        r"compute_dtype must be one of \('auto', 'input', 'float32'\), got 'fp32'",
+    ),
+    "empty key": (
+        dict(key=jnp.ones((B, 0, 2, 4)), value=jnp.ones((B, 0, 2, 4))),
+        ValueError,
+        r"T, S, N, H and Hv must be non-empty",
     ),
 }
 
@@ -278,18 +293,20 @@ def test_op_errors(case):
         ga.dot_product_attention(**args)
 
 
-def test_options_errors():
+def test_implementation_tuning_errors():
     with pytest.raises(ValueError, match=r"query_chunk_size must be None or an int >= 1, got 0"):
-        ga.AttentionOptions(query_chunk_size=0)
+        ga.ChunkedAttention(query_chunk_size=0)
     with pytest.raises(ValueError, match=r"memory_budget_bytes must be an int >= 1, got 1.5"):
-        ga.AttentionOptions(memory_budget_bytes=1.5)
+        ga.ChunkedAttention(memory_budget_bytes=1.5)
+    with pytest.raises(ValueError, match=r"memory_budget_bytes must be an int >= 1, got 0"):
+        ga.Auto(memory_budget_bytes=0)
 
 
 def test_cudnn_is_unavailable_on_cpu_with_a_clear_error():
     if jax.default_backend() == "gpu":
         pytest.skip("GPU present")
     args = (jnp.ones((B, Q, 2, 8), jnp.bfloat16),) * 3
-    with pytest.raises((NotImplementedError, ValueError), match=r"cudnn"):
+    with pytest.raises(NotImplementedError, match=r"implementation='cudnn'.*GPU only"):
         ga.dot_product_attention(*args, implementation="cudnn")
 
 

@@ -8,14 +8,17 @@ import pytest
 
 import gated_attention as ga
 from gated_attention import baseline
+from gated_attention.modules import rows_per_tile
 from tests import reference
-from tests.helpers import DTYPES, IMPLEMENTATIONS, as_f64, assert_close, cast_tree, rand
+from tests.helpers import DTYPES, as_f64, assert_close, cast_tree, rand
+
+IMPLEMENTATIONS = ("xla", "chunked")  # the modules' tests run on CPU
 
 B, Q, K, A, M, H, O = 2, 5, 6, 12, 10, 2, 7
 
 
 # Low-precision inputs run in their own dtype here (the 'input' policy), so that the reference
-# tests check bfloat16/float16 arithmetic; test_precision.py checks the CPU default (float32).
+# tests check bfloat16/float16 arithmetic; test_numerics.py checks the CPU default (float32).
 GLOBAL = dict(zero_init=False, compute_dtype="input")
 
 
@@ -336,10 +339,9 @@ def test_global_attention_gradients_and_af2_params():
     )
 
 
-def test_row_tiled_forward_matches_reference_with_gradients(monkeypatch):
-    """The whole forward in row tiles (chosen by the op for 'xla'), checkpointed per tile."""
-    from gated_attention import xla
-
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_row_tiled_forward_matches_reference_with_gradients(implementation):
+    """The whole forward in tiles of 2 rows (the module's tiling rule), checkpointed per tile."""
     rng = np.random.default_rng(5)
     b = 5  # tiles of 2 rows: two full tiles and a remainder
     q_data, q64 = rand(rng, (b, Q, A), "float32")
@@ -348,10 +350,9 @@ def test_row_tiled_forward_matches_reference_with_gradients(monkeypatch):
     nb, nb64 = rand(rng, (H, Q, K), "float32")
     params64 = reference.random_attention_params(rng, A, M, H, A // H, M // H, O)
     params = dict(attention=cast_tree(params64, "float32"))
-    monkeypatch.setattr(xla, "TILE_BYTES", 2 * 4 * H * Q * K)  # 2 rows per tile
-    monkeypatch.setattr(xla, "MIN_CALLER_TILE_QUERIES", 1)
-    assert ga.attention.caller_row_tile("xla", (b, Q, H, 6), (b, K, H, 6)) == 2
-    module = _attention(dict(num_head=H), dict(GLOBAL, attention_implementation="xla"))
+    module = _attention(
+        dict(num_head=H), dict(GLOBAL, attention_implementation=implementation), subbatch_size=2
+    )
     jaxpr = str(jax.make_jaxpr(module.apply)(params, q_data, m_data, mask, nb))
     assert "scan" in jaxpr and "remat" in jaxpr  # really tiled, checkpointed per tile
     out = jax.jit(module.apply)(params, q_data, m_data, mask, nb)
@@ -370,14 +371,36 @@ def test_row_tiled_forward_matches_reference_with_gradients(monkeypatch):
     jax.tree.map(lambda g, r: assert_close(g, r, reference.grad_tolerance("float32")), grads, ref)
 
 
-def test_caller_row_tile_rules():
-    tile = ga.attention.caller_row_tile
-    # Triangle shape: 8 rows of 128 queries fill a 2 MiB tile of logits.
-    assert tile("xla", (128, 128, 4, 32), (128, 128, 4, 32)) == 8
-    assert tile("auto", (128, 128, 4, 32), (128, 128, 4, 32)) == 8
+def _rows(batch, queries, keys, heads, subbatch_size=None, budget=256 * 2**20):
+    row_logits = heads * queries * keys
+    return rows_per_tile(
+        batch,
+        subbatch_size,
+        budget,
+        row_bytes=8 * row_logits,
+        row_queries=queries,
+        row_logits=row_logits,
+    )
+
+
+def test_rows_per_tile_rule():
+    # Triangle shape: 8 rows of 128 queries fill a 2 MiB tile of float32 logits.
+    assert _rows(128, 128, 128, 4) == 8
     # MSA-row shape: one row per tile has too few queries for the projections to gain.
-    assert tile("auto", (64, 256, 8, 8), (64, 256, 8, 8)) is None
-    # Long rows go to 'chunked', which leaves tiling to itself; so does a single-row batch.
-    assert tile("auto", (2, 4096, 8, 32), (2, 4096, 8, 32)) is None
-    assert tile("chunked", (128, 128, 4, 32), (128, 128, 4, 32)) is None
-    assert tile("xla", (8, 128, 4, 32), (8, 128, 4, 32)) is None
+    assert _rows(64, 256, 256, 8) is None
+    # A row whose logits alone exceed the tile: left to the implementation's own tiles.
+    assert _rows(1024, 1024, 1024, 4) is None
+    # A batch that fits one tile is not tiled.
+    assert _rows(8, 128, 128, 4) is None
+    # AF2's subbatch_size: that many rows; None when the batch is no larger.
+    assert _rows(64, 256, 256, 8, subbatch_size=4) == 4
+    assert _rows(4, 256, 256, 8, subbatch_size=4) is None
+    # 'auto': the most rows whose working set fits the budget (8 MiB per row here).
+    assert _rows(64, 256, 256, 16, subbatch_size="auto", budget=20 * 2**20) == 2
+    assert _rows(64, 256, 256, 16, subbatch_size="auto", budget=1) == 1
+
+
+def test_row_tile_rule_is_cpu_only(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert _rows(128, 128, 128, 4) is None
+    assert _rows(64, 256, 256, 8, subbatch_size=4) == 4

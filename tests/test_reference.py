@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference as ref
+
+from tests import reference as ref
 
 # ------------------------------------------------------------------------------------------------
 # Loop implementations: one query, one head at a time

@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference
-from helpers import IMPLEMENTATIONS, assert_close, rand
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gated_attention as ga
 from gated_attention import mapping, sharding
+from tests import reference
+from tests.helpers import assert_close, rand
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 F32 = reference.tolerance("float32")
@@ -47,12 +47,13 @@ def spec_of(x) -> P:
     return P(*spec)
 
 
-# q [B, T, N, H] ('BTNH'): B=16 rows of T=S=128 positions, 4 heads; large enough that 'xla' runs
-# in row tiles and 'chunked' in several query and key chunks on every device.
+# q [B, T, N, H]: B=16 rows of T=S=128 positions, 4 heads; large enough that 'xla' runs in row
+# tiles and 'chunked' in blocks of one row and several query and key chunks on every device.
 B, T, S, N, H = 16, 128, 128, 4, 8
-OPTIONS = {
-    "xla": ga.AttentionOptions(),
-    "chunked": ga.AttentionOptions(query_chunk_size=32, key_chunk_size=48),  # 48 leaves a rest
+IMPLEMENTATIONS = {
+    "xla": ga.XlaAttention(),
+    # 48 leaves a rest; blocks of one batch row
+    "chunked": ga.ChunkedAttention(query_chunk_size=32, key_chunk_size=48, block_bytes=1),
 }
 # (q spec, k/v spec, pair bias [1, N, T, S] spec, mask [B, 1, 1, S] spec) -> (output spec,
 # collectives allowed in the forward)
@@ -94,7 +95,7 @@ def test_op_on_mesh_matches_reference_and_keeps_sharding(mesh, implementation, p
 
     def op(q, k, v, pair, mask):
         return ga.dot_product_attention(
-            q, k, v, pair, mask, implementation=implementation, options=OPTIONS[implementation]
+            q, k, v, pair, mask, implementation=IMPLEMENTATIONS[implementation]
         )
 
     with ga.record_implementation_choices() as choices:
@@ -103,7 +104,7 @@ def test_op_on_mesh_matches_reference_and_keeps_sharding(mesh, implementation, p
     assert_close(out, reference.dot_product_attention(q64, k64, v64, pair64, mask64), F32)
     # Each device chose for its own shard: the shapes recorded are per device.
     local_q = args[0].sharding.shard_shape(q.shape)
-    assert choices[0]["query"][0] == local_q[0] and choices[0]["query"][2] == local_q[1]
+    assert choices[0]["query"][:3] == local_q[:3]  # [B, T, N, H] on one device
     used = {name for name, count in collectives(op, *args).items() if count}
     assert used <= allowed, f"unexpected collectives {used - allowed}"
 
@@ -122,7 +123,7 @@ def test_op_gradients_on_mesh_match_reference(mesh, implementation):
 
     def loss(q, k, v, pair):
         out = ga.dot_product_attention(
-            q, k, v, pair, mask, implementation=implementation, options=OPTIONS[implementation]
+            q, k, v, pair, mask, implementation=IMPLEMENTATIONS[implementation]
         )
         return jnp.sum(out * cot)
 
@@ -372,24 +373,6 @@ def test_explicit_axes_reads_types(mesh):
     jax.jit(f)(x, jnp.ones((3,)))
     assert seen["x"][0] is not None and seen["x"][1] == (("data",), ("model",), ())
     assert seen["y"] == (None, ((),))
-
-
-def test_op_head_major_layout_on_mesh(mesh):
-    """Layout 'BNTH' ([B, N, T, H]): the batch and head dims are found in their places."""
-    (q, k, v, pair, mask), (q64, k64, v64, pair64, mask64) = _op_inputs(seed=4)
-    to_bnth = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-    spec = P("data", "model")
-    args = [put(mesh, to_bnth(x), spec) for x in (q, k, v)]
-    args += [put(mesh, pair, P(None, "model")), put(mesh, mask, P("data"))]
-
-    def op(q, k, v, pair, mask):
-        return ga.dot_product_attention(q, k, v, pair, mask, layout="BNTH")
-
-    out = jax.jit(op)(*args)
-    assert spec_of(out) == spec
-    expected = reference.dot_product_attention(q64, k64, v64, pair64, mask64)
-    assert_close(jnp.swapaxes(out, 1, 2), expected, F32)
-    assert not any(collectives(op, *args).values())
 
 
 def test_attention_module_under_auto_axes_is_correct(mesh):

@@ -1,4 +1,5 @@
-"""The compute-dtype policy: float32 for bfloat16/float16 on CPU by default, exactly."""
+"""numerics.py: the compute-dtype policy (float32 for bfloat16/float16 on CPU by default, exactly)
+and the masking helpers every implementation shares."""
 
 import haiku as hk
 import jax
@@ -7,9 +8,11 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import precision
+from gated_attention import numerics
 from tests import reference
-from tests.helpers import IMPLEMENTATIONS, assert_close, rand
+from tests.helpers import assert_close, rand
+
+IMPLEMENTATIONS = ("xla", "chunked")
 
 
 @pytest.mark.parametrize(
@@ -27,12 +30,12 @@ from tests.helpers import IMPLEMENTATIONS, assert_close, rand
     ],
 )
 def test_compute_dtype_table(dtype, policy, backend, expected):
-    assert precision.compute_dtype(dtype, policy, backend) == jnp.dtype(expected)
+    assert numerics.compute_dtype(dtype, policy, backend) == jnp.dtype(expected)
 
 
 def test_bad_policy_raises_naming_the_argument():
     with pytest.raises(ValueError, match=r"compute_dtype must be one of .*got 'fp32'"):
-        ga.AttentionOptions(compute_dtype="fp32")
+        ga.dot_product_attention(*_op_inputs("float32")[:3], compute_dtype="fp32")
     with pytest.raises(ValueError, match=r"global_config.compute_dtype must be one of"):
         ga.GlobalConfig(compute_dtype="bf16")
 
@@ -52,7 +55,7 @@ def _op_inputs(dtype, seed=0):
 def test_op_default_on_cpu_is_the_float32_computation(implementation, dtype):
     q, k, v, bias, mask = _op_inputs(dtype)
     f32 = [x.astype(jnp.float32) for x in (q, k, v, bias)]
-    op = jax.jit(ga.dot_product_attention, static_argnames=("implementation", "options"))
+    op = jax.jit(ga.dot_product_attention, static_argnames=("implementation", "compute_dtype"))
     out = op(q, k, v, bias, mask, implementation=implementation)
     expected = op(*f32, mask, implementation=implementation).astype(dtype)
     raw = op(
@@ -62,7 +65,7 @@ def test_op_default_on_cpu_is_the_float32_computation(implementation, dtype):
         bias,
         mask,
         implementation=implementation,
-        options=ga.AttentionOptions(compute_dtype="input"),
+        compute_dtype="input",
     )
     assert out.dtype == jnp.dtype(dtype)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
@@ -122,9 +125,7 @@ def test_default_bfloat16_is_more_accurate_than_bfloat16_arithmetic():
     ref = reference.dot_product_attention(*(as64(a) for a in (q, k, v, bias)), np.asarray(mask))
     err = lambda out: np.max(np.abs(as64(out) - ref))
     default = ga.dot_product_attention(q, k, v, bias, mask)
-    raw = ga.dot_product_attention(
-        q, k, v, bias, mask, options=ga.AttentionOptions(compute_dtype="input")
-    )
+    raw = ga.dot_product_attention(q, k, v, bias, mask, compute_dtype="input")
     assert err(default) <= err(raw)
     assert_close(default, ref, reference.tolerance("bfloat16"))
 
@@ -168,3 +169,38 @@ def test_module_bfloat16_gradients_are_the_float32_computation_on_the_rounded_in
         for a, e in zip(jax.tree.leaves(t), jax.tree.leaves(expected), strict=True)
     )
     assert worst(grads) <= worst(raw)
+
+
+def test_zero_masked_inputs_zeroes_dead_queries_and_keys_in_either_layout():
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.normal(size=(2, 3, 4, 2)))  # [B, N, T, H]
+    k = jnp.asarray(rng.normal(size=(2, 3, 5, 2)))  # [B, N, S, H]
+    v = jnp.asarray(rng.normal(size=(2, 3, 5, 6)))
+    mask = np.ones((2, 1, 4, 5), bool)
+    mask[0, 0, 1] = False  # query 1 of batch 0 sees no key
+    mask[1, 0, :, 3] = False  # key 3 of batch 1 is seen by no query
+    mask[1, 0, 2, 4] = False  # key 4 of batch 1 is masked for one query only: kept
+    zq, zk, zv = numerics.zero_masked_inputs(q, k, v, jnp.asarray(mask), head_major=True)
+    live_q = mask.any(axis=3)[..., None]  # [B, 1, T, 1]
+    live_k = mask.any(axis=2)[..., None]  # [B, 1, S, 1]
+    np.testing.assert_array_equal(zq, np.where(live_q, q, 0))
+    np.testing.assert_array_equal(zk, np.where(live_k, k, 0))
+    np.testing.assert_array_equal(zv, np.where(live_k, v, 0))
+    swap = lambda x: jnp.swapaxes(x, 1, 2)
+    btnh = numerics.zero_masked_inputs(
+        swap(q), swap(k), swap(v), jnp.asarray(mask), head_major=False
+    )
+    for got, want in zip(btnh, (zq, zk, zv), strict=True):
+        np.testing.assert_array_equal(swap(got), want)
+    assert numerics.zero_masked_inputs(q, k, v, None, head_major=True) == (q, k, v)
+
+
+def test_mask_logits_adds_a_key_mask_and_selects_a_query_mask():
+    logits = jnp.asarray(np.random.default_rng(6).normal(size=(1, 1, 2, 3)))
+    key_mask = jnp.asarray([[[[True, False, True]]]])
+    added = numerics.mask_logits(logits, key_mask)
+    np.testing.assert_array_equal(added, logits + np.where(key_mask, 0.0, numerics.MASK_VALUE))
+    full = jnp.asarray([[[[True, False, True], [False, False, True]]]])
+    nan_logits = logits.at[0, 0, 1, 0].set(jnp.nan)  # masked for that row only
+    selected = numerics.mask_logits(nan_logits, full)
+    np.testing.assert_array_equal(selected, np.where(full, nan_logits, numerics.MASK_VALUE))

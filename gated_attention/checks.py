@@ -1,0 +1,71 @@
+"""The argument checks every layer uses at its boundary: one message per kind of mistake.
+
+Each raises ValueError or TypeError naming the argument, what it got and what was expected.
+Inside a layer (implementations, loops) inputs are trusted: there, `assert` states invariants.
+"""
+
+from __future__ import annotations
+
+import operator
+from numbers import Real
+from typing import Any
+
+import jax.numpy as jnp
+
+
+def check_int(name: str, value: Any, *, minimum: int = 1, optional: bool = False) -> int | None:
+    """value as an int >= minimum (numpy integers accepted, bools not); None passes if optional."""
+    if value is None and optional:
+        return None
+    try:
+        as_int = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        as_int = None
+    if as_int is None or as_int < minimum:
+        none = "None or " if optional else ""
+        raise ValueError(f"{name} must be {none}an int >= {minimum}, got {value!r}")
+    return as_int
+
+
+def check_positive_number(name: str, value: Any, *, unit: str = "") -> None:
+    """A real number > 0 (bools not), e.g. a size in MiB."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not value > 0:
+        of = f" of {unit}" if unit else ""
+        raise ValueError(f"{name} must be a positive number{of}, got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+
+
+def check_one_of(name: str, value: Any, options: tuple) -> None:
+    if value not in options:
+        raise ValueError(f"{name} must be one of {options}, got {value!r}")
+
+
+def check_float_array(name: str, x: Any) -> None:
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
+
+
+def check_bool_mask(name: str, x: Any) -> None:
+    dtype = jnp.result_type(x)
+    if dtype != jnp.bool_:
+        raise TypeError(
+            f"{name} must be a boolean array (True = attend), got dtype {dtype}; pass an additive "
+            "float bias as bias= instead"
+        )
+
+
+def check_broadcastable(name: str, shape: tuple, target: tuple, target_desc: str) -> None:
+    """shape has target's rank and each dimension 1 or equal to target's."""
+    shape = tuple(shape)
+    if len(shape) != len(target) or any(
+        d not in (1, t) for d, t in zip(shape, target, strict=True)
+    ):
+        raise ValueError(
+            f"{name} of shape {shape} must have rank {len(target)} and broadcast to {target_desc} "
+            f"= {target} (each dimension 1 or equal)"
+        )
