@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import baseline
+from gated_attention_tools import af2_baseline as baseline
 from tests import reference
 from tests.helpers import DTYPES, IMPLEMENTATIONS, as_f64, assert_close, cast_tree, rand
 

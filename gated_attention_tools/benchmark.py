@@ -1,8 +1,8 @@
 """Benchmark logic behind scripts/benchmark.py: Attention against AF2's formulation and a roofline.
 
 For each shape x dtype x mode (forward, forward+backward) the variants are: gated_attention.Attention
-with each requested implementation, the AlphaFold 2 formulation (baseline.AF2Attention, AF2's 'bqhc'
-einsums) and a same-FLOP matrix product (the roofline). All variants of a cell share parameters and
+with each requested implementation, the AlphaFold 2 formulation (af2_baseline.AF2Attention, AF2's
+'bqhc' einsums) and a same-FLOP matrix product (the roofline). All variants of a cell share parameters and
 inputs, are compiled first, then timed in interleaved rounds in this one process (each round times
 every variant `steps` times and keeps the median; the time is the median over rounds), so that
 machine load moves every variant alike. The ratio to AF2 is taken per round (against AF2's time in
@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gated_attention import alphafold, attention, baseline, modules
+from gated_attention import alphafold, attention, modules
+from gated_attention_tools import af2_baseline
 
 AF2 = "af2"
 ROOFLINE = "matmul"
@@ -41,8 +42,8 @@ class Shape:
       batch, length, channels, num_head: sizes; per-head dim = channels // num_head.
       nonbatched_bias: pass a [h, q, k] bias shared by the batch.
       mask: 'key' ([b, 1, 1, k], 10% masked) or 'none'.
-      module: 'attention' (Attention vs baseline.AF2Attention) or 'triangle_attention'
-        (alphafold.TriangleAttention vs baseline.AF2TriangleAttention on a [length, length,
+      module: 'attention' (Attention vs af2_baseline.AF2Attention) or 'triangle_attention'
+        (alphafold.TriangleAttention vs af2_baseline.AF2TriangleAttention on a [length, length,
         channels] pair; batch must equal length).
     """
 
@@ -92,9 +93,9 @@ def _forward_fns(shape: Shape, implementations: Iterable[str]) -> dict[str, hk.T
 
     def af2(x, mask, bias):  # AF2's formulation with the mask as an additive bias (as issue 3 asks)
         if triangle:
-            return baseline.AF2TriangleAttention(h)(x, mask)
+            return af2_baseline.AF2TriangleAttention(h)(x, mask)
         mask_bias = 1e9 * (mask.astype(x.dtype) - 1.0)  # [b, 1, 1, k]
-        return baseline.AF2Attention(h, c, zero_init=False)(x, x, None, bias, mask_bias)
+        return af2_baseline.AF2Attention(h, c, zero_init=False)(x, x, None, bias, mask_bias)
 
     fns[AF2] = hk.without_apply_rng(hk.transform(af2))
     return fns

@@ -1,7 +1,7 @@
 """Config-driven forward passes: build a module and inputs from an experiment config, time it, report.
 
-The logic behind scripts/run_forward.py and scripts/benchmark.py, kept in the library so that the
-scripts stay short and the logic is tested.
+The logic behind scripts/run_forward.py, kept here so that the script stays short and the logic is
+tested.
 """
 
 from __future__ import annotations
@@ -22,17 +22,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gated_attention import alphafold, attention, modules, precision, sharding
+from gated_attention import attention, modules, precision, sharding
 from gated_attention import config as config_lib
 from gated_attention import params as params_lib
-
-# cfg.module -> AF2 family module class.
-FAMILY = {
-    "msa_row_attention_with_pair_bias": alphafold.MSARowAttentionWithPairBias,
-    "msa_column_attention": alphafold.MSAColumnAttention,
-    "msa_column_global_attention": alphafold.MSAColumnGlobalAttention,
-    "triangle_attention": alphafold.TriangleAttention,
-}
+from gated_attention_tools import schema
 
 
 @dataclasses.dataclass
@@ -63,20 +56,6 @@ def _inputs(cfg: ml_collections.ConfigDict):
     if data.nonbatched_bias:
         nonbatched = jnp.asarray(rng.normal(size=(cfg.attention.num_head, q, k)), dtype)
     return q_data, m_data, mask, nonbatched
-
-
-def module_name(cfg: ml_collections.ConfigDict) -> str:
-    """The Haiku name `build` gives cfg.module's module: AF2's, as its checkpoints spell it.
-
-    triangle_attention is named as in AF2's Evoformer block: triangle_attention_starting_node
-    (per_row) or triangle_attention_ending_node (per_column).
-    """
-    if cfg.module in ("attention", "global_attention"):
-        return "attention"
-    if cfg.module == "triangle_attention":
-        node = "starting" if cfg.attention.orientation == "per_row" else "ending"
-        return f"triangle_attention_{node}_node"
-    return cfg.module
 
 
 def _family_inputs(cfg: ml_collections.ConfigDict):
@@ -117,7 +96,7 @@ def _family_flops(cfg: ml_collections.ConfigDict, inputs) -> int:
 
 
 def _build_family(cfg: ml_collections.ConfigDict) -> Problem:
-    module_cls, name = FAMILY[cfg.module], module_name(cfg)
+    module_cls, name = schema.FAMILY[cfg.module], schema.module_name(cfg)
 
     def fn(*inputs):
         return module_cls(cfg.attention, cfg.global_config, name=name)(*inputs)
@@ -129,11 +108,11 @@ def _build_family(cfg: ml_collections.ConfigDict) -> Problem:
 def build(cfg: ml_collections.ConfigDict) -> Problem:
     """The module named by cfg.module, hk.transform'ed, with random inputs of cfg.data's sizes.
 
-    Family modules are named by `module_name` and run in inference mode (is_training=False), so
-    global_config.subbatch_size applies.
+    Family modules are named by `schema.module_name` and run in inference mode (is_training=False),
+    so global_config.subbatch_size applies.
     """
-    config_lib.check_experiment(cfg)
-    if cfg.module in FAMILY:
+    schema.check_experiment(cfg)
+    if cfg.module in schema.FAMILY:
         return _build_family(cfg)
     q_data, m_data, mask, nonbatched = _inputs(cfg)
     data, module_cfg = cfg.data, config_lib.module_config(cfg.attention)
@@ -176,8 +155,8 @@ def load_params(
     """Params for cfg's module from an AF2 .npz checkpoint, checked and cast to the module's dtypes.
 
     Loads with params.load_af2_params(prefix=..., layer=...), keeps the scopes of the module named
-    `module_name(cfg)` (the scope itself and those under it), and checks them against the module's
-    own params (jax.eval_shape of its init) with params.check_params.
+    `schema.module_name(cfg)` (the scope itself and those under it), and checks them against the
+    module's own params (jax.eval_shape of its init) with params.check_params.
 
     Example: AF2 model_1's third Evoformer block, MSA row attention:
       load_params(cfg, 'params_model_1.npz', layer=2,
@@ -190,7 +169,7 @@ def load_params(
     problem = build(cfg)
     expected = jax.eval_shape(problem.forward.init, jax.random.PRNGKey(0), *problem.inputs)
     loaded = params_lib.load_af2_params(path_or_file, prefix=prefix, layer=layer)
-    name = module_name(cfg)
+    name = schema.module_name(cfg)
     selected = {k: v for k, v in loaded.items() if k == name or k.startswith(name + "/")}
     if not selected:
         raise ValueError(
@@ -290,7 +269,7 @@ def run_forward(cfg: ml_collections.ConfigDict, params: Any = None) -> dict[str,
     """Initializes (or takes) params and runs the jit-compiled forward of cfg; returns the report.
 
     Args:
-      cfg: experiment config (config.experiment_config() schema).
+      cfg: experiment config (schema.experiment_config()).
       params: Haiku params to use instead of a random init (e.g. from an AF2 checkpoint).
 
     Returns:
