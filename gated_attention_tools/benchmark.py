@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gated_attention import alphafold, attention, modules
-from gated_attention_tools import af2_baseline
+from gated_attention_tools import af2_baseline, measure
 
 AF2 = "af2"
 ROOFLINE = "matmul"
@@ -59,9 +58,20 @@ class Shape:
     def flops(self) -> int:
         """Forward FLOPs: q/k/v/gate projections, the two attention matmuls, the output projection
         (and for triangle attention the pair-bias projection)."""
-        b, n, c = self.batch, self.length, self.channels
-        flops = 2 * b * n * c * c * 5 + 2 * b * n * n * c * 2
-        return flops + (2 * n * n * c * self.num_head if self.module == "triangle_attention" else 0)
+        n, c = self.length, self.channels
+        return measure.attention_flops(
+            batch=self.batch,
+            num_queries=n,
+            num_keys=n,
+            q_channels=c,
+            m_channels=c,
+            key_dim=c,
+            value_dim=c,
+            output_dim=c,
+            num_head=self.num_head,
+            gating=True,
+            pair_channels=c if self.module == "triangle_attention" else 0,
+        )
 
 
 def _inputs(shape: Shape, dtype, seed: int = 0):
@@ -119,15 +129,6 @@ def _roofline(flops: int, dtype, mode: str):
     return (lambda a, b: a @ b), (a, a), 2 * n**3
 
 
-def _time(fn: Callable, args: tuple, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _relative_diff(tree, reference_leaves) -> float:
     worst = 0.0
     for a, b in zip(jax.tree.leaves(tree), reference_leaves, strict=True):
@@ -143,35 +144,6 @@ def _as_float32(tree):
         return a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
 
     return jax.tree.map(cast, tree)
-
-
-def _temp_bytes(fn: Callable, args: tuple) -> int | None:
-    stats = fn.lower(*args).compile().memory_analysis()
-    return None if stats is None else int(stats.temp_size_in_bytes)
-
-
-def cpu_ticks() -> tuple[int, int] | None:
-    """(steal, total) CPU ticks of the whole machine since boot, from /proc/stat; None elsewhere.
-
-    Steal is time the hypervisor gave this VM's virtual CPUs to someone else: on a shared host it
-    is the visible part of the noise in the timings.
-    """
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu" or len(fields) < 9:
-        return None
-    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
-    return ticks[7], sum(ticks)
-
-
-def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """Percent of all CPU ticks between two cpu_ticks() readings that were stolen (None: unknown)."""
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return 100 * (after[0] - before[0]) / (after[1] - before[1])
 
 
 def run_cell(
@@ -196,22 +168,20 @@ def run_cell(
     variants[ROOFLINE] = (jax.jit(mm), mm_args)
     compile_s, temp, outputs = {}, {}, {}
     for name, (fn, args) in variants.items():
-        start = time.perf_counter()
-        outputs[name] = jax.block_until_ready(fn(*args))
-        compile_s[name] = time.perf_counter() - start
-        temp[name] = _temp_bytes(fn, args)
+        (compile_s[name],), outputs[name] = measure.time_calls(fn, args, 1)  # compiles
+        temp[name] = measure.xla_memory(fn, args)["temp_size_in_bytes"]
     # The accuracy reference: AF2's formulation in float32 on the same (rounded) params and inputs.
     reference = outputs[AF2]
     if jnp.dtype(dtype) != jnp.float32:
         reference = jax.jit(_timed_fn(fns[AF2], mode))(*_as_float32(variants[AF2][1]))
     reference = jax.tree.leaves(reference)
     per_round = {name: [] for name in variants}
-    cpu_before = cpu_ticks()
+    cpu_before = measure.cpu_ticks()
     for r in range(rounds):
         for name, (fn, args) in variants.items():
-            per_round[name].append(_time(fn, args, steps))
+            per_round[name].append(statistics.median(measure.time_calls(fn, args, steps)[0]))
         log(f"  {shape.name} {dtype} {mode}: round {r + 1}/{rounds} done")
-    steal = steal_percent(cpu_before, cpu_ticks())
+    steal = measure.steal_percent(cpu_before, measure.cpu_ticks())
     med = {name: statistics.median(ts) for name, ts in per_round.items()}
     roofline_gflops = mm_flops / med[ROOFLINE] / 1e9
     rows = []
@@ -296,7 +266,7 @@ def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -
         backward_goal_mib=case.backward_goal_mib,
     )
     for key, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
-        temp = _temp_bytes(jax.jit(fn), (qkv, qkv, qkv, bias, mask))
+        temp = measure.xla_memory(jax.jit(fn), (qkv, qkv, qkv, bias, mask))["temp_size_in_bytes"]
         result[f"{key}_temp_mib"] = None if temp is None else temp / 2**20
     result["meets_goals"] = (
         result["forward_temp_mib"] is not None

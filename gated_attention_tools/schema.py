@@ -46,6 +46,12 @@ def module_name(cfg: ml_collections.ConfigDict) -> str:
     return cfg.module
 
 
+def num_rows(cfg: ml_collections.ConfigDict) -> int:
+    """The input's leading axis, the one config.mesh.data splits: the pair's rows (num_queries) for
+    triangle_attention, else the batch (the MSA's sequences)."""
+    return cfg.data.num_queries if cfg.module == "triangle_attention" else cfg.data.batch
+
+
 def experiment_config() -> ml_collections.ConfigDict:
     """The default experiment: one Attention forward on small random inputs (a few ms on CPU).
 
@@ -153,7 +159,7 @@ def check_experiment(cfg: ml_collections.ConfigDict) -> None:
         )
     config_lib._check_int("config.mesh", "data", cfg.mesh.data, 1, optional=False)
     config_lib._check_int("config.mesh", "heads", cfg.mesh.heads, 1, optional=False)
-    rows = data.num_queries if cfg.module == "triangle_attention" else data.batch
+    rows = num_rows(cfg)
     if rows % cfg.mesh.data:
         what = "num_queries (the pair's rows)" if cfg.module == "triangle_attention" else "batch"
         raise ValueError(
