@@ -2,12 +2,13 @@
 
 For each shape x dtype x mode (forward, forward+backward) the variants are: gated_attention.Attention
 with each requested implementation, the AlphaFold 2 formulation (af2_baseline.AF2Attention, AF2's
-'bqhc' einsums) and a same-FLOP matrix product (the roofline). All variants of a cell share parameters and
-inputs, are compiled first, then timed in interleaved rounds in this one process (each round times
-every variant `steps` times and keeps the median; the time is the median over rounds), so that
-machine load moves every variant alike. The ratio to AF2 is taken per round (against AF2's time in
-the same round) and reported as the median over rounds with its range. XLA's compiled memory
-analysis is recorded per variant, and the CPU steal share during the timed rounds per cell.
+'bqhc' einsums) and a same-FLOP matrix product (the roofline). All variants of a cell share
+parameters and inputs, are compiled first, then timed in interleaved rounds in this one process
+(each round times every variant `steps` times and keeps the median; the time is the median over
+rounds), so that machine load moves every variant alike. The ratio to AF2 is taken per round
+(against AF2's time in the same round) and reported as the median over rounds with its range. XLA's
+compiled memory analysis is recorded per variant, and the CPU steal share during the timed rounds
+per cell.
 
 Op-level memory entries compile dot_product_attention on jax.ShapeDtypeStructs (nothing is
 allocated or run) and record XLA's temp bytes forward and forward+backward against a goal.
@@ -23,6 +24,7 @@ from typing import Any
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from gated_attention import alphafold, attention, modules
@@ -101,7 +103,7 @@ def _forward_fns(shape: Shape, implementations: Iterable[str]) -> dict[str, hk.T
 
         fns[name] = hk.without_apply_rng(hk.transform(ours))
 
-    def af2(x, mask, bias):  # AF2's formulation with the mask as an additive bias (as issue 3 asks)
+    def af2(x, mask, bias):  # AF2's formulation, the mask as an additive bias
         if triangle:
             return af2_baseline.AF2TriangleAttention(h)(x, mask)
         mask_bias = 1e9 * (mask.astype(x.dtype) - 1.0)  # [b, 1, 1, k]
@@ -396,6 +398,37 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def run(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs configs/benchmark.py's sweep: every cell, then the memory cases.
+
+    The goals are checked before anything runs. Cells are cfg.shapes and the self-attention sweep
+    (1 x L tokens, c=256, 8 heads of 32) in every dtype and mode, and cfg.triangle_shapes in float32
+    forward.
+
+    Returns:
+      dict(goals=goal_rows(...), cells=run_cell rows, memory=memory_case rows), JSON-serializable.
+    """
+    shapes = [Shape(*s) for s in cfg.shapes]
+    shapes += [Shape(f"sweep 1x{n} c256 h8", 1, n, 256, 8, False, "key") for n in cfg.sweep_lengths]
+    check_goals(cfg.goals, {s.name for s in shapes}, cfg.modes, cfg.implementations)
+    cells = [(s, d, m) for s in shapes for d in cfg.dtypes for m in cfg.modes]
+    # Family cells: float32 forward (their LayerNorm parameters are float32 in every mode).
+    cells += [(Shape(*s), "float32", "forward") for s in cfg.triangle_shapes]
+    rows = []
+    for i, (shape, dtype, mode) in enumerate(cells):
+        log(f"[{i + 1}/{len(cells)}] {shape.name} {dtype} {mode}")
+        rows += run_cell(
+            shape, dtype, mode, list(cfg.implementations), cfg.rounds, cfg.steps, log=log
+        )
+    memory_rows = []
+    if cfg.memory_cases:
+        for case in memory_goal_cases():
+            for impl in ("auto", "chunked"):
+                log(f"memory: {case.name} {impl}")
+                memory_rows.append(memory_case(case, impl))
+    return dict(goals=goal_rows(rows, cfg.goals), cells=rows, memory=memory_rows)
+
+
 def plot(rows: list[dict[str, Any]], sweep_prefix: str, path: str) -> None:
     """Time and XLA temp memory against sequence length for the sweep shapes (needs matplotlib)."""
     import matplotlib
@@ -427,7 +460,8 @@ def plot(rows: list[dict[str, Any]], sweep_prefix: str, path: str) -> None:
 
 
 def memory_goal_cases() -> list[MemoryCase]:
-    """The memory goals of issue 3 (op-level, XLA temp bytes)."""
+    """The op-level memory goals: self-attention at 16,384 tokens, and the triangle shape (1,024
+    rows of 1,024 positions) with a bias shared by the rows."""
     return [
         MemoryCase("self-attention 16384 tokens, 8x32, key mask", 1, 8, 16384, 32, False, 256, 512),
         MemoryCase("triangle 1024x1024, 4x32, shared bias", 1024, 4, 1024, 32, True, 512, 1024),

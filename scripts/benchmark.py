@@ -30,43 +30,14 @@ def main(argv):
     cfg = _CONFIG.value
     out_dir = pathlib.Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shapes = [benchmark.Shape(*s) for s in cfg.shapes]
-    shapes += [
-        benchmark.Shape(f"sweep 1x{n} c256 h8", 1, n, 256, 8, False, "key")
-        for n in cfg.sweep_lengths
-    ]
-    benchmark.check_goals(cfg.goals, {s.name for s in shapes}, cfg.modes, cfg.implementations)
-    cells = [(s, d, m) for s in shapes for d in cfg.dtypes for m in cfg.modes]
-    # Family cells: float32 forward (their LayerNorm parameters are float32 in every mode).
-    cells += [(benchmark.Shape(*s), "float32", "forward") for s in cfg.triangle_shapes]
-    rows = []
-    for i, (shape, dtype, mode) in enumerate(cells):
-        print(f"[{i + 1}/{len(cells)}] {shape.name} {dtype} {mode}", flush=True)
-        rows += benchmark.run_cell(
-            shape,
-            dtype,
-            mode,
-            list(cfg.implementations),
-            cfg.rounds,
-            cfg.steps,
-            log=lambda s: print(s, flush=True),
-        )
-    memory_rows = []
-    if cfg.memory_cases:
-        for case in benchmark.memory_goal_cases():
-            for impl in ("auto", "chunked"):
-                print(f"memory: {case.name} {impl}", flush=True)
-                memory_rows.append(benchmark.memory_case(case, impl))
-    goals = benchmark.goal_rows(rows, cfg.goals)
-    (out_dir / "results.json").write_text(
-        json.dumps(dict(goals=goals, cells=rows, memory=memory_rows), indent=2)
-    )
-    table = benchmark.markdown(rows, memory_rows, cfg.goals)
+    results = benchmark.run(cfg, log=lambda s: print(s, flush=True))
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    table = benchmark.markdown(results["cells"], results["memory"], cfg.goals)
     (out_dir / "results.md").write_text(table)
     print(table)
     if cfg.sweep_lengths:
         try:
-            benchmark.plot(rows, "sweep", str(out_dir / "results.png"))
+            benchmark.plot(results["cells"], "sweep", str(out_dir / "results.png"))
         except ImportError:
             logging.warning(
                 "matplotlib is not installed (pip install -e .[bench]); no plot written"
