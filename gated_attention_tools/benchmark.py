@@ -228,7 +228,8 @@ class MemoryCase:
 
     Attributes:
       name: label.
-      batch, num_head, length, head_dim: head-major sizes [batch, num_head, length, head_dim].
+      batch, num_head, length, head_dim: sizes; query, key and value are [batch, length, num_head,
+        head_dim] (dot_product_attention's layout).
       shared_bias: add a [1, num_head, length, length] bias shared over the batch (gradient included).
       forward_goal_mib, backward_goal_mib: the goals for XLA's temp bytes.
     """
@@ -247,14 +248,12 @@ def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -
     """XLA temp bytes of the op, forward and forward+backward (grads for q, k, v and the bias)."""
     b, n, t, h = case.batch, case.num_head, case.length, case.head_dim
     spec = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
-    qkv = spec((b, n, t, h))
+    qkv = spec((b, t, n, h))
     bias = spec((1, n, t, t)) if case.shared_bias else None
     mask = spec((b, 1, 1, t), bool)
 
     def fwd(q, k, v, bias, mask):
-        return attention.dot_product_attention(
-            q, k, v, bias, mask, implementation=implementation, layout="BNTH"
-        )
+        return attention.dot_product_attention(q, k, v, bias, mask, implementation=implementation)
 
     def fwd_bwd(q, k, v, bias, mask):
         out, vjp = jax.vjp(lambda q, k, v, bias: fwd(q, k, v, bias, mask), q, k, v, bias)
