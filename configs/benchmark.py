@@ -58,7 +58,7 @@ def get_config(preset="full"):
     cfg.modes = ("forward", "forward_backward") if preset == "full" else ("forward",)
     cfg.rounds = 5  # interleaved rounds; the reported time is the median over rounds
     cfg.steps = 3  # calls per round per variant; a round keeps their median
-    # Op-level XLA temp memory at 16k tokens and a 1024^2 triangle (compiled, not run).
+    # Op-level memory (XLA temp and resident) at 16k tokens and a 1024^2 triangle.
     cfg.memory_cases = preset == "full"
     # Float32 forward only: forward+backward at 512 takes minutes per call of AF2's formulation on
     # 2 CPU cores.

@@ -10,8 +10,9 @@ rounds), so that machine load moves every variant alike. The ratio to AF2 is tak
 compiled memory analysis is recorded per variant, and the CPU steal share during the timed rounds
 per cell.
 
-Op-level memory entries compile dot_product_attention on jax.ShapeDtypeStructs (nothing is
-allocated or run) and record XLA's temp bytes forward and forward+backward against a goal.
+Op-level memory cases record, forward and forward+backward, XLA's temp bytes of
+dot_product_attention compiled on jax.ShapeDtypeStructs and the resident memory of one call in a
+fresh process (measure.resident_memory); a goal judges the larger of the two.
 """
 
 from __future__ import annotations
@@ -224,14 +225,15 @@ def run_cell(
 
 @dataclasses.dataclass(frozen=True)
 class MemoryCase:
-    """An op-level memory check: self-attention or a batched (triangle) problem, compiled only.
+    """An op-level memory check: self-attention or a batched (triangle) problem.
 
     Attributes:
       name: label.
       batch, num_head, length, head_dim: sizes; query, key and value are [batch, length, num_head,
-        head_dim] (dot_product_attention's layout).
+        head_dim].
       shared_bias: add a [1, num_head, length, length] bias shared over the batch (gradient included).
-      forward_goal_mib, backward_goal_mib: the goals for XLA's temp bytes.
+      forward_goal_mib, backward_goal_mib: the goals for the larger of XLA's temp bytes and the
+        resident memory.
     """
 
     name: str
@@ -244,8 +246,27 @@ class MemoryCase:
     backward_goal_mib: float
 
 
-def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -> dict[str, Any]:
-    """XLA temp bytes of the op, forward and forward+backward (grads for q, k, v and the bias)."""
+MEMORY_MODES = ("forward", "forward_backward")
+
+
+def memory_problem(
+    case: MemoryCase | dict[str, Any], implementation: str, dtype: str, mode: str
+) -> tuple[Callable, tuple[jax.ShapeDtypeStruct | None, ...]]:
+    """A memory case's op and its input specs, in dot_product_attention's layout.
+
+    Args:
+      case: a MemoryCase, or its fields as a dict (as measure.resident_memory passes them).
+      implementation: dot_product_attention's implementation.
+      dtype: of query, key, value and the bias.
+      mode: 'forward', or 'forward_backward' (the gradients for q, k, v and the bias).
+
+    Returns:
+      (fn(q, k, v, bias, mask), specs): q, k, v [batch, length, num_head, head_dim], bias
+      [1, num_head, length, length] or None, mask bool [batch, 1, 1, length].
+    """
+    if mode not in MEMORY_MODES:
+        raise ValueError(f"mode must be one of {MEMORY_MODES}, got {mode!r}")
+    case = case if isinstance(case, MemoryCase) else MemoryCase(**case)
     b, n, t, h = case.batch, case.num_head, case.length, case.head_dim
     spec = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
     qkv = spec((b, t, n, h))
@@ -259,6 +280,16 @@ def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -
         out, vjp = jax.vjp(lambda q, k, v, bias: fwd(q, k, v, bias, mask), q, k, v, bias)
         return vjp(out)
 
+    return (fwd if mode == "forward" else fwd_bwd), (qkv, qkv, qkv, bias, mask)
+
+
+def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -> dict[str, Any]:
+    """XLA temp bytes and resident memory of the op, forward and forward+backward.
+
+    The temp bytes come from compiling on jax.ShapeDtypeStructs; the resident memory from one call
+    in a fresh process (measure.resident_memory), which also counts what XLA:CPU's temp bytes miss
+    (scratch inside fused kernels, layout copies). The goals judge the larger of the two.
+    """
     result = dict(
         case=case.name,
         implementation=implementation,
@@ -266,15 +297,33 @@ def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -
         forward_goal_mib=case.forward_goal_mib,
         backward_goal_mib=case.backward_goal_mib,
     )
-    for key, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
-        temp = measure.xla_memory(jax.jit(fn), (qkv, qkv, qkv, bias, mask))["temp_size_in_bytes"]
-        result[f"{key}_temp_mib"] = None if temp is None else temp / 2**20
+    probes = []
+    for mode in MEMORY_MODES:
+        fn, specs = memory_problem(case, implementation, dtype, mode)
+        temp = measure.xla_memory(jax.jit(fn), specs)["temp_size_in_bytes"]
+        result[f"{mode}_temp_mib"] = None if temp is None else temp / 2**20
+        probe = measure.resident_memory(
+            f"{__name__}:memory_problem",
+            dict(
+                case=dataclasses.asdict(case), implementation=implementation, dtype=dtype, mode=mode
+            ),
+        )
+        result[f"{mode}_resident_mib"] = probe["resident_mib"]
+        probes.append(probe)
+    result["resident_peak_reset"] = all(p["peak_reset"] for p in probes)
+    result["resident_note"] = probes[0]["note"]
+    judged = [_larger(result[f"{m}_temp_mib"], result[f"{m}_resident_mib"]) for m in MEMORY_MODES]
     result["meets_goals"] = (
-        result["forward_temp_mib"] is not None
-        and result["forward_temp_mib"] <= case.forward_goal_mib
-        and result["forward_backward_temp_mib"] <= case.backward_goal_mib
+        None not in judged
+        and judged[0] <= case.forward_goal_mib
+        and judged[1] <= case.backward_goal_mib
     )
     return result
+
+
+def _larger(*mib: float | None) -> float | None:
+    known = [m for m in mib if m is not None]
+    return max(known) if known else None
 
 
 def check_goals(
@@ -385,14 +434,18 @@ def markdown(
     if memory_rows:
         lines += [
             "",
-            "| op memory case | implementation | fwd temp (MiB) | goal | fwd+bwd temp (MiB) | goal | met |",
-            "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+            "| op memory case | implementation | fwd temp (MiB) | fwd resident (MiB) | goal "
+            "| fwd+bwd temp (MiB) | fwd+bwd resident (MiB) | goal | met |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
+        mib = lambda m, key: "" if m[key] is None else f"{m[key]:.1f}"
         for m in memory_rows:
             lines.append(
-                f"| {m['case']} | {m['implementation']} | {m['forward_temp_mib']:.1f} | "
-                f"{m['forward_goal_mib']:.0f} | {m['forward_backward_temp_mib']:.1f} | "
-                f"{m['backward_goal_mib']:.0f} | {'yes' if m['meets_goals'] else 'no'} |"
+                f"| {m['case']} | {m['implementation']} | {mib(m, 'forward_temp_mib')} | "
+                f"{mib(m, 'forward_resident_mib')} | {m['forward_goal_mib']:.0f} | "
+                f"{mib(m, 'forward_backward_temp_mib')} | "
+                f"{mib(m, 'forward_backward_resident_mib')} | {m['backward_goal_mib']:.0f} | "
+                f"{'yes' if m['meets_goals'] else 'no'} |"
             )
     return "\n".join(lines) + "\n"
 

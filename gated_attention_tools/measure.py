@@ -1,12 +1,25 @@
-"""Measurements shared by run.py and benchmark.py: time, XLA temp bytes, FLOPs and CPU steal."""
+"""Measurements shared by run.py and benchmark.py: time, XLA temp bytes, FLOPs, CPU steal, and
+resident memory measured in a fresh process.
+
+`python -m gated_attention_tools.measure '<json>'` is the resident-memory probe's child process
+(see `resident_memory`).
+"""
 
 from __future__ import annotations
 
+import gc
+import importlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 
 def time_calls(fn: Callable, args: tuple, calls: int) -> tuple[list[float], Any]:
@@ -29,7 +42,7 @@ def xla_memory(jitted: Callable, args: tuple) -> dict[str, int | None]:
     """XLA's compiled memory analysis of jitted(*args): temp, argument and output bytes.
 
     Args may be arrays or jax.ShapeDtypeStructs (nothing is then allocated or run). On CPU the temp
-    bytes miss the scratch of fused kernels.
+    bytes miss the scratch of fused kernels (see `resident_memory`).
     """
     stats = jitted.lower(*args).compile().memory_analysis()
     keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
@@ -101,3 +114,106 @@ def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None)
     if before is None or after is None or after[1] <= before[1]:
         return None
     return 100 * (after[0] - before[0]) / (after[1] - before[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Resident memory: what a call adds to the process's peak RSS, in a fresh process.
+
+_RESIDENT_KEYS = ("resident_mib", "baseline_mib", "peak_mib", "output_mib")
+
+
+def resident_memory(builder: str, kwargs: dict[str, Any], timeout_s: float = 1800) -> dict:
+    """Peak resident memory of one call of a jitted function, measured in a fresh CPU process.
+
+    The child (this module run with `python -m`, JAX_PLATFORMS=cpu) calls `builder(**kwargs)`,
+    which returns (fn, specs) with specs a tuple of jax.ShapeDtypeStruct or None. It compiles
+    jax.jit(fn) for specs, creates the inputs (ones) on the device, runs one warm-up call and frees
+    its output, resets the peak RSS (writing 5 to /proc/self/clear_refs), reads VmRSS, runs the call
+    once more and reads VmHWM: resident_mib = (VmHWM - VmRSS before the call - the output's bytes)
+    / 2**20, at least 0.
+
+    Args:
+      builder: 'module:function', importable in the child (the parent's sys.path is passed on).
+      kwargs: JSON-serializable keyword arguments of builder.
+      timeout_s: how long the child may run.
+
+    Returns:
+      dict with resident_mib, baseline_mib, peak_mib, output_mib (None values off Linux), peak_reset
+      (False: /proc/self/clear_refs could not be written, so the peak is VmHWM over the process's
+      whole life, compilation included, an upper bound) and note.
+
+    Raises:
+      RuntimeError: the child failed or printed no result (its stderr's tail included).
+    """
+    if not sys.platform.startswith("linux"):
+        return dict.fromkeys(_RESIDENT_KEYS) | dict(peak_reset=False, note="needs Linux's /proc")
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parents[1]), *sys.path]),
+        # Buffers of 128 KiB and more are mapped on allocation and unmapped on free, so a call's
+        # buffers are not served from memory that the warm-up call left in malloc's free lists.
+        MALLOC_MMAP_THRESHOLD_="131072",
+    )
+    spec = json.dumps(dict(builder=builder, kwargs=kwargs))
+    result = subprocess.run(
+        [sys.executable, "-m", "gated_attention_tools.measure", spec],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout_s,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"resident-memory probe of {builder}({kwargs}) failed with exit code "
+            f"{result.returncode}:\n{result.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1])
+
+
+def _proc_status_bytes() -> dict[str, int]:
+    """VmRSS and VmHWM of this process in bytes, from /proc/self/status."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024  # reported in kB
+    return out
+
+
+def _resident_child(spec_json: str) -> dict[str, Any]:
+    spec = json.loads(spec_json)
+    module, _, name = spec["builder"].partition(":")
+    fn, specs = getattr(importlib.import_module(module), name)(**spec["kwargs"])
+    compiled = jax.jit(fn).lower(*specs).compile()
+    inputs = jax.block_until_ready(
+        tuple(None if s is None else jnp.ones(s.shape, s.dtype) for s in specs)
+    )
+    warm_up = jax.block_until_ready(compiled(*inputs))
+    for x in jax.tree.leaves(warm_up):
+        x.delete()  # now: dropping the last reference leaves it to the garbage collector
+    del warm_up
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        peak_reset, note = True, "peak RSS reset by /proc/self/clear_refs"
+    except OSError as e:
+        peak_reset = False
+        note = f"/proc/self/clear_refs not writable ({e}): VmHWM is the process's lifetime peak"
+    baseline = _proc_status_bytes()["VmRSS"]
+    out = jax.block_until_ready(compiled(*inputs))
+    peak = _proc_status_bytes()["VmHWM"]
+    output = sum(x.nbytes for x in jax.tree.leaves(out))
+    # At least 0: the output may land in pages the process already held.
+    resident = max(0, peak - baseline - output)
+    values = (resident, baseline, peak, output)
+    return {key: v / 2**20 for key, v in zip(_RESIDENT_KEYS, values, strict=True)} | dict(
+        peak_reset=peak_reset, note=note
+    )
+
+
+if __name__ == "__main__":
+    print(json.dumps(_resident_child(sys.argv[1])), flush=True)
