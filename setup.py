@@ -1,4 +1,6 @@
-"""Installs gated_attention: `pip install -e .[test]` for the tests, `.[bench]` for plots."""
+"""Installs gated_attention and its tooling, gated_attention_tools (the experiment schema, run and
+benchmark logic behind scripts/ and tests/): `pip install -e .[test]` for the tests, `.[bench]` for
+plots."""
 
 import re
 from pathlib import Path
@@ -17,7 +19,14 @@ setup(
     "AlphaFold 2 parameter compatible.",
     long_description=Path(__file__).with_name("README.md").read_text(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["gated_attention", "gated_attention.*"]),
+    packages=find_packages(
+        include=[
+            "gated_attention",
+            "gated_attention.*",
+            "gated_attention_tools",
+            "gated_attention_tools.*",
+        ]
+    ),
     python_requires=">=3.11",
     install_requires=[
         # 0.10: the release tested; sharding.py reads explicit shardings (jax.typeof, jax.shard_map).

@@ -12,7 +12,7 @@ Presets, chosen after the colon:
 Sequence counts and lengths are kept CPU-sized (AF2 runs 512 MSA rows x N_res); override them.
 """
 
-from gated_attention import config
+from gated_attention_tools import schema
 
 PRESETS = ("msa_row", "msa_column", "triangle", "extra_msa_global")
 
@@ -20,7 +20,7 @@ PRESETS = ("msa_row", "msa_column", "triangle", "extra_msa_global")
 def get_config(preset="msa_row"):
     if preset not in PRESETS:
         raise ValueError(f"configs/alphafold.py preset must be one of {PRESETS}, got {preset!r}")
-    cfg = config.experiment_config()
+    cfg = schema.experiment_config()
     if preset == "msa_row":
         cfg.attention.num_head = 8
         cfg.data.batch = 64  # MSA sequences: each row attends over residues

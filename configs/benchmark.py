@@ -1,4 +1,4 @@
-"""Benchmark sweep for scripts/benchmark.py: issue 3's goal shapes, a length sweep, memory cases.
+"""Benchmark sweep for scripts/benchmark.py: AF2-sized goal shapes, a length sweep, memory cases.
 
   python scripts/benchmark.py                                   # everything below (~30 min on 2 cores)
   python scripts/benchmark.py --config=configs/benchmark.py:quick   # goal shapes, float32 forward only
@@ -18,13 +18,13 @@ GOAL_SHAPES = (
     # Long self-attention: 1 x 4,096 tokens, c=256, 8 heads of 32, key mask.
     ("long 1x4096 c256 h8", 1, 4096, 256, 8, False, "key"),
 )
-# Issue 3's forward goals: Attention's time ('auto') / AF2's formulation's, in every dtype swept.
+# Forward goals: Attention's time ('auto') / AF2's formulation's, at most, in every dtype swept.
 GOALS = (
     ("msa_row 64x256 c64 h8", 0.12),
     ("triangle 128x128 c128 h4", 0.30),
     ("long 1x4096 c256 h8", 0.22),
 )
-# Issue 4: TriangleAttention (starting node, c_z=128, 4 heads) at N_res 256 and 512, float32.
+# The family module TriangleAttention (starting node, c_z=128, 4 heads) at N_res 256 and 512.
 TRIANGLE_SHAPES = (
     ("TriangleAttention 256", 256, 256, 128, 4, True, "key", "triangle_attention"),
     ("TriangleAttention 512", 512, 512, 128, 4, True, "key", "triangle_attention"),
@@ -58,10 +58,10 @@ def get_config(preset="full"):
     cfg.modes = ("forward", "forward_backward") if preset == "full" else ("forward",)
     cfg.rounds = 5  # interleaved rounds; the reported time is the median over rounds
     cfg.steps = 3  # calls per round per variant; a round keeps their median
-    # Op-level XLA temp memory at 16k tokens and a 1024^2 triangle (compiled, not run).
+    # Op-level memory (XLA temp and resident) at 16k tokens and a 1024^2 triangle.
     cfg.memory_cases = preset == "full"
-    # Float32 forward only (issue 4 asks for their speed and memory; forward+backward at 512 takes
-    # minutes per call of AF2's formulation here).
+    # Float32 forward only: forward+backward at 512 takes minutes per call of AF2's formulation on
+    # 2 CPU cores.
     cfg.triangle_shapes = TRIANGLE_SHAPES if preset == "full" else ()
     cfg.output_dir = "benchmark_results"
     return cfg

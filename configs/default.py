@@ -3,8 +3,8 @@
 python scripts/run_forward.py --config=configs/default.py --config.data.batch=8
 """
 
-from gated_attention import config
+from gated_attention_tools import schema
 
 
 def get_config():
-    return config.experiment_config()
+    return schema.experiment_config()

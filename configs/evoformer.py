@@ -18,7 +18,7 @@ dropout_update in training, not here). AF2 runs 512 MSA rows (1,024+ extra seque
 sizes here are kept small for CPU: override data.batch (N_seq) and data.num_queries (N_res).
 """
 
-from gated_attention import config
+from gated_attention_tools import schema
 
 PRESETS = ("msa_row", "msa_column", "msa_column_global", "triangle_start", "triangle_end")
 
@@ -26,7 +26,7 @@ PRESETS = ("msa_row", "msa_column", "msa_column_global", "triangle_start", "tria
 def get_config(preset="msa_row"):
     if preset not in PRESETS:
         raise ValueError(f"configs/evoformer.py preset must be one of {PRESETS}, got {preset!r}")
-    cfg = config.experiment_config()
+    cfg = schema.experiment_config()
     cfg.data.batch = 64  # N_seq: MSA sequences (triangle attention ignores it)
     cfg.data.num_queries = cfg.data.num_keys = 128  # N_res: residues
     cfg.data.q_channels = cfg.data.m_channels = cfg.data.output_dim = 256  # c_m

@@ -7,11 +7,11 @@
       --config.data.num_keys=16384
 """
 
-from gated_attention import config
+from gated_attention_tools import schema
 
 
 def get_config():
-    cfg = config.experiment_config()
+    cfg = schema.experiment_config()
     cfg.attention.num_head = 8
     cfg.data.batch = 1
     cfg.data.num_queries = cfg.data.num_keys = 4096

@@ -25,48 +25,19 @@ _CONFIG = config_flags.DEFINE_config_file(
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from gated_attention import benchmarking
+    from gated_attention_tools import benchmark
 
     cfg = _CONFIG.value
     out_dir = pathlib.Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    shapes = [benchmarking.Shape(*s) for s in cfg.shapes]
-    shapes += [
-        benchmarking.Shape(f"sweep 1x{n} c256 h8", 1, n, 256, 8, False, "key")
-        for n in cfg.sweep_lengths
-    ]
-    benchmarking.check_goals(cfg.goals, {s.name for s in shapes}, cfg.modes, cfg.implementations)
-    cells = [(s, d, m) for s in shapes for d in cfg.dtypes for m in cfg.modes]
-    # Family cells: float32 forward (their LayerNorm parameters are float32 in every mode).
-    cells += [(benchmarking.Shape(*s), "float32", "forward") for s in cfg.triangle_shapes]
-    rows = []
-    for i, (shape, dtype, mode) in enumerate(cells):
-        print(f"[{i + 1}/{len(cells)}] {shape.name} {dtype} {mode}", flush=True)
-        rows += benchmarking.run_cell(
-            shape,
-            dtype,
-            mode,
-            list(cfg.implementations),
-            cfg.rounds,
-            cfg.steps,
-            log=lambda s: print(s, flush=True),
-        )
-    memory_rows = []
-    if cfg.memory_cases:
-        for case in benchmarking.memory_goal_cases():
-            for impl in ("auto", "chunked"):
-                print(f"memory: {case.name} {impl}", flush=True)
-                memory_rows.append(benchmarking.memory_case(case, impl))
-    goals = benchmarking.goal_rows(rows, cfg.goals)
-    (out_dir / "results.json").write_text(
-        json.dumps(dict(goals=goals, cells=rows, memory=memory_rows), indent=2)
-    )
-    table = benchmarking.markdown(rows, memory_rows, cfg.goals)
+    results = benchmark.run(cfg, log=lambda s: print(s, flush=True))
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    table = benchmark.markdown(results["cells"], results["memory"], cfg.goals)
     (out_dir / "results.md").write_text(table)
     print(table)
     if cfg.sweep_lengths:
         try:
-            benchmarking.plot(rows, "sweep", str(out_dir / "results.png"))
+            benchmark.plot(results["cells"], "sweep", str(out_dir / "results.png"))
         except ImportError:
             logging.warning(
                 "matplotlib is not installed (pip install -e .[bench]); no plot written"

@@ -65,16 +65,16 @@ def main(argv):
         jax.config.update("jax_platforms", _PLATFORM.value)
     if _CONFIG.value.data.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
-    from gated_attention import experiment
+    from gated_attention_tools import run
 
     params = None
     if _PARAMS.value:
-        params = experiment.load_params(
+        params = run.load_params(
             _CONFIG.value, _PARAMS.value, prefix=_PARAMS_PREFIX.value, layer=_LAYER.value
         )
     elif _PARAMS_PREFIX.value is not None or _LAYER.value is not None:
         raise app.UsageError("--params_prefix and --layer need --params")
-    report = experiment.run_forward(_CONFIG.value, params=params)
+    report = run.run_forward(_CONFIG.value, params=params)
     report["params"] = dict(path=_PARAMS.value, prefix=_PARAMS_PREFIX.value, layer=_LAYER.value)
     report["config"] = _CONFIG.value.to_dict()
     for key, value in report.items():

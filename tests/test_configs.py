@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from gated_attention import config as config_lib
-from gated_attention import experiment
 from gated_attention import params as params_lib
+from gated_attention_tools import run, schema
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRESETS = [("default.py", None), ("long_sequence.py", None)] + [
@@ -39,8 +39,8 @@ def _shrink(cfg):
 @pytest.mark.parametrize("file,preset", PRESETS)
 def test_every_preset_builds_and_runs_a_tiny_forward(file, preset):
     cfg = _load(file, preset)
-    config_lib.check_experiment(cfg)
-    report = experiment.run_forward(_shrink(cfg))
+    schema.check_experiment(cfg)
+    report = run.run_forward(_shrink(cfg))
     assert report["output_checksum"]["finite"]
     assert report["output_shape"] == [2, 8, cfg.data.output_dim]
     assert report["dtype"] == cfg.data.dtype and report["implementations"]
@@ -64,11 +64,11 @@ def test_alphafold_presets_carry_af2_shapes():
 
 
 def test_report_matches_a_direct_forward():
-    cfg = _shrink(config_lib.experiment_config())
-    problem = experiment.build(cfg)
+    cfg = _shrink(schema.experiment_config())
+    problem = run.build(cfg)
     params = problem.forward.init(jax.random.PRNGKey(0), *problem.inputs)
     out = problem.forward.apply(params, None, *problem.inputs)
-    report = experiment.run_forward(cfg, params=params)
+    report = run.run_forward(cfg, params=params)
     np.testing.assert_allclose(report["output_checksum"]["sum"], float(np.sum(out)), rtol=1e-5)
 
 
@@ -107,10 +107,10 @@ EXPERIMENT_ERRORS = {
 @pytest.mark.parametrize("case", list(EXPERIMENT_ERRORS))
 def test_experiment_errors(case):
     mutate, match = EXPERIMENT_ERRORS[case]
-    cfg = config_lib.experiment_config()
+    cfg = schema.experiment_config()
     mutate(cfg)
     with pytest.raises(ValueError, match=match):
-        config_lib.check_experiment(cfg)
+        schema.check_experiment(cfg)
 
 
 @pytest.mark.parametrize(
@@ -124,9 +124,9 @@ def test_run_forward_on_a_mesh_matches_one_device(file, preset):
     cfg.data.batch, cfg.data.num_queries, cfg.data.num_keys = 4, 8, 8
     cfg.attention.num_head = 4
     cfg.run.steps, cfg.run.warmup = 1, 0
-    one = experiment.run_forward(cfg)
+    one = run.run_forward(cfg)
     cfg.mesh.data, cfg.mesh.heads = 2, 2
-    report = experiment.run_forward(cfg)
+    report = run.run_forward(cfg)
     assert one["mesh"] is None and report["mesh"] == {"data": 2, "heads": 2}
     assert report["output_sharding"] == str(jax.sharding.PartitionSpec("data", None, None))
     for key in ("sum", "abs_sum"):
@@ -136,19 +136,19 @@ def test_run_forward_on_a_mesh_matches_one_device(file, preset):
 
 
 def test_run_forward_mesh_larger_than_the_devices():
-    cfg = _shrink(config_lib.experiment_config())
+    cfg = _shrink(schema.experiment_config())
     cfg.data.batch, cfg.mesh.data = 16, 16
     with pytest.raises(
         ValueError, match=r"config.mesh asks for data x heads = 16 x 1 = 16 devices, but JAX has 8"
     ):
-        experiment.run_forward(cfg)
+        run.run_forward(cfg)
 
 
 def test_global_attention_needs_equal_lengths():
     cfg = _load("alphafold.py", "extra_msa_global")
     cfg.data.num_keys = cfg.data.num_queries + 1
     with pytest.raises(ValueError, match=r"num_keys == num_queries"):
-        config_lib.check_experiment(cfg)
+        schema.check_experiment(cfg)
 
 
 def test_configdict_and_frozen_configdict_are_accepted():
@@ -217,7 +217,7 @@ def _tiny_evoformer(preset):
 @pytest.mark.parametrize("preset", EVOFORMER_PRESETS)
 def test_every_evoformer_preset_runs_a_tiny_forward(preset):
     cfg = _tiny_evoformer(preset)
-    report = experiment.run_forward(cfg)
+    report = run.run_forward(cfg)
     rows = 8 if cfg.module == "triangle_attention" else 3
     assert report["input_shapes"][0] == [rows, 8, cfg.data.q_channels]
     assert report["output_shape"] == report["input_shapes"][0]  # the update has the input's shape
@@ -242,12 +242,12 @@ def test_evoformer_presets_carry_af2_shapes():
     ):
         cfg = _load("evoformer.py", "msa_column")
         cfg.attention.orientation = "per_row"
-        config_lib.check_experiment(cfg)
+        schema.check_experiment(cfg)
 
 
 def _synthetic_checkpoint(path, cfg, layers=2):
     """cfg's module params under AF2's Evoformer prefix, `layers` stacked blocks of random values."""
-    problem = experiment.build(cfg)
+    problem = run.build(cfg)
     shapes = jax.eval_shape(problem.forward.init, jax.random.PRNGKey(0), *problem.inputs)
     rng = np.random.default_rng(0)
     stacked = jax.tree.map(
@@ -275,9 +275,9 @@ def test_run_forward_script_with_af2_params(tmp_path):
     assert report["params"] == dict(path=str(ckpt), prefix=EVO, layer=1)
     # The same forward in-process with block 1's params (block 0's give another output).
     sums = [
-        experiment.run_forward(
-            cfg, params=experiment.load_params(cfg, ckpt, prefix=EVO, layer=layer)
-        )["output_checksum"]["sum"]
+        run.run_forward(cfg, params=run.load_params(cfg, ckpt, prefix=EVO, layer=layer))[
+            "output_checksum"
+        ]["sum"]
         for layer in (0, 1)
     ]
     np.testing.assert_allclose(report["output_checksum"]["sum"], sums[1], rtol=1e-5)
@@ -290,12 +290,12 @@ def test_load_params_reports_a_missing_module_and_mis_shaped_params(tmp_path):
     with pytest.raises(
         ValueError, match=r"no params of module 'msa_column_attention'.*scopes found"
     ):
-        experiment.load_params(_tiny_evoformer("msa_column"), ckpt, prefix=EVO, layer=0)
+        run.load_params(_tiny_evoformer("msa_column"), ckpt, prefix=EVO, layer=0)
     cfg.attention.num_head = 8  # feat_2d_weights [c_z, 8] expected, the file has [c_z, 4]
     with pytest.raises(
         ValueError, match=r"mis-shaped.*feat_2d_weights: shape \(128, 4\), expected \(128, 8\)"
     ):
-        experiment.load_params(cfg, ckpt, prefix=EVO, layer=0)
+        run.load_params(cfg, ckpt, prefix=EVO, layer=0)
 
 
 def test_run_forward_rejects_layer_without_params():

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import baseline
 from gated_attention.modules import rows_per_tile
+from gated_attention_tools import af2_baseline as baseline
 from tests import reference
 from tests.helpers import DTYPES, as_f64, assert_close, cast_tree, rand
 

@@ -1,32 +1,35 @@
 """Benchmark logic behind scripts/benchmark.py: Attention against AF2's formulation and a roofline.
 
 For each shape x dtype x mode (forward, forward+backward) the variants are: gated_attention.Attention
-with each requested implementation, the AlphaFold 2 formulation (baseline.AF2Attention, AF2's 'bqhc'
-einsums) and a same-FLOP matrix product (the roofline). All variants of a cell share parameters and
-inputs, are compiled first, then timed in interleaved rounds in this one process (each round times
-every variant `steps` times and keeps the median; the time is the median over rounds), so that
-machine load moves every variant alike. The ratio to AF2 is taken per round (against AF2's time in
-the same round) and reported as the median over rounds with its range. XLA's compiled memory
-analysis is recorded per variant, and the CPU steal share during the timed rounds per cell.
+with each requested implementation, the AlphaFold 2 formulation (af2_baseline.AF2Attention, AF2's
+'bqhc' einsums) and a same-FLOP matrix product (the roofline). All variants of a cell share
+parameters and inputs, are compiled first, then timed in interleaved rounds in this one process
+(each round times every variant `steps` times and keeps the median; the time is the median over
+rounds), so that machine load moves every variant alike. The ratio to AF2 is taken per round
+(against AF2's time in the same round) and reported as the median over rounds with its range. XLA's
+compiled memory analysis is recorded per variant, and the CPU steal share during the timed rounds
+per cell.
 
-Op-level memory entries compile dot_product_attention on jax.ShapeDtypeStructs (nothing is
-allocated or run) and record XLA's temp bytes forward and forward+backward against a goal.
+Op-level memory cases record, forward and forward+backward, XLA's temp bytes of
+dot_product_attention compiled on jax.ShapeDtypeStructs and the resident memory of one call in a
+fresh process (measure.resident_memory); a goal judges the larger of the two.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
-from gated_attention import alphafold, attention, baseline, modules
+from gated_attention import alphafold, attention, modules
+from gated_attention_tools import af2_baseline, measure
 
 AF2 = "af2"
 ROOFLINE = "matmul"
@@ -41,8 +44,8 @@ class Shape:
       batch, length, channels, num_head: sizes; per-head dim = channels // num_head.
       nonbatched_bias: pass a [h, q, k] bias shared by the batch.
       mask: 'key' ([b, 1, 1, k], 10% masked) or 'none'.
-      module: 'attention' (Attention vs baseline.AF2Attention) or 'triangle_attention'
-        (alphafold.TriangleAttention vs baseline.AF2TriangleAttention on a [length, length,
+      module: 'attention' (Attention vs af2_baseline.AF2Attention) or 'triangle_attention'
+        (alphafold.TriangleAttention vs af2_baseline.AF2TriangleAttention on a [length, length,
         channels] pair; batch must equal length).
     """
 
@@ -58,9 +61,20 @@ class Shape:
     def flops(self) -> int:
         """Forward FLOPs: q/k/v/gate projections, the two attention matmuls, the output projection
         (and for triangle attention the pair-bias projection)."""
-        b, n, c = self.batch, self.length, self.channels
-        flops = 2 * b * n * c * c * 5 + 2 * b * n * n * c * 2
-        return flops + (2 * n * n * c * self.num_head if self.module == "triangle_attention" else 0)
+        n, c = self.length, self.channels
+        return measure.attention_flops(
+            batch=self.batch,
+            num_queries=n,
+            num_keys=n,
+            q_channels=c,
+            m_channels=c,
+            key_dim=c,
+            value_dim=c,
+            output_dim=c,
+            num_head=self.num_head,
+            gating=True,
+            pair_channels=c if self.module == "triangle_attention" else 0,
+        )
 
 
 def _inputs(shape: Shape, dtype, seed: int = 0):
@@ -90,11 +104,11 @@ def _forward_fns(shape: Shape, implementations: Iterable[str]) -> dict[str, hk.T
 
         fns[name] = hk.without_apply_rng(hk.transform(ours))
 
-    def af2(x, mask, bias):  # AF2's formulation with the mask as an additive bias (as issue 3 asks)
+    def af2(x, mask, bias):  # AF2's formulation, the mask as an additive bias
         if triangle:
-            return baseline.AF2TriangleAttention(h)(x, mask)
+            return af2_baseline.AF2TriangleAttention(h)(x, mask)
         mask_bias = 1e9 * (mask.astype(x.dtype) - 1.0)  # [b, 1, 1, k]
-        return baseline.AF2Attention(h, c, zero_init=False)(x, x, None, bias, mask_bias)
+        return af2_baseline.AF2Attention(h, c, zero_init=False)(x, x, None, bias, mask_bias)
 
     fns[AF2] = hk.without_apply_rng(hk.transform(af2))
     return fns
@@ -118,15 +132,6 @@ def _roofline(flops: int, dtype, mode: str):
     return (lambda a, b: a @ b), (a, a), 2 * n**3
 
 
-def _time(fn: Callable, args: tuple, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _relative_diff(tree, reference_leaves) -> float:
     worst = 0.0
     for a, b in zip(jax.tree.leaves(tree), reference_leaves, strict=True):
@@ -142,35 +147,6 @@ def _as_float32(tree):
         return a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
 
     return jax.tree.map(cast, tree)
-
-
-def _temp_bytes(fn: Callable, args: tuple) -> int | None:
-    stats = fn.lower(*args).compile().memory_analysis()
-    return None if stats is None else int(stats.temp_size_in_bytes)
-
-
-def cpu_ticks() -> tuple[int, int] | None:
-    """(steal, total) CPU ticks of the whole machine since boot, from /proc/stat; None elsewhere.
-
-    Steal is time the hypervisor gave this VM's virtual CPUs to someone else: on a shared host it
-    is the visible part of the noise in the timings.
-    """
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu" or len(fields) < 9:
-        return None
-    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
-    return ticks[7], sum(ticks)
-
-
-def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
-    """Percent of all CPU ticks between two cpu_ticks() readings that were stolen (None: unknown)."""
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    return 100 * (after[0] - before[0]) / (after[1] - before[1])
 
 
 def run_cell(
@@ -195,22 +171,20 @@ def run_cell(
     variants[ROOFLINE] = (jax.jit(mm), mm_args)
     compile_s, temp, outputs = {}, {}, {}
     for name, (fn, args) in variants.items():
-        start = time.perf_counter()
-        outputs[name] = jax.block_until_ready(fn(*args))
-        compile_s[name] = time.perf_counter() - start
-        temp[name] = _temp_bytes(fn, args)
+        (compile_s[name],), outputs[name] = measure.time_calls(fn, args, 1)  # compiles
+        temp[name] = measure.xla_memory(fn, args)["temp_size_in_bytes"]
     # The accuracy reference: AF2's formulation in float32 on the same (rounded) params and inputs.
     reference = outputs[AF2]
     if jnp.dtype(dtype) != jnp.float32:
         reference = jax.jit(_timed_fn(fns[AF2], mode))(*_as_float32(variants[AF2][1]))
     reference = jax.tree.leaves(reference)
     per_round = {name: [] for name in variants}
-    cpu_before = cpu_ticks()
+    cpu_before = measure.cpu_ticks()
     for r in range(rounds):
         for name, (fn, args) in variants.items():
-            per_round[name].append(_time(fn, args, steps))
+            per_round[name].append(statistics.median(measure.time_calls(fn, args, steps)[0]))
         log(f"  {shape.name} {dtype} {mode}: round {r + 1}/{rounds} done")
-    steal = steal_percent(cpu_before, cpu_ticks())
+    steal = measure.steal_percent(cpu_before, measure.cpu_ticks())
     med = {name: statistics.median(ts) for name, ts in per_round.items()}
     roofline_gflops = mm_flops / med[ROOFLINE] / 1e9
     rows = []
@@ -251,13 +225,15 @@ def run_cell(
 
 @dataclasses.dataclass(frozen=True)
 class MemoryCase:
-    """An op-level memory check: self-attention or a batched (triangle) problem, compiled only.
+    """An op-level memory check: self-attention or a batched (triangle) problem.
 
     Attributes:
       name: label.
-      batch, num_head, length, head_dim: head-major sizes [batch, num_head, length, head_dim].
+      batch, num_head, length, head_dim: sizes; query, key and value are [batch, length, num_head,
+        head_dim].
       shared_bias: add a [1, num_head, length, length] bias shared over the batch (gradient included).
-      forward_goal_mib, backward_goal_mib: the goals for XLA's temp bytes.
+      forward_goal_mib, backward_goal_mib: the goals for the larger of XLA's temp bytes and the
+        resident memory.
     """
 
     name: str
@@ -270,23 +246,50 @@ class MemoryCase:
     backward_goal_mib: float
 
 
-def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -> dict[str, Any]:
-    """XLA temp bytes of the op, forward and forward+backward (grads for q, k, v and the bias)."""
+MEMORY_MODES = ("forward", "forward_backward")
+
+
+def memory_problem(
+    case: MemoryCase | dict[str, Any], implementation: str, dtype: str, mode: str
+) -> tuple[Callable, tuple[jax.ShapeDtypeStruct | None, ...]]:
+    """A memory case's op and its input specs, in dot_product_attention's layout.
+
+    Args:
+      case: a MemoryCase, or its fields as a dict (as measure.resident_memory passes them).
+      implementation: dot_product_attention's implementation.
+      dtype: of query, key, value and the bias.
+      mode: 'forward', or 'forward_backward' (the gradients for q, k, v and the bias).
+
+    Returns:
+      (fn(q, k, v, bias, mask), specs): q, k, v [batch, length, num_head, head_dim], bias
+      [1, num_head, length, length] or None, mask bool [batch, 1, 1, length].
+    """
+    if mode not in MEMORY_MODES:
+        raise ValueError(f"mode must be one of {MEMORY_MODES}, got {mode!r}")
+    case = case if isinstance(case, MemoryCase) else MemoryCase(**case)
     b, n, t, h = case.batch, case.num_head, case.length, case.head_dim
     spec = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
-    qkv = spec((b, n, t, h))
+    qkv = spec((b, t, n, h))
     bias = spec((1, n, t, t)) if case.shared_bias else None
     mask = spec((b, 1, 1, t), bool)
 
     def fwd(q, k, v, bias, mask):
-        return attention.dot_product_attention(
-            q, k, v, bias, mask, implementation=implementation, layout="BNTH"
-        )
+        return attention.dot_product_attention(q, k, v, bias, mask, implementation=implementation)
 
     def fwd_bwd(q, k, v, bias, mask):
         out, vjp = jax.vjp(lambda q, k, v, bias: fwd(q, k, v, bias, mask), q, k, v, bias)
         return vjp(out)
 
+    return (fwd if mode == "forward" else fwd_bwd), (qkv, qkv, qkv, bias, mask)
+
+
+def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -> dict[str, Any]:
+    """XLA temp bytes and resident memory of the op, forward and forward+backward.
+
+    The temp bytes come from compiling on jax.ShapeDtypeStructs; the resident memory from one call
+    in a fresh process (measure.resident_memory), which also counts what XLA:CPU's temp bytes miss
+    (scratch inside fused kernels, layout copies). The goals judge the larger of the two.
+    """
     result = dict(
         case=case.name,
         implementation=implementation,
@@ -294,15 +297,33 @@ def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -
         forward_goal_mib=case.forward_goal_mib,
         backward_goal_mib=case.backward_goal_mib,
     )
-    for key, fn in (("forward", fwd), ("forward_backward", fwd_bwd)):
-        temp = _temp_bytes(jax.jit(fn), (qkv, qkv, qkv, bias, mask))
-        result[f"{key}_temp_mib"] = None if temp is None else temp / 2**20
+    probes = []
+    for mode in MEMORY_MODES:
+        fn, specs = memory_problem(case, implementation, dtype, mode)
+        temp = measure.xla_memory(jax.jit(fn), specs)["temp_size_in_bytes"]
+        result[f"{mode}_temp_mib"] = None if temp is None else temp / 2**20
+        probe = measure.resident_memory(
+            f"{__name__}:memory_problem",
+            dict(
+                case=dataclasses.asdict(case), implementation=implementation, dtype=dtype, mode=mode
+            ),
+        )
+        result[f"{mode}_resident_mib"] = probe["resident_mib"]
+        probes.append(probe)
+    result["resident_peak_reset"] = all(p["peak_reset"] for p in probes)
+    result["resident_note"] = probes[0]["note"]
+    judged = [_larger(result[f"{m}_temp_mib"], result[f"{m}_resident_mib"]) for m in MEMORY_MODES]
     result["meets_goals"] = (
-        result["forward_temp_mib"] is not None
-        and result["forward_temp_mib"] <= case.forward_goal_mib
-        and result["forward_backward_temp_mib"] <= case.backward_goal_mib
+        None not in judged
+        and judged[0] <= case.forward_goal_mib
+        and judged[1] <= case.backward_goal_mib
     )
     return result
+
+
+def _larger(*mib: float | None) -> float | None:
+    known = [m for m in mib if m is not None]
+    return max(known) if known else None
 
 
 def check_goals(
@@ -413,16 +434,51 @@ def markdown(
     if memory_rows:
         lines += [
             "",
-            "| op memory case | implementation | fwd temp (MiB) | goal | fwd+bwd temp (MiB) | goal | met |",
-            "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+            "| op memory case | implementation | fwd temp (MiB) | fwd resident (MiB) | goal "
+            "| fwd+bwd temp (MiB) | fwd+bwd resident (MiB) | goal | met |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
+        mib = lambda m, key: "" if m[key] is None else f"{m[key]:.1f}"
         for m in memory_rows:
             lines.append(
-                f"| {m['case']} | {m['implementation']} | {m['forward_temp_mib']:.1f} | "
-                f"{m['forward_goal_mib']:.0f} | {m['forward_backward_temp_mib']:.1f} | "
-                f"{m['backward_goal_mib']:.0f} | {'yes' if m['meets_goals'] else 'no'} |"
+                f"| {m['case']} | {m['implementation']} | {mib(m, 'forward_temp_mib')} | "
+                f"{mib(m, 'forward_resident_mib')} | {m['forward_goal_mib']:.0f} | "
+                f"{mib(m, 'forward_backward_temp_mib')} | "
+                f"{mib(m, 'forward_backward_resident_mib')} | {m['backward_goal_mib']:.0f} | "
+                f"{'yes' if m['meets_goals'] else 'no'} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def run(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs configs/benchmark.py's sweep: every cell, then the memory cases.
+
+    The goals are checked before anything runs. Cells are cfg.shapes and the self-attention sweep
+    (1 x L tokens, c=256, 8 heads of 32) in every dtype and mode, and cfg.triangle_shapes in float32
+    forward.
+
+    Returns:
+      dict(goals=goal_rows(...), cells=run_cell rows, memory=memory_case rows), JSON-serializable.
+    """
+    shapes = [Shape(*s) for s in cfg.shapes]
+    shapes += [Shape(f"sweep 1x{n} c256 h8", 1, n, 256, 8, False, "key") for n in cfg.sweep_lengths]
+    check_goals(cfg.goals, {s.name for s in shapes}, cfg.modes, cfg.implementations)
+    cells = [(s, d, m) for s in shapes for d in cfg.dtypes for m in cfg.modes]
+    # Family cells: float32 forward (their LayerNorm parameters are float32 in every mode).
+    cells += [(Shape(*s), "float32", "forward") for s in cfg.triangle_shapes]
+    rows = []
+    for i, (shape, dtype, mode) in enumerate(cells):
+        log(f"[{i + 1}/{len(cells)}] {shape.name} {dtype} {mode}")
+        rows += run_cell(
+            shape, dtype, mode, list(cfg.implementations), cfg.rounds, cfg.steps, log=log
+        )
+    memory_rows = []
+    if cfg.memory_cases:
+        for case in memory_goal_cases():
+            for impl in ("auto", "chunked"):
+                log(f"memory: {case.name} {impl}")
+                memory_rows.append(memory_case(case, impl))
+    return dict(goals=goal_rows(rows, cfg.goals), cells=rows, memory=memory_rows)
 
 
 def plot(rows: list[dict[str, Any]], sweep_prefix: str, path: str) -> None:
@@ -456,7 +512,8 @@ def plot(rows: list[dict[str, Any]], sweep_prefix: str, path: str) -> None:
 
 
 def memory_goal_cases() -> list[MemoryCase]:
-    """The memory goals of issue 3 (op-level, XLA temp bytes)."""
+    """The op-level memory goals: self-attention at 16,384 tokens, and the triangle shape (1,024
+    rows of 1,024 positions) with a bias shared by the rows."""
     return [
         MemoryCase("self-attention 16384 tokens, 8x32, key mask", 1, 8, 16384, 32, False, 256, 512),
         MemoryCase("triangle 1024x1024, 4x32, shared bias", 1024, 4, 1024, 32, True, 512, 1024),

@@ -1,17 +1,16 @@
 """Config-driven forward passes: build a module and inputs from an experiment config, time it, report.
 
-The logic behind scripts/run_forward.py and scripts/benchmark.py, kept in the library so that the
-scripts stay short and the logic is tested.
+The logic behind scripts/run_forward.py, kept here so that the script stays short and the logic is
+tested.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import haiku as hk
@@ -22,17 +21,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gated_attention import alphafold, attention, modules, precision, sharding
+from gated_attention import attention, modules, numerics, sharding
 from gated_attention import config as config_lib
 from gated_attention import params as params_lib
-
-# cfg.module -> AF2 family module class.
-FAMILY = {
-    "msa_row_attention_with_pair_bias": alphafold.MSARowAttentionWithPairBias,
-    "msa_column_attention": alphafold.MSAColumnAttention,
-    "msa_column_global_attention": alphafold.MSAColumnGlobalAttention,
-    "triangle_attention": alphafold.TriangleAttention,
-}
+from gated_attention_tools import measure, schema
 
 
 @dataclasses.dataclass
@@ -65,27 +57,12 @@ def _inputs(cfg: ml_collections.ConfigDict):
     return q_data, m_data, mask, nonbatched
 
 
-def module_name(cfg: ml_collections.ConfigDict) -> str:
-    """The Haiku name `build` gives cfg.module's module: AF2's, as its checkpoints spell it.
-
-    triangle_attention is named as in AF2's Evoformer block: triangle_attention_starting_node
-    (per_row) or triangle_attention_ending_node (per_column).
-    """
-    if cfg.module in ("attention", "global_attention"):
-        return "attention"
-    if cfg.module == "triangle_attention":
-        node = "starting" if cfg.attention.orientation == "per_row" else "ending"
-        return f"triangle_attention_{node}_node"
-    return cfg.module
-
-
 def _family_inputs(cfg: ml_collections.ConfigDict):
     """AF2-style inputs: activations [N_seq|N_res, N_res, c], float 0/1 mask, and pair_act (row)."""
     data = cfg.data
     dtype = jnp.dtype(data.dtype)
     rng = np.random.default_rng(cfg.run.seed)
-    r = data.num_queries
-    rows = r if cfg.module == "triangle_attention" else data.batch
+    r, rows = data.num_queries, schema.num_rows(cfg)
     act = jnp.asarray(rng.normal(size=(rows, r, data.q_channels)), dtype)
     keep = rng.random((rows, r)) >= (0.0 if data.mask == "none" else data.masked_fraction)
     inputs = [act, jnp.asarray(keep, dtype)]
@@ -98,26 +75,30 @@ def _family_flops(cfg: ml_collections.ConfigDict, inputs) -> int:
     """Matmul FLOPs of a family module: projections, gate, output, attention and pair bias."""
     module_cfg = config_lib.module_config(cfg.attention)
     rows, r, c = inputs[0].shape
-    h, positions = module_cfg.num_head, rows * r
-    key_dim, value_dim = module_cfg.key_dim or c, module_cfg.value_dim or c
     # Attention runs over batch b of length-n sequences: rows for per_row, columns for per_column.
     b, n = (rows, r) if module_cfg.orientation == "per_row" else (r, rows)
-    gate = value_dim if module_cfg.gating else 0
-    if cfg.module == "msa_column_global_attention":
-        kv = 2 * positions * c * (key_dim + value_dim) // h  # one shared key/value head
-        core = 2 * b * (c * key_dim + n * (key_dim + value_dim))  # averaged query, per column
-        return kv + core + 2 * positions * (c * gate + value_dim * c)
-    proj = 2 * positions * c * (2 * key_dim + value_dim + gate) + 2 * positions * value_dim * c
-    core = 2 * b * n * n * (key_dim + value_dim)
     bias_channels = {
         "msa_row_attention_with_pair_bias": cfg.data.pair_channels,
         "triangle_attention": c,
     }.get(cfg.module, 0)
-    return proj + core + 2 * r * r * bias_channels * h  # + the [h, r, r] pair bias
+    return measure.attention_flops(
+        batch=b,
+        num_queries=n,
+        num_keys=n,
+        q_channels=c,
+        m_channels=c,
+        key_dim=module_cfg.key_dim or c,
+        value_dim=module_cfg.value_dim or c,
+        output_dim=c,
+        num_head=module_cfg.num_head,
+        gating=module_cfg.gating,
+        pair_channels=bias_channels,  # the [h, r, r] pair bias
+        global_query="mean" if cfg.module == "msa_column_global_attention" else None,
+    )
 
 
 def _build_family(cfg: ml_collections.ConfigDict) -> Problem:
-    module_cls, name = FAMILY[cfg.module], module_name(cfg)
+    module_cls, name = schema.FAMILY[cfg.module], schema.module_name(cfg)
 
     def fn(*inputs):
         return module_cls(cfg.attention, cfg.global_config, name=name)(*inputs)
@@ -129,21 +110,27 @@ def _build_family(cfg: ml_collections.ConfigDict) -> Problem:
 def build(cfg: ml_collections.ConfigDict) -> Problem:
     """The module named by cfg.module, hk.transform'ed, with random inputs of cfg.data's sizes.
 
-    Family modules are named by `module_name` and run in inference mode (is_training=False), so
-    global_config.subbatch_size applies.
+    Family modules are named by `schema.module_name` and run in inference mode (is_training=False),
+    so global_config.subbatch_size applies.
     """
-    config_lib.check_experiment(cfg)
-    if cfg.module in FAMILY:
+    schema.check_experiment(cfg)
+    if cfg.module in schema.FAMILY:
         return _build_family(cfg)
     q_data, m_data, mask, nonbatched = _inputs(cfg)
     data, module_cfg = cfg.data, config_lib.module_config(cfg.attention)
-    h = module_cfg.num_head
-    key_dim = module_cfg.key_dim or data.q_channels
-    value_dim = module_cfg.value_dim or data.m_channels
-    b, q, k = data.batch, data.num_queries, data.num_keys
-    proj = 2 * b * (q * data.q_channels * key_dim + k * data.m_channels * (key_dim + value_dim))
-    out = 2 * b * q * value_dim * data.output_dim + (
-        2 * b * q * data.q_channels * value_dim if module_cfg.gating else 0
+    b, q = data.batch, data.num_queries
+    flops = functools.partial(
+        measure.attention_flops,
+        batch=b,
+        num_queries=q,
+        num_keys=data.num_keys,
+        q_channels=data.q_channels,
+        m_channels=data.m_channels,
+        key_dim=module_cfg.key_dim or data.q_channels,
+        value_dim=module_cfg.value_dim or data.m_channels,
+        output_dim=data.output_dim,
+        num_head=module_cfg.num_head,
+        gating=module_cfg.gating,
     )
     if cfg.module == "attention":
 
@@ -152,7 +139,7 @@ def build(cfg: ml_collections.ConfigDict) -> Problem:
             return module(q_data, m_data, mask, nonbatched)
 
         inputs = (q_data, m_data, mask, nonbatched)
-        core = 2 * b * h * q * k * (key_dim + value_dim) // h
+        count = flops()
     else:
 
         def fn(q_data, m_data, q_mask):
@@ -162,8 +149,8 @@ def build(cfg: ml_collections.ConfigDict) -> Problem:
         q_mask = None if mask is None else mask[:, 0, 0, :, None]
         q_mask = jnp.ones((b, q, 1), bool) if q_mask is None else q_mask
         inputs = (q_data, m_data, q_mask)
-        core = 2 * b * k * (key_dim + value_dim)
-    return Problem(hk.transform(fn), inputs, proj + out + core)
+        count = flops(global_query="per_position")
+    return Problem(hk.transform(fn), inputs, count)
 
 
 def load_params(
@@ -176,8 +163,8 @@ def load_params(
     """Params for cfg's module from an AF2 .npz checkpoint, checked and cast to the module's dtypes.
 
     Loads with params.load_af2_params(prefix=..., layer=...), keeps the scopes of the module named
-    `module_name(cfg)` (the scope itself and those under it), and checks them against the module's
-    own params (jax.eval_shape of its init) with params.check_params.
+    `schema.module_name(cfg)` (the scope itself and those under it), and checks them against the
+    module's own params (jax.eval_shape of its init) with params.check_params.
 
     Example: AF2 model_1's third Evoformer block, MSA row attention:
       load_params(cfg, 'params_model_1.npz', layer=2,
@@ -190,7 +177,7 @@ def load_params(
     problem = build(cfg)
     expected = jax.eval_shape(problem.forward.init, jax.random.PRNGKey(0), *problem.inputs)
     loaded = params_lib.load_af2_params(path_or_file, prefix=prefix, layer=layer)
-    name = module_name(cfg)
+    name = schema.module_name(cfg)
     selected = {k: v for k, v in loaded.items() if k == name or k.startswith(name + "/")}
     if not selected:
         raise ValueError(
@@ -199,39 +186,6 @@ def load_params(
         )
     params_lib.check_params(selected, expected)
     return jax.tree.map(lambda p, e: jnp.asarray(p, e.dtype), selected, expected)
-
-
-def time_jitted(fn: Callable, args: tuple, steps: int, warmup: int) -> dict[str, Any]:
-    """Compiles fn once (timed apart), then times `steps` calls after `warmup` more.
-
-    Returns:
-      dict with compile_s, step_s (list), median_s, min_s and the last output.
-    """
-    jitted = jax.jit(fn)
-    start = time.perf_counter()
-    out = jax.block_until_ready(jitted(*args))
-    compile_s = time.perf_counter() - start
-    for _ in range(warmup):
-        out = jax.block_until_ready(jitted(*args))
-    step_s = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        out = jax.block_until_ready(jitted(*args))
-        step_s.append(time.perf_counter() - start)
-    return dict(
-        compile_s=compile_s,
-        step_s=step_s,
-        median_s=statistics.median(step_s),
-        min_s=min(step_s),
-        output=out,
-    )
-
-
-def memory_analysis(fn: Callable, args: tuple) -> dict[str, int | None]:
-    """XLA's compiled memory analysis of jit(fn)(*args): temp, argument and output bytes."""
-    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
-    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
-    return {key: (None if stats is None else int(getattr(stats, key))) for key in keys}
 
 
 MESH_AXES = ("data", "heads")
@@ -290,7 +244,7 @@ def run_forward(cfg: ml_collections.ConfigDict, params: Any = None) -> dict[str,
     """Initializes (or takes) params and runs the jit-compiled forward of cfg; returns the report.
 
     Args:
-      cfg: experiment config (config.experiment_config() schema).
+      cfg: experiment config (schema.experiment_config()).
       params: Haiku params to use instead of a random init (e.g. from an AF2 checkpoint).
 
     Returns:
@@ -312,10 +266,13 @@ def run_forward(cfg: ml_collections.ConfigDict, params: Any = None) -> dict[str,
         if mesh is not None:
             stack.enter_context(jax.set_mesh(mesh))
         choices = stack.enter_context(attention.record_implementation_choices())
-        timing = time_jitted(apply, (params, *inputs), cfg.run.steps, cfg.run.warmup)
-        memory = memory_analysis(apply, (params, *inputs))
-    output = timing.pop("output")
+        jitted, args = jax.jit(apply), (params, *inputs)
+        (compile_s,), _ = measure.time_calls(jitted, args, 1)  # the compiling call, timed apart
+        measure.time_calls(jitted, args, cfg.run.warmup)
+        step_s, output = measure.time_calls(jitted, args, cfg.run.steps)
+        memory = measure.xla_memory(jitted, args)
     out = np.asarray(output, np.float64)
+    median_s = statistics.median(step_s)
     return dict(
         module=cfg.module,
         backend=jax.default_backend(),
@@ -323,17 +280,17 @@ def run_forward(cfg: ml_collections.ConfigDict, params: Any = None) -> dict[str,
         mesh=None if mesh is None else dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True)),
         output_sharding=None if mesh is None else str(output.sharding.spec),
         dtype=cfg.data.dtype,
-        compute_dtype=str(precision.compute_dtype(cfg.data.dtype, cfg.global_config.compute_dtype)),
+        compute_dtype=str(numerics.compute_dtype(cfg.data.dtype, cfg.global_config.compute_dtype)),
         input_shapes=[None if x is None else list(x.shape) for x in problem.inputs],
         output_shape=list(out.shape),
         implementations=[
             dict(requested=c["requested"], chosen=c["chosen"], reason=c["reason"]) for c in choices
         ],
-        compile_s=timing["compile_s"],
-        median_step_s=timing["median_s"],
-        min_step_s=timing["min_s"],
+        compile_s=compile_s,
+        median_step_s=median_s,
+        min_step_s=min(step_s),
         steps=cfg.run.steps,
-        gflops_per_s=problem.flops / timing["median_s"] / 1e9,
+        gflops_per_s=problem.flops / median_s / 1e9,
         memory=memory,  # per device on a mesh
         output_checksum=dict(
             sum=float(out.sum()),

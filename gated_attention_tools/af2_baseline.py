@@ -4,7 +4,7 @@ Written in-repo from the published algorithm (Jumper et al. 2021, Suppl. Alg. 7)
 own layout: 'bqhc' einsums, the nonbatched bias added to materialized logits, masking by jnp.where
 with -1e9, a float32 softmax, and the same parameter names, shapes and initializers. It is the
 baseline scripts/benchmark.py compares against and the stand-in for AF2's module in tests that
-check AF2 parameters apply unchanged to gated_attention.Attention. Not part of the public API.
+check AF2 parameters apply unchanged to gated_attention.Attention. Not part of the library.
 """
 
 from __future__ import annotations

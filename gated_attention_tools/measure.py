@@ -1,0 +1,219 @@
+"""Measurements shared by run.py and benchmark.py: time, XLA temp bytes, FLOPs, CPU steal, and
+resident memory measured in a fresh process.
+
+`python -m gated_attention_tools.measure '<json>'` is the resident-memory probe's child process
+(see `resident_memory`).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def time_calls(fn: Callable, args: tuple, calls: int) -> tuple[list[float], Any]:
+    """Calls fn(*args) `calls` times, each until its output is ready.
+
+    The first call of a fresh jax.jit function compiles it: time it apart (calls=1).
+
+    Returns:
+      (seconds of each call, the last call's output or None if calls == 0).
+    """
+    seconds, out = [], None
+    for _ in range(calls):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        seconds.append(time.perf_counter() - start)
+    return seconds, out
+
+
+def xla_memory(jitted: Callable, args: tuple) -> dict[str, int | None]:
+    """XLA's compiled memory analysis of jitted(*args): temp, argument and output bytes.
+
+    Args may be arrays or jax.ShapeDtypeStructs (nothing is then allocated or run). On CPU the temp
+    bytes miss the scratch of fused kernels (see `resident_memory`).
+    """
+    stats = jitted.lower(*args).compile().memory_analysis()
+    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
+    return {key: (None if stats is None else int(getattr(stats, key))) for key in keys}
+
+
+def attention_flops(
+    *,
+    batch: int,
+    num_queries: int,
+    num_keys: int,
+    q_channels: int,
+    m_channels: int,
+    key_dim: int,
+    value_dim: int,
+    output_dim: int,
+    num_head: int,
+    gating: bool,
+    pair_channels: int = 0,
+    global_query: str | None = None,
+) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one forward of gated attention over `batch` sequences.
+
+    Counts the query/key/value projections, the gate, the two attention matmuls, the output
+    projection and, with pair_channels, the pair-bias projection [q, k, pair_channels] ->
+    [num_head, q, k]. key_dim and value_dim are totals over the heads.
+
+    Args:
+      global_query: None for Attention. 'mean' for AF2's MSAColumnGlobalAttention: one query per
+        sequence (the masked mean) and one shared key/value head. 'per_position' for run.build's
+        GlobalAttention: projections counted per position as Attention's (an overcount, kept so
+        that reports stay comparable), attention matmuls for one query.
+    """
+    b, q, k, a, m = batch, num_queries, num_keys, q_channels, m_channels
+    out = 2 * b * q * value_dim * output_dim + (2 * b * q * a * value_dim if gating else 0)
+    if global_query == "mean":
+        kv = 2 * b * k * m * (key_dim + value_dim) // num_head
+        return kv + 2 * b * (a * key_dim + k * (key_dim + value_dim)) + out
+    proj = 2 * b * (q * a * key_dim + k * m * (key_dim + value_dim))
+    if global_query == "per_position":
+        return proj + out + 2 * b * k * (key_dim + value_dim)
+    if global_query is not None:
+        raise ValueError(
+            f"global_query must be None, 'mean' or 'per_position', got {global_query!r}"
+        )
+    core = 2 * b * q * k * (key_dim + value_dim)
+    return proj + out + core + 2 * q * k * pair_channels * num_head
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(steal, total) CPU ticks of the whole machine since boot, from /proc/stat; None elsewhere.
+
+    Steal is time the hypervisor gave this VM's virtual CPUs to someone else: on a shared host it
+    is the visible part of the noise in the timings.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return ticks[7], sum(ticks)
+
+
+def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """Percent of all CPU ticks between two cpu_ticks() readings that were stolen (None: unknown)."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return 100 * (after[0] - before[0]) / (after[1] - before[1])
+
+
+# --------------------------------------------------------------------------------------------------
+# Resident memory: what a call adds to the process's peak RSS, in a fresh process.
+
+_RESIDENT_KEYS = ("resident_mib", "baseline_mib", "peak_mib", "output_mib")
+
+
+def resident_memory(builder: str, kwargs: dict[str, Any], timeout_s: float = 1800) -> dict:
+    """Peak resident memory of one call of a jitted function, measured in a fresh CPU process.
+
+    The child (this module run with `python -m`, JAX_PLATFORMS=cpu) calls `builder(**kwargs)`,
+    which returns (fn, specs) with specs a tuple of jax.ShapeDtypeStruct or None. It compiles
+    jax.jit(fn) for specs, creates the inputs (ones) on the device, runs one warm-up call and frees
+    its output, resets the peak RSS (writing 5 to /proc/self/clear_refs), reads VmRSS, runs the call
+    once more and reads VmHWM: resident_mib = (VmHWM - VmRSS before the call - the output's bytes)
+    / 2**20, at least 0.
+
+    Args:
+      builder: 'module:function', importable in the child (the parent's sys.path is passed on).
+      kwargs: JSON-serializable keyword arguments of builder.
+      timeout_s: how long the child may run.
+
+    Returns:
+      dict with resident_mib, baseline_mib, peak_mib, output_mib (None values off Linux), peak_reset
+      (False: /proc/self/clear_refs could not be written, so the peak is VmHWM over the process's
+      whole life, compilation included, an upper bound) and note.
+
+    Raises:
+      RuntimeError: the child failed or printed no result (its stderr's tail included).
+    """
+    if not sys.platform.startswith("linux"):
+        return dict.fromkeys(_RESIDENT_KEYS) | dict(peak_reset=False, note="needs Linux's /proc")
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parents[1]), *sys.path]),
+        # Buffers of 128 KiB and more are mapped on allocation and unmapped on free, so a call's
+        # buffers are not served from memory that the warm-up call left in malloc's free lists.
+        MALLOC_MMAP_THRESHOLD_="131072",
+    )
+    spec = json.dumps(dict(builder=builder, kwargs=kwargs))
+    result = subprocess.run(
+        [sys.executable, "-m", "gated_attention_tools.measure", spec],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout_s,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"resident-memory probe of {builder}({kwargs}) failed with exit code "
+            f"{result.returncode}:\n{result.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1])
+
+
+def _proc_status_bytes() -> dict[str, int]:
+    """VmRSS and VmHWM of this process in bytes, from /proc/self/status."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024  # reported in kB
+    return out
+
+
+def _resident_child(spec_json: str) -> dict[str, Any]:
+    spec = json.loads(spec_json)
+    module, _, name = spec["builder"].partition(":")
+    fn, specs = getattr(importlib.import_module(module), name)(**spec["kwargs"])
+    compiled = jax.jit(fn).lower(*specs).compile()
+    inputs = jax.block_until_ready(
+        tuple(None if s is None else jnp.ones(s.shape, s.dtype) for s in specs)
+    )
+    warm_up = jax.block_until_ready(compiled(*inputs))
+    for x in jax.tree.leaves(warm_up):
+        x.delete()  # now: dropping the last reference leaves it to the garbage collector
+    del warm_up
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        peak_reset, note = True, "peak RSS reset by /proc/self/clear_refs"
+    except OSError as e:
+        peak_reset = False
+        note = f"/proc/self/clear_refs not writable ({e}): VmHWM is the process's lifetime peak"
+    baseline = _proc_status_bytes()["VmRSS"]
+    out = jax.block_until_ready(compiled(*inputs))
+    peak = _proc_status_bytes()["VmHWM"]
+    output = sum(x.nbytes for x in jax.tree.leaves(out))
+    # At least 0: the output may land in pages the process already held.
+    resident = max(0, peak - baseline - output)
+    values = (resident, baseline, peak, output)
+    return {key: v / 2**20 for key, v in zip(_RESIDENT_KEYS, values, strict=True)} | dict(
+        peak_reset=peak_reset, note=note
+    )
+
+
+if __name__ == "__main__":
+    print(json.dumps(_resident_child(sys.argv[1])), flush=True)
