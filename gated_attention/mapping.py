@@ -91,8 +91,14 @@ def subbatch(
         )
 
     split = {i: _split(args[i], where[i], shards) if off else args[i] for i in cut}
-    tiles = [_tiles(split[i], where[i] + off, num_full, size) for i in cut]
-    stacked = jax.lax.map(lambda pieces: call(pieces, size), tiles)  # [num_full, ..., size, ...]
+
+    def tile(t):  # the t-th full subbatch, sliced from the args as they are (no stacked copy)
+        pieces = [
+            jax.lax.dynamic_slice_in_dim(split[i], t * size, size, axis=where[i] + off) for i in cut
+        ]
+        return call(pieces, size)
+
+    stacked = jax.lax.map(tile, jnp.arange(num_full))  # [num_full, ..., size, ...]
     out = jax.tree.map(lambda x: _untile(x, axis, off), stacked)  # [..., num_full * size, ...]
     if remainder:
         tail = call(
@@ -193,18 +199,9 @@ def _merge(x: jax.Array, axis: int) -> jax.Array:
     return x.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2 :])
 
 
-def _tiles(x: jax.Array, axis: int, num_full: int, size: int) -> jax.Array:
-    """[..., local, ...] (local at `axis`) -> [num_full, ..., size, ...]: the full subbatches of
-    every shard, stacked in front for the loop."""
-    shape = np.shape(x)
-    head = jax.lax.slice_in_dim(x, 0, num_full * size, axis=axis)
-    head = head.reshape(shape[:axis] + (num_full, size) + shape[axis + 1 :])
-    return jnp.moveaxis(head, axis, 0)
-
-
 def _untile(stacked: jax.Array, axis: int, off: int) -> jax.Array:
-    """[num_full, ..., (shards,) size, ...] -> [..., (shards,) num_full * size, ...], inverting
-    _tiles for an output leaf (off: 1 when it has the shards dimension)."""
+    """[num_full, ..., (shards,) size, ...] -> [..., (shards,) num_full * size, ...]: the loop's
+    stacked output leaf in the batch's place (off: 1 when it has the shards dimension)."""
     s = _leaf_axis(axis, stacked.ndim - 1 - off) + off  # where size is, once the loop's dim goes
     moved = jnp.moveaxis(stacked, 0, s)  # [..., (shards,) num_full, size, ...]
     shape = moved.shape
