@@ -35,9 +35,7 @@ transposed activations, written as that: LayerNorm, swap the two position axes, 
 gated_attention.Attention, swap back. XLA fuses the swap back into the output projection's bias add
 (one loop writes the result transposed), so the only transposed copy is the one of the projections'
 input, which the op's batch-leading layout needs once for q, k, v and the gate alike (projecting into
-a transposed layout instead would transpose each of them). Measured with XLA's compiled HLO and
-memory_analysis (issue 4 note): one transposed copy of the normalized input, no copy of the output,
-the same temp memory and the same time as the module on data given already transposed.
+a transposed layout instead would transpose each of them).
 
 Extra leading axes ([..., N_seq, N_res, c]) are mapped with hk.vmap (parameters shared), so a batch of
 pair representations keeps its [h, r, r] bias per example and never broadcast to [s, h, r, r].

@@ -69,52 +69,52 @@ def subbatch(
     flags = _batched_flags(args, int(axis), batched)
     cut = [i for i, flag in enumerate(flags) if flag]
     batch = np.shape(args[cut[0]])[_axis(axis, args[cut[0]], cut[0])] if cut else 1
-    # On a mesh with explicit axes the batch may be split over devices: each device then runs its
-    # own rows, subbatch_size at a time, and the loop never cuts across devices (sharding.py).
-    # The args are then viewed as [..., shards, batch // shards, ...]; off is 1 for that extra
-    # dimension (0 on one device, where the args keep their shape).
     shards = sharding.batch_shards([args[i] for i in cut], axis)
-    local, off = batch // shards, int(shards > 1)
-    if size is None or size >= local:
+    if size is None or size >= batch // shards:
         return fn(*args)
-    num_full, remainder = divmod(local, size)
     where = {i: _axis(axis, args[i], i) for i in cut}  # the batch axis of each cut arg
 
-    def call(pieces, rows):  # pieces [..., (shards,) rows, ...] -> fn's output, the same way
-        full = list(args)
-        for i, piece in zip(cut, pieces, strict=True):
-            full[i] = _merge(piece, where[i]) if off else piece
-        out = fn(*full)
-        _check_outputs(out, axis, shards * rows)
-        return jax.tree.map(
-            lambda x: _split(x, _leaf_axis(axis, x.ndim), shards) if off else x, out
-        )
+    def checked(*pieces):  # fn, with its outputs checked for the batch along `axis`
+        out = fn(*pieces)
+        i = cut[0]
+        _check_outputs(out, axis, np.shape(pieces[i])[where[i]])
+        return out
 
-    split = {i: _split(args[i], where[i], shards) if off else args[i] for i in cut}
+    if shards == 1:
+        return _loop(checked, args, where, size, lambda ndim: _leaf_axis(axis, ndim))
 
-    def tile(t):  # the t-th full subbatch, sliced from the args as they are (no stacked copy)
-        pieces = [
-            jax.lax.dynamic_slice_in_dim(split[i], t * size, size, axis=where[i] + off) for i in cut
-        ]
-        return call(pieces, size)
+    # On a mesh with explicit axes the batch may be split over devices: each device then runs its
+    # own rows, subbatch_size at a time, and the loop never cuts across devices (sharding.py). The
+    # plain loop runs on the args viewed as [..., shards, batch // shards, ...], along the second.
+    def per_shard(*split_args):
+        full = [_merge(x, where[i]) if i in where else x for i, x in enumerate(split_args)]
+        return jax.tree.map(lambda x: _split(x, _leaf_axis(axis, x.ndim), shards), checked(*full))
 
-    stacked = jax.lax.map(tile, jnp.arange(num_full))  # [num_full, ..., size, ...]
-    out = jax.tree.map(lambda x: _untile(x, axis, off), stacked)  # [..., num_full * size, ...]
+    split = [_split(x, where[i], shards) if i in where else x for i, x in enumerate(args)]
+    inner = {i: w + 1 for i, w in where.items()}
+    out = _loop(per_shard, split, inner, size, lambda ndim: _leaf_axis(axis, ndim - 1) + 1)
+    return jax.tree.map(lambda x: _merge(x, _leaf_axis(axis, x.ndim - 1)), out)
+
+
+def _loop(fn, args, where: dict[int, int], size: int, out_axis) -> Any:
+    """fn on subbatches of `size` along where[i] of each cut arg i, outputs concatenated along
+    out_axis(leaf rank): the full subbatches as one compiled loop body, a remainder as one call."""
+    first = next(iter(where))
+    length = np.shape(args[first])[where[first]]
+    num_full, remainder = divmod(length, size)
+
+    def call(start, rows):
+        pieces = list(args)
+        for i, w in where.items():
+            pieces[i] = jax.lax.dynamic_slice_in_dim(args[i], start, rows, axis=w)
+        return fn(*pieces)
+
+    # Each full subbatch is sliced from the args as they are: stacking them first made XLA copy.
+    stacked = jax.lax.map(lambda t: call(t * size, size), jnp.arange(num_full))
+    out = jax.tree.map(lambda x: _untile(x, out_axis(x.ndim - 1)), stacked)
     if remainder:
-        tail = call(
-            [
-                jax.lax.slice_in_dim(split[i], num_full * size, local, axis=where[i] + off)
-                for i in cut
-            ],
-            remainder,
-        )
-        out = jax.tree.map(
-            lambda x, y: jnp.concatenate([x, y], axis=_leaf_axis(axis, x.ndim - off) + off),
-            out,
-            tail,
-        )
-    if off:
-        out = jax.tree.map(lambda x: _merge(x, _leaf_axis(axis, x.ndim - 1)), out)
+        tail = call(num_full * size, remainder)
+        out = jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=out_axis(x.ndim)), out, tail)
     return out
 
 
@@ -199,13 +199,12 @@ def _merge(x: jax.Array, axis: int) -> jax.Array:
     return x.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2 :])
 
 
-def _untile(stacked: jax.Array, axis: int, off: int) -> jax.Array:
-    """[num_full, ..., (shards,) size, ...] -> [..., (shards,) num_full * size, ...]: the loop's
-    stacked output leaf in the batch's place (off: 1 when it has the shards dimension)."""
-    s = _leaf_axis(axis, stacked.ndim - 1 - off) + off  # where size is, once the loop's dim goes
-    moved = jnp.moveaxis(stacked, 0, s)  # [..., (shards,) num_full, size, ...]
+def _untile(stacked: jax.Array, axis: int) -> jax.Array:
+    """[num_full, ..., size, ...] -> [..., num_full * size, ...]: the loop's stacked output leaf
+    with its subbatches in place (axis: where size is, once the loop's dimension goes)."""
+    moved = jnp.moveaxis(stacked, 0, axis)  # [..., num_full, size, ...]
     shape = moved.shape
-    return moved.reshape(shape[:s] + (shape[s] * shape[s + 1],) + shape[s + 2 :])
+    return moved.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2 :])
 
 
 def _check_outputs(tree: Any, axis: int, size: int) -> None:
