@@ -227,4 +227,3 @@ def attention_implementation(module: ModuleConfig, glob: GlobalConfig) -> tuple[
     else:
         implementation = chunked if name == "chunked" else attention.IMPLEMENTATIONS[name]
     return implementation, glob.compute_dtype
-

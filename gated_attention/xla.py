@@ -37,8 +37,11 @@ class XlaAttention(base.Implementation):
         checks.check_int("tile_bytes", self.tile_bytes)
 
     def __call__(self, query, key, value, biases, mask, *, scale, compute_dtype):
-        _, q_len, heads, _ = query.shape
+        batch, q_len, heads, _ = query.shape
         rows = max(1, self.tile_bytes // (4 * heads * q_len * key.shape[1]))
+        if rows < batch:  # a bias shared by the tiles sums its gradient over them: in float32
+            acc = numerics.accumulation_dtype(compute_dtype)
+            biases = tuple(b.astype(acc) if b.shape[0] == 1 else b for b in biases)
 
         def tile(query, key, value, mask, *biases):  # [b, T, N, H] -> [b, T, N, Hv]
             q, k, v = (jnp.swapaxes(x, 1, 2).astype(compute_dtype) for x in (query, key, value))

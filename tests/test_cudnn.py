@@ -1,85 +1,98 @@
-"""The cuDNN adapter: what it accepts, and its adaptation run through jax.nn's XLA path on CPU."""
-
-import functools
+"""CudnnAttention: what it takes, when 'auto' picks it, and the harness's tests of its adaptation
+(run through jax.nn's XLA path on CPU; with cuDNN itself where there is a GPU)."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import cudnn
-from tests import reference
-from tests.helpers import assert_close, rand
+from tests.implementation_harness import ImplementationTests
 
-B, N, T, S, H = 2, 2, 6, 8, 16
+B, T, S, N, H = 2, 6, 8, 2, 16
+
+
+class TestCudnnAdapterThroughXla(ImplementationTests):
+    """The adapter (bias and mask to cuDNN's forms, masked inputs zeroed, uniform fully masked
+    rows) run by jax.nn's XLA implementation. jax.nn needs Hv == H. cuDNN takes bfloat16 and
+    float16; on CPU jax.nn's XLA path has no float16 dot with float32 accumulation, so bfloat16 is
+    tested. (It would take float32, but computes float64 inputs' softmax in float32.)"""
+
+    IMPL = ga.CudnnAttention(jax_nn_implementation="xla")
+    DTYPES = ("bfloat16",)
+    SUPPORTS_VALUE_HEAD_DIM = False
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN runs on GPU only")
+class TestCudnnOnGpu(ImplementationTests):
+    """cuDNN itself: half precision, head dims a multiple of 8 (not run on a machine without GPU)."""
+
+    IMPL = ga.CudnnAttention()
+    DTYPES = ("bfloat16", "float16")
+    SUPPORTS_VALUE_HEAD_DIM = False
+    BITWISE_DETERMINISTIC = False
+    HEAD_DIM = 8
 
 
 def _spec(shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def test_supports_reports_why_not():
-    q, kv = _spec((B, N, T, H)), _spec((B, N, S, H))
-    assert cudnn.supports(q, kv, kv, backend="gpu") is None
-    assert "GPU only, the backend is 'cpu'" in cudnn.supports(q, kv, kv, backend="cpu")
-    f32 = _spec((B, N, T, H), jnp.float32)
-    assert "float16 or bfloat16 inputs, got float32" in cudnn.supports(f32, kv, kv, backend="gpu")
-    odd = _spec((B, N, T, 12))
-    assert "multiple of 8 and <= 128, got 12" in cudnn.supports(odd, odd, odd, backend="gpu")
-    big = _spec((B, N, T, 136))
-    assert "got 136" in cudnn.supports(big, big, big, backend="gpu")
-    assert "equal key and value head dims, got 16 and 8" in cudnn.supports(
-        q, kv, _spec((B, N, S, 8)), backend="gpu"
+Q, KV = _spec((B, T, N, H)), _spec((B, S, N, H))
+
+
+def _check(q, k, v, dtype=jnp.bfloat16):
+    ga.CudnnAttention().check(q, k, v, (), None, compute_dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "q, k, v, dtype, match",
+    [
+        (Q, KV, KV, jnp.float32, "takes float16 or bfloat16, got float32"),
+        (Q, KV, KV, jnp.float64, "takes float16 or bfloat16, got float64"),
+        *(
+            (_spec((B, T, N, h)), _spec((B, S, N, h)), _spec((B, S, N, h)), None, match)
+            for h, match in ((12, "multiple of 8 and <= 128, got 12"), (136, "got 136"))
+        ),
+        (Q, KV, _spec((B, S, N, 8)), None, "equal key and value head dims, got 16 and 8"),
+    ],
+)
+def test_check_says_why_not_on_gpu(monkeypatch, q, k, v, dtype, match):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    _check(Q, KV, KV)  # bfloat16, H = 16: takes it
+    with pytest.raises(NotImplementedError, match=match):
+        _check(q, k, v, q.dtype if dtype is None else dtype)
+
+
+def test_check_refuses_other_backends(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    with pytest.raises(NotImplementedError, match="GPU only, the backend is 'cpu'"):
+        _check(Q, KV, KV)
+    # Through jax.nn's XLA path any backend and dtype goes; only Hv != H is refused.
+    ga.CudnnAttention(jax_nn_implementation="xla").check(
+        Q, KV, KV, (), None, compute_dtype=jnp.float32
     )
 
 
-def test_auto_picks_cudnn_only_where_it_fits(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    q, kv = _spec((B, N, T, H)), _spec((B, N, S, H))
-    assert ga.choose_implementation(q, kv, kv)[0] == "cudnn"
-    f32q, f32kv = _spec((B, N, T, H), jnp.float32), _spec((B, N, S, H), jnp.float32)
-    assert ga.choose_implementation(f32q, f32kv, f32kv)[0] != "cudnn"
-
-
-def test_explicit_cudnn_on_cpu_raises_not_implemented():
-    if jax.default_backend() == "gpu":
-        pytest.skip("a GPU is present")
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="a GPU is present")
+def test_naming_cudnn_on_cpu_raises_not_implemented():
     x = jnp.ones((B, T, N, H), jnp.bfloat16)
     with pytest.raises(
         NotImplementedError,
         match=r"implementation='cudnn' cannot take these inputs: cuDNN attention runs on GPU only",
     ):
-        ga.dot_product_attention(x, x, x, implementation="cudnn")
+        jax.eval_shape(lambda x: ga.dot_product_attention(x, x, x, implementation="cudnn"), x)
 
 
-FORMS = {
-    "key_mask+shared_bias": ((1, N, T, S), (B, 1, 1, S)),
-    "head_bias+qk_mask": ((1, N, 1, 1), (B, 1, T, S)),
-    "batched_bias": ((B, N, T, S), None),
-}
+def test_auto_picks_cudnn_only_on_gpu_for_half_precision(monkeypatch):
+    def chosen(dtype):
+        q, kv = _spec((B, T, N, H), dtype), _spec((B, S, N, H), dtype)
+        impl, reason = ga.Auto().choose(q, kv, kv, (), None, compute_dtype=dtype)
+        assert reason
+        return impl.name
 
-
-# jax.nn's XLA path has no float16 x float16 -> float32 dot on CPU, so float16 is GPU-only here.
-@pytest.mark.parametrize("dtype", ["bfloat16"])
-@pytest.mark.parametrize("form", list(FORMS))
-def test_adaptation_matches_reference(dtype, form):
-    rng = np.random.default_rng(0)
-    q, q64 = rand(rng, (B, N, T, H), dtype)
-    k, k64 = rand(rng, (B, N, S, H), dtype)
-    v, v64 = rand(rng, (B, N, S, H), dtype)
-    bias_shape, mask_shape = FORMS[form]
-    bias, bias64 = rand(rng, bias_shape, dtype)
-    mask = None
-    if mask_shape is not None:
-        mask_np = rng.random(mask_shape) > 0.3
-        mask_np[1] = False  # batch 1: fully masked rows
-        mask = jnp.asarray(mask_np)
-    attend = jax.jit(functools.partial(cudnn.attend, scale=H**-0.5, inner_implementation="xla"))
-    out = attend(q, k, v, (bias,), mask)
-    assert out.dtype == jnp.dtype(dtype) and out.shape == (B, N, T, H)
-    to_btnh = lambda x: np.swapaxes(x, 1, 2)
-    expected = reference.dot_product_attention(
-        to_btnh(q64), to_btnh(k64), to_btnh(v64), bias64, None if mask is None else np.asarray(mask)
-    )
-    assert_close(to_btnh(np.asarray(out.astype(jnp.float32))), expected, reference.tolerance(dtype))
+    if jax.default_backend() != "gpu":
+        assert chosen(jnp.bfloat16) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert chosen(jnp.bfloat16) == "cudnn"
+    assert chosen(jnp.float16) == "cudnn"
+    assert chosen(jnp.float32) == "xla"
