@@ -146,7 +146,7 @@ def _choose(resolved, query, key, value, biases, mask, compute_dtype):
                 ) from None
             reasons.append(f"{impl.name}: {e}")
             continue
-        first = "requested explicitly" if len(resolved) == 1 else "first of the priority list"
+        first = "requested explicitly" if len(resolved) == 1 else "the first to take the inputs"
         return impl, "; ".join([*reasons, first])
     raise NotImplementedError(
         "no implementation of the priority list takes these inputs: " + "; ".join(reasons)

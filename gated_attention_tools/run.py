@@ -191,6 +191,22 @@ def load_params(
 MESH_AXES = ("data", "heads")
 
 
+# How to install JAX's backend for each platform (JAX's installation guide).
+_INSTALL = {
+    "gpu": "for NVIDIA GPUs install JAX's CUDA build: pip install -U 'jax[cuda12]'",
+    "tpu": "on a TPU VM install JAX's TPU build: pip install -U 'jax[tpu]'",
+}
+
+
+def platform_problem(platform: str) -> str | None:
+    """None when JAX can start `platform`, else one line saying it cannot and what to install."""
+    try:
+        jax.devices(platform)
+    except RuntimeError:
+        return f"--platform={platform}: JAX finds no {platform} here; {_INSTALL[platform]}"
+    return None
+
+
 def make_mesh(cfg: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
     """cfg.mesh's data x heads mesh with explicit axes ('data', 'heads'), or None for 1 x 1.
 

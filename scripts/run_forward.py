@@ -61,11 +61,15 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     import jax  # imported after flags so that --platform and x64 take effect
 
+    from gated_attention_tools import run
+
     if _PLATFORM.value:
         jax.config.update("jax_platforms", _PLATFORM.value)
+        problem = run.platform_problem(_PLATFORM.value)
+        if problem:
+            sys.exit(problem)
     if _CONFIG.value.data.dtype == "float64":
         jax.config.update("jax_enable_x64", True)
-    from gated_attention_tools import run
 
     params = None
     if _PARAMS.value:

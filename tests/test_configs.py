@@ -302,3 +302,14 @@ def test_run_forward_rejects_layer_without_params():
     result = _run_script("--layer=3")
     assert result.returncode != 0
     assert "--params_prefix and --layer need --params" in result.stderr
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_missing_platform_is_one_line_with_the_install_command(platform):
+    if jax.default_backend() == platform:
+        pytest.skip(f"{platform} present")
+    problem = run.platform_problem(platform)
+    assert problem is not None and "\n" not in problem
+    assert problem.startswith(f"--platform={platform}: JAX finds no {platform} here")
+    assert f"pip install -U 'jax[{'cuda12' if platform == 'gpu' else 'tpu'}]'" in problem
+    assert run.platform_problem("cpu") is None

@@ -83,7 +83,7 @@ def test_a_priority_sequence_falls_through_what_cannot_run():
     out, choices = _record(("cudnn", ga.XlaAttention(tile_bytes=1)), *args)
     assert [(c["requested"], c["chosen"]) for c in choices] == [("(cudnn, xla)", "xla")]
     reason = choices[0]["reason"]
-    assert reason.startswith("cudnn: ") and reason.endswith("; first of the priority list")
+    assert reason.startswith("cudnn: ") and reason.endswith("; the first to take the inputs")
     expected = reference.dot_product_attention(*args64[:3], mask=args64[3])
     assert_close(out, expected, reference.tolerance("float32"))
 
