@@ -319,10 +319,9 @@ def _gated_output(weighted_avg, q_data, params):
     if "gating_w" in params:
         gate = jnp.einsum("...qa,ahc->...qhc", q_data, params["gating_w"])  # [..., b, q, h, cv]
         weighted_avg = weighted_avg * jax.nn.sigmoid(gate + params["gating_b"])
-    # '...qhc,hco->...qo' as one matmul over the flattened (h, c): written as that einsum, XLA:CPU
-    # transposed the activations to (c, h) order in every call (scripts/benchmark.py: the
-    # triangle shape). With heads sharded over devices, the sum over them is an all-reduce into
-    # the batch's sharding.
+    # '...qhc,hco->...qo' as one matmul over the flattened (h, c), so XLA:CPU need not transpose
+    # the activations to (c, h) order. With heads sharded over devices, the sum over them is an
+    # all-reduce into the batch's sharding.
     *lead, h, c = weighted_avg.shape
     output_w = params["output_w"]
     out = jnp.einsum(
