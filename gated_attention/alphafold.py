@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from gated_attention import config as config_lib
-from gated_attention import modules
+from gated_attention import modules, numerics
 
 # Axis whose dropout mask is shared when config.shared_dropout, per orientation (AF2: per_row -> 0,
 # per_column -> 1 of [N_seq|N_res, N_res, c]); counted from the end so leading axes may be added.
@@ -99,7 +99,7 @@ def _layer_norm(x: jax.Array, name: str) -> jax.Array:
 
     Its params are created in that dtype too (AF2's bfloat16 mode); callers cast the result.
     """
-    acc = jnp.promote_types(x.dtype, jnp.float32)
+    acc = numerics.accumulation_dtype(x.dtype)
     norm = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True, name=name)
     return norm(x.astype(acc))
 

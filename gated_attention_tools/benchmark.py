@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from gated_attention import alphafold, attention, modules
+from gated_attention import alphafold, attention, modules, numerics
 from gated_attention_tools import af2_baseline, measure
 
 AF2 = "af2"
@@ -140,15 +140,6 @@ def _relative_diff(tree, reference_leaves) -> float:
     return worst
 
 
-def _as_float32(tree):
-    """tree with its floating leaves cast to float32 (the bool mask stays bool)."""
-
-    def cast(a):
-        return a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
-
-    return jax.tree.map(cast, tree)
-
-
 def run_cell(
     shape: Shape,
     dtype: str,
@@ -176,7 +167,9 @@ def run_cell(
     # The accuracy reference: AF2's formulation in float32 on the same (rounded) params and inputs.
     reference = outputs[AF2]
     if jnp.dtype(dtype) != jnp.float32:
-        reference = jax.jit(_timed_fn(fns[AF2], mode))(*_as_float32(variants[AF2][1]))
+        reference = jax.jit(_timed_fn(fns[AF2], mode))(
+            *numerics.cast_floats(variants[AF2][1], jnp.float32)
+        )
     reference = jax.tree.leaves(reference)
     per_round = {name: [] for name in variants}
     cpu_before = measure.cpu_ticks()
