@@ -1,6 +1,6 @@
 """Installs gated_attention and its tooling, gated_attention_tools (the experiment schema, run and
 benchmark logic behind scripts/ and tests/): `pip install -e .[test]` for the tests, `.[bench]` for
-plots."""
+plots, `.[gpu-bench]` (with JAX's CUDA build) for the GPU benchmark's other kernels."""
 
 import re
 from pathlib import Path
@@ -41,5 +41,13 @@ setup(
         # ruff pinned: its format output changes between releases.
         "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff==0.17.6"],
         "bench": ["matplotlib>=3.7"],
+        # The GPU benchmark's other kernels: AF2 as alphafold-colabfold runs it on GPU (with
+        # colabfold-kernels), and tokamax 0.0.12 (the release AF3 pins with jax 0.10.2).
+        "gpu-bench": [
+            "matplotlib>=3.7",
+            "alphafold-colabfold==2.3.27",
+            "colabfold-kernels==0.9.0",
+            "tokamax==0.0.12",
+        ],
     },
 )

@@ -4,6 +4,7 @@
   python scripts/benchmark.py --config=configs/benchmark.py:quick   # goal shapes, float32 forward only
   python scripts/benchmark.py --config=configs/benchmark.py:smoke   # seconds: checks the script runs
   python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
+  python scripts/benchmark.py --config=configs/benchmark.py:gpu     # on a GPU: the op vs kernels
 
 Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask[, module]).
 """
@@ -32,12 +33,25 @@ TRIANGLE_SHAPES = (
 SWEEP_LENGTHS = (512, 1024, 2048, 4096)  # self-attention 1 x L, c=256, 8 heads of 32: the plot
 
 
-PRESETS = ("full", "quick", "smoke")
+# The GPU preset's op shapes (gpu_benchmark.OpShape): q, k, v [batch, length, heads, head dim],
+# a [1, heads, length, length] bias shared over the batch, a key mask.
+GPU_SHAPES = (
+    ("msa_row 512x384 h8x32", 512, 384, 8, 32),  # MSA row attention with pair bias
+    ("extra_msa 1024x384 h8x8", 1024, 384, 8, 8),  # extra MSA row attention (training crop)
+    ("triangle 384 h4x32", 384, 384, 4, 32),  # triangle attention at N_res 384
+    ("triangle 768 h4x32", 768, 768, 4, 32),
+    ("triangle 1024 h4x32", 1024, 1024, 4, 32),
+    ("long 1x16384 h8x32", 1, 16384, 8, 32),  # one long sequence, shared bias
+)
+
+PRESETS = ("full", "quick", "smoke", "gpu", "gpu_smoke")
 
 
 def get_config(preset="full"):
     if preset not in PRESETS:
         raise ValueError(f"configs/benchmark.py preset must be one of {PRESETS}, got {preset!r}")
+    if preset in ("gpu", "gpu_smoke"):
+        return _gpu_config(preset)
     if preset == "smoke":  # seconds: tiny shapes, for the tests of the script itself
         cfg = get_config("full")
         cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
@@ -50,6 +64,7 @@ def get_config(preset="full"):
         )
         return cfg
     cfg = ml_collections.ConfigDict()
+    cfg.suite = "modules"  # Attention against AF2's formulation (gated_attention_tools.benchmark)
     cfg.shapes = GOAL_SHAPES
     cfg.goals = GOALS  # (shape name, largest forward ratio to AF2): a table above the results
     cfg.sweep_lengths = SWEEP_LENGTHS if preset == "full" else ()
@@ -64,4 +79,36 @@ def get_config(preset="full"):
     # 2 CPU cores.
     cfg.triangle_shapes = TRIANGLE_SHAPES if preset == "full" else ()
     cfg.output_dir = "benchmark_results"
+    return cfg
+
+
+def _gpu_config(preset):
+    """The op on a GPU against jax.nn, ColabFold's kernels and tokamax (gpu_benchmark.py)."""
+    cfg = ml_collections.ConfigDict()
+    cfg.suite = "gpu"
+    cfg.op_shapes = GPU_SHAPES
+    cfg.variants = (
+        "pallas",
+        "xla",
+        "cudnn",
+        "jax_nn_cudnn",
+        "jax_nn_xla",
+        "af2_colabfold",
+        "tokamax",
+    )
+    cfg.dtypes = ("float32", "bfloat16")
+    cfg.modes = ("forward", "forward_backward")
+    cfg.rounds = 5
+    cfg.steps = 5
+    cfg.device_memory = True  # peak device memory of each variant in a fresh process
+    cfg.interpret_pallas = False  # run the Pallas kernels interpreted (CPU smoke runs)
+    cfg.output_dir = "benchmark_results/gpu"
+    if preset == "gpu_smoke":  # seconds on CPU: checks the script runs
+        cfg.op_shapes = (("tiny 2x32 h2x16", 2, 32, 2, 16),)
+        cfg.variants = ("pallas", "xla", "jax_nn_xla", "cudnn", "tokamax")
+        cfg.dtypes, cfg.modes = ("float32",), ("forward", "forward_backward")
+        cfg.rounds, cfg.steps = 1, 1
+        cfg.device_memory = False
+        cfg.interpret_pallas = True
+        cfg.output_dir = "/tmp/gated_attention_gpu_smoke"
     return cfg

@@ -8,7 +8,8 @@ Public API (everything else is internal):
                                          dropout on those updates, as AlphaFold 2's Evoformer.
   ModuleConfig, GlobalConfig             validated configs (modules also take AF2's ConfigDicts).
   dot_product_attention                  the attention op in jax.nn's layout.
-  Implementation, XlaAttention, ChunkedAttention, CudnnAttention, Auto, IMPLEMENTATIONS
+  Implementation, XlaAttention, ChunkedAttention, CudnnAttention, PallasAttention, Auto,
+  IMPLEMENTATIONS
                                          its implementations (instances carry their tuning).
   record_implementation_choices          what the op chose, per call.
   load_af2_params, save_af2_params, check_params, diff_params
@@ -36,6 +37,7 @@ from gated_attention.chunked import ChunkedAttention
 from gated_attention.config import GlobalConfig, ModuleConfig
 from gated_attention.cudnn import CudnnAttention
 from gated_attention.modules import Attention, GlobalAttention
+from gated_attention.pallas import PallasAttention
 from gated_attention.params import check_params, diff_params, load_af2_params, save_af2_params
 from gated_attention.sharding import head_parallel_specs
 from gated_attention.xla import XlaAttention
@@ -55,6 +57,7 @@ __all__ = [
     "MSAColumnGlobalAttention",
     "MSARowAttentionWithPairBias",
     "ModuleConfig",
+    "PallasAttention",
     "TriangleAttention",
     "XlaAttention",
     "apply_dropout",

@@ -26,10 +26,16 @@ from absl import logging
 from gated_attention import base, checks, numerics, sharding
 from gated_attention.chunked import DEFAULT_MEMORY_BUDGET_BYTES, ChunkedAttention
 from gated_attention.cudnn import CudnnAttention
+from gated_attention.pallas import PallasAttention
 from gated_attention.xla import XlaAttention
 
 IMPLEMENTATIONS: types.MappingProxyType[str, base.Implementation] = types.MappingProxyType(
-    {"xla": XlaAttention(), "chunked": ChunkedAttention(), "cudnn": CudnnAttention()}
+    {
+        "xla": XlaAttention(),
+        "chunked": ChunkedAttention(),
+        "cudnn": CudnnAttention(),
+        "pallas": PallasAttention(),
+    }
 )
 
 # Largest float32 logits-and-weights working set of one batch row that 'auto' leaves to the dense
@@ -41,7 +47,9 @@ DENSE_ROW_BYTES = 16 * 2**20
 class Auto:
     """The 'auto' choice: rules, in order, applied to the real (per-device) shapes.
 
-    1. On GPU, `cudnn` when it takes the inputs (bfloat16/float16, head dims it supports).
+    1. On GPU, `pallas` when it takes the inputs (float32, bfloat16, float16; head dims <= 128):
+       the fused kernel, which reads a bias shared over the batch without copying it and keeps
+       its gradient O(N·T·S); else `cudnn` when it takes them (bfloat16/float16).
     2. `xla` when one batch row's float32 logits and weights, 2 * 4 * N * T * S bytes, fit in
        min(memory_budget_bytes, dense_row_bytes): it runs in tiles of rows, forward and backward,
        so its working set stays small whatever the batch. On 2 CPU cores the MSA-row and triangle
@@ -51,7 +59,8 @@ class Auto:
     Attributes:
       memory_budget_bytes: the working-set budget (global_config.memory_budget_mib).
       dense_row_bytes: the largest row working set left to `xla`.
-      xla, chunked, cudnn: the instances to run (None: defaults, chunked with this budget).
+      xla, chunked, cudnn, pallas: the instances to run (None: defaults, chunked with this
+        budget).
     """
 
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
@@ -59,6 +68,7 @@ class Auto:
     xla: XlaAttention | None = None
     chunked: ChunkedAttention | None = None
     cudnn: CudnnAttention | None = None
+    pallas: PallasAttention | None = None
 
     def __post_init__(self):
         checks.check_int("memory_budget_bytes", self.memory_budget_bytes)
@@ -67,6 +77,7 @@ class Auto:
             xla=XlaAttention(),
             chunked=ChunkedAttention(memory_budget_bytes=self.memory_budget_bytes),
             cudnn=CudnnAttention(),
+            pallas=PallasAttention(),
         )
         for name, default in defaults.items():
             if getattr(self, name) is None:
@@ -75,11 +86,12 @@ class Auto:
     def choose(self, query, key, value, biases, mask, *, compute_dtype):
         """(implementation, reason) for these flattened inputs."""
         if jax.default_backend() == "gpu":
-            try:
-                self.cudnn.check(query, key, value, biases, mask, compute_dtype=compute_dtype)
-                return self.cudnn, "GPU backend and cuDNN takes these inputs"
-            except NotImplementedError:
-                pass  # the rules below apply
+            for impl, what in ((self.pallas, "the Pallas kernel"), (self.cudnn, "cuDNN")):
+                try:
+                    impl.check(query, key, value, biases, mask, compute_dtype=compute_dtype)
+                    return impl, f"GPU backend and {what} takes these inputs"
+                except NotImplementedError:
+                    pass  # the next rule applies
         _, q_len, heads, _ = query.shape
         row_bytes = 2 * 4 * heads * q_len * key.shape[1]
         limit = min(self.memory_budget_bytes, self.dense_row_bytes)

@@ -1,8 +1,8 @@
-"""Measurements shared by run.py and benchmark.py: time, XLA temp bytes, FLOPs, CPU steal, and
-resident memory measured in a fresh process.
+"""Measurements shared by run.py and the benchmarks: time, XLA temp bytes, FLOPs, CPU steal, and
+resident or device memory measured in a fresh process.
 
-`python -m gated_attention_tools.measure '<json>'` is the resident-memory probe's child process
-(see `resident_memory`).
+`python -m gated_attention_tools.measure [--device] '<json>'` is the memory probes' child process
+(see `resident_memory` and `device_memory`).
 """
 
 from __future__ import annotations
@@ -215,5 +215,67 @@ def _resident_child(spec_json: str) -> dict[str, Any]:
     )
 
 
+# Device memory: what a call adds to the device's peak bytes in use, in a fresh process.
+
+
+def device_memory(builder: str, kwargs: dict[str, Any], timeout_s: float = 1800) -> dict:
+    """Peak device memory of one call of a jitted function, in a fresh process on the default
+    backend (a GPU's memory_stats(); resident_memory's VmHWM where the device reports none, CPU).
+
+    The child calls `builder(**kwargs)` -> (fn, specs) as for resident_memory, creates the inputs
+    (ones), reads the device's bytes_in_use, compiles jax.jit(fn) and runs it once: peak_mib =
+    (peak_bytes_in_use - bytes_in_use before - the output's bytes) / 2**20. The compilation's own
+    scratch (autotuning) counts where it is the larger: the figure is then an upper bound.
+
+    Returns:
+      dict with peak_mib and note.
+    """
+    if jax.default_backend() == "cpu" or jax.devices()[0].memory_stats() is None:
+        resident = resident_memory(builder, kwargs, timeout_s)
+        return dict(
+            peak_mib=resident["resident_mib"], note="resident memory (VmHWM): " + resident["note"]
+        )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parents[1]), *sys.path]),
+    )
+    spec = json.dumps(dict(builder=builder, kwargs=kwargs))
+    result = subprocess.run(
+        [sys.executable, "-m", "gated_attention_tools.measure", "--device", spec],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout_s,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"device-memory probe of {builder}({kwargs}) failed with exit code "
+            f"{result.returncode}:\n{result.stderr[-3000:]}"
+        )
+    return json.loads(lines[-1])
+
+
+def _device_child(spec_json: str) -> dict[str, Any]:
+    spec = json.loads(spec_json)
+    module, _, name = spec["builder"].partition(":")
+    fn, specs = getattr(importlib.import_module(module), name)(**spec["kwargs"])
+    inputs = jax.block_until_ready(
+        tuple(None if s is None else jnp.ones(s.shape, s.dtype) for s in specs)
+    )
+    device = jax.devices()[0]
+    before = device.memory_stats()["bytes_in_use"]
+    out = jax.block_until_ready(jax.jit(fn)(*inputs))
+    peak = device.memory_stats()["peak_bytes_in_use"]
+    output = sum(x.nbytes for x in jax.tree.leaves(out))
+    return dict(
+        peak_mib=max(0, peak - before - output) / 2**20,
+        note="device peak_bytes_in_use over inputs and output (compilation included)",
+    )
+
+
 if __name__ == "__main__":
-    print(json.dumps(_resident_child(sys.argv[1])), flush=True)
+    if sys.argv[1] == "--device":
+        print(json.dumps(_device_child(sys.argv[2])), flush=True)
+    else:
+        print(json.dumps(_resident_child(sys.argv[1])), flush=True)

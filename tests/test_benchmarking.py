@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gated_attention_tools import benchmark, measure
+from gated_attention_tools import benchmark, gpu_benchmark, measure
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -222,11 +222,65 @@ def test_benchmark_presets_share_one_schema():
     spec = importlib.util.spec_from_file_location("bench_cfg", ROOT / "configs" / "benchmark.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    keys = {preset: set(module.get_config(preset).keys()) for preset in module.PRESETS}
-    assert len({frozenset(k) for k in keys.values()}) == 1, keys
+    keys = {}
+    for preset in module.PRESETS:  # one schema per suite
+        cfg = module.get_config(preset)
+        keys.setdefault(cfg.suite, set()).add(frozenset(cfg.keys()))
+    assert sorted(keys) == ["gpu", "modules"] and all(len(k) == 1 for k in keys.values()), keys
     for preset in module.PRESETS:
         cfg = module.get_config(preset)
+        if cfg.suite == "gpu":
+            assert all(gpu_benchmark.OpShape(*s).batch >= 1 for s in cfg.op_shapes)
+            assert set(cfg.variants) <= set(gpu_benchmark.VARIANTS)
+            continue
         shapes = [benchmark.Shape(*s) for s in (*cfg.shapes, *cfg.triangle_shapes)]
         assert all(s.module != "triangle_attention" or s.batch == s.length for s in shapes)
     with pytest.raises(ValueError, match=r"preset must be one of"):
         module.get_config("fast")
+
+
+def test_gpu_benchmark_script_smoke_on_cpu(tmp_path):
+    """The GPU preset's pipeline on CPU: the Pallas kernels interpreted, what needs a GPU or a
+    package not installed reported with the reason, the environment recorded."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "benchmark.py"),
+            f"--config={ROOT / 'configs' / 'benchmark.py'}:gpu_smoke",
+            f"--config.output_dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    env_keys = {"jax", "jaxlib", "backend", "device_kind", "date_utc", "command"}
+    assert env_keys <= set(results["environment"]) and results["environment"]["backend"] == "cpu"
+    rows = {(r["mode"], r["variant"]): r for r in results["cells"]}
+    assert len(rows) == 2 * 5
+    for mode in ("forward", "forward_backward"):
+        for variant in ("pallas", "xla", "jax_nn_xla"):
+            row = rows[mode, variant]
+            assert row["time_ms"] > 0 and row["rel_diff_vs_float32"] < 1e-5, row
+            assert row["temp_bytes"] is not None
+        assert rows[mode, "xla"]["ratio_to_xla"] == 1.0
+        assert "GPU only" in rows[mode, "cudnn"]["unavailable"]
+        assert "GPU only" in rows[mode, "tokamax"]["unavailable"]
+    table = (tmp_path / "results.md").read_text()
+    assert "| tiny 2x32 h2x16 | float32 | forward_backward | pallas |" in table
+
+
+def test_gpu_benchmark_rejects_unknown_variants():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_cfg", ROOT / "configs" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config("gpu_smoke")
+    cfg.variants = ("pallas", "flash")
+    with pytest.raises(ValueError, match=r"config.variants entries must be in .*got 'flash'"):
+        gpu_benchmark.run(cfg)

@@ -1,0 +1,487 @@
+"""A fused attention kernel for GPUs in Pallas (Triton lowering), biases shared over the batch included.
+
+Forward: one program per (batch row, head, block of queries) streams the keys in blocks with an
+online softmax (FlashAttention-2) and saves the log-sum-exp of each query. Every bias and the mask
+are read tile by tile through their own broadcast dimensions, so a [1, N, T, S] bias is read by
+every batch row and never copied per row, and a key mask is never expanded to [B, N, T, S].
+
+Backward, two kernels, no atomics, so the gradients are deterministic:
+  * dk, dv: one program per (batch row, head, block of keys), looping over the query blocks;
+  * dq and the bias gradients: one program per (group of batch rows, head, block of queries),
+    looping over its rows and the key blocks. The program owns the bias-gradient tiles of its
+    group, head and queries in a float32 buffer: per batch row for a per-row bias, per group for a
+    bias shared over the batch (summed over a size-1 T or S dimension inside the tile). So no
+    [B, N, T, S] array is written for a shared bias; XLA sums the few group partials afterwards.
+    Groups exist only to give the GPU enough programs: about `bias_grad_programs` of them, so
+    the partials take about bias_grad_programs x block_q x S x 4 bytes (128 MiB at S = 1,024).
+
+Numerics follow numerics.py: logits, softmax and accumulation in float32; masked logits are
+selected to MASK_VALUE (a fully masked row is then uniform); queries with no key and keys no query
+sees are zeroed as they are loaded (so masked garbage never leaks), and fully masked rows get the
+uniform average of the values as given. float32 dots run in full float32 (IEEE), not TF32, unless
+`allow_tf32`. Head dims up to 128 are padded inside the tiles to a power of two of at least 16
+(Triton's smallest dot); sequence lengths need not be multiples of the blocks (masked loads).
+
+`interpret=True` runs the same kernels in Pallas's interpreter on any backend: how they are tested
+on machines without a GPU. Without it the kernels run on GPU only (check() says so elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gated_attention import base, checks, numerics
+
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_HEAD_DIM = 128
+MIN_TILE = 16  # Triton's dot needs at least 16 rows, columns and contraction elements
+
+
+def _pallas():
+    # Imported on first use: `import gated_attention` stays free of Pallas's import time.
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    return pl, plgpu
+
+
+def _dot(a, b, **kwargs):
+    _, plgpu = _pallas()
+    return plgpu.dot(a, b, **kwargs)
+
+
+def _ds(start, size: int):
+    """pl.ds with an int32 start (a Python int is int64 where jax_enable_x64 is set)."""
+    pl, _ = _pallas()
+    return pl.ds(jnp.asarray(start, jnp.int32), size)
+
+
+def _index(ref, axis: int, i):
+    """i along a ref's axis, or 0 where that axis is broadcast (size 1)."""
+    return i if ref.shape[axis] > 1 else jnp.zeros((), jnp.int32)
+
+
+def _pow2_tile(n: int) -> int:
+    return max(MIN_TILE, 1 << max(0, n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasAttention(base.Implementation):
+    """Fused attention in Pallas/Triton with per-bias broadcast and a deterministic bias gradient.
+
+    Attributes:
+      block_q: queries per tile (a power of two >= 16; shorter sequences take a smaller tile).
+      block_k: keys per tile (likewise).
+      num_warps: Triton warps per program (None: 4, or 8 for padded head dims above 64).
+      num_stages: Triton software-pipelining stages.
+      bias_grad_programs: about how many programs the dq/bias-gradient kernel should have when a
+        bias is shared over the batch; batch rows are grouped so that it does.
+      allow_tf32: let float32 dots use TF32 on GPU (faster, about 1e-3 relative error).
+      interpret: run the kernels in Pallas's interpreter (any backend; slow, for tests).
+    """
+
+    name = "pallas"
+    block_q: int = 64
+    block_k: int = 64
+    num_warps: int | None = None
+    num_stages: int = 2
+    bias_grad_programs: int = 512
+    allow_tf32: bool = False
+    interpret: bool = False
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = checks.check_int(name, getattr(self, name), minimum=MIN_TILE)
+            if value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {MIN_TILE}, got {value}")
+        checks.check_int("num_warps", self.num_warps, optional=True)
+        checks.check_int("num_stages", self.num_stages)
+        checks.check_int("bias_grad_programs", self.bias_grad_programs)
+        checks.check_bool("allow_tf32", self.allow_tf32)
+        checks.check_bool("interpret", self.interpret)
+
+    def check(self, query, key, value, biases, mask, *, compute_dtype):
+        del key, biases, mask
+        if not self.interpret and jax.default_backend() != "gpu":
+            raise NotImplementedError(
+                f"the Pallas kernel runs on GPU only, the backend is {jax.default_backend()!r} "
+                "(PallasAttention(interpret=True) runs it in Pallas's interpreter anywhere)"
+            )
+        if jnp.dtype(compute_dtype) not in DTYPES:
+            raise NotImplementedError(
+                f"the Pallas kernel computes in float32, bfloat16 or float16, got {jnp.dtype(compute_dtype)}"
+            )
+        dims = (query.shape[-1], value.shape[-1])
+        if max(dims) > MAX_HEAD_DIM:
+            raise NotImplementedError(
+                f"the Pallas kernel takes head dims <= {MAX_HEAD_DIM}, got {dims[0]} (query/key) "
+                f"and {dims[1]} (value)"
+            )
+
+    def __call__(self, query, key, value, biases, mask, *, scale, compute_dtype):
+        live = None
+        if mask is not None:  # int8 for Triton; live queries/keys per row and head (numerics)
+            live = (
+                mask.astype(jnp.int8),
+                jnp.any(mask, axis=3).astype(jnp.int8),  # [B|1, N|1, T|1]
+                jnp.any(mask, axis=2).astype(jnp.int8),  # [B|1, N|1, S|1]
+            )
+        plan = _Plan.make(self, query, key, value, biases, scale, compute_dtype)
+        out = _attention(plan, query, key, value, tuple(biases), live)
+        return numerics.uniform_where_fully_masked(out, value, mask, head_major=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static facts of one call, shared by the three kernels (hashable: a custom_vjp argument)."""
+
+    scale: float
+    compute_dtype: str
+    block_q: int
+    block_k: int
+    head_dim: int
+    value_dim: int
+    groups: int  # batch-row groups of the dq/bias-gradient kernel
+    num_warps: int
+    num_stages: int
+    precision: lax.Precision | None
+    interpret: bool
+
+    @classmethod
+    def make(cls, impl: PallasAttention, query, key, value, biases, scale, compute_dtype):
+        batch, q_len, heads, head_dim = query.shape
+        k_len, value_dim = key.shape[1], value.shape[-1]
+        block_q = min(impl.block_q, _pow2_tile(q_len))
+        groups = batch
+        if any(b.shape[0] == 1 for b in biases) and batch > 1:
+            programs_per_row = heads * -(-q_len // block_q)
+            groups = min(batch, max(1, -(-impl.bias_grad_programs // programs_per_row)))
+        padded = max(_pow2_tile(head_dim), _pow2_tile(value_dim))
+        f32 = jnp.dtype(compute_dtype) == jnp.float32
+        return cls(
+            scale=float(scale),
+            compute_dtype=jnp.dtype(compute_dtype).name,
+            block_q=block_q,
+            block_k=min(impl.block_k, _pow2_tile(k_len)),
+            head_dim=head_dim,
+            value_dim=value_dim,
+            groups=groups,
+            num_warps=impl.num_warps or (8 if padded > 64 else 4),
+            num_stages=impl.num_stages,
+            precision=lax.Precision.HIGHEST if f32 and not impl.allow_tf32 else None,
+            interpret=impl.interpret,
+        )
+
+    def call(self, kernel, grid, out_shape, args, name, aliases=None):
+        pl, plgpu = _pallas()
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            out_shape=out_shape,
+            input_output_aliases=aliases or {},
+            compiler_params=plgpu.CompilerParams(
+                num_warps=self.num_warps, num_stages=self.num_stages
+            ),
+            interpret=self.interpret,
+            name=name,
+        )(*args)
+
+
+class _Tiles:
+    """Loads of one program's tiles: q/k/v rows of one batch row and head, bias and mask tiles."""
+
+    def __init__(self, plan: _Plan, q_len: int, k_len: int, n_bias: int, has_mask: bool):
+        self.plan, self.q_len, self.k_len = plan, q_len, k_len
+        self.n_bias, self.has_mask = n_bias, has_mask
+
+    def split(self, refs):
+        """refs after q, k, v (and any per-kernel ones) -> (bias refs, (mask, live_q, live_k) or None, rest)."""
+        biases, rest = refs[: self.n_bias], refs[self.n_bias :]
+        if not self.has_mask:
+            return biases, None, rest
+        return biases, rest[:3], rest[3:]
+
+    def span(self, index: int, block: int, length: int):
+        pl, _ = _pallas()
+        ids = index * block + jnp.arange(block, dtype=jnp.int32)
+        return _ds(index * block, block), ids < length
+
+    def rows(self, ref, b, span, n, width: int, live=None):
+        """ref [B, L, N, D] rows span of batch row b and head n -> [block, padded D], cast to compute."""
+        pl, plgpu = _pallas()
+        index, ok = span
+        padded = _pow2_tile(width)
+        mask = ok[:, None] & (jnp.arange(padded, dtype=jnp.int32) < width)[None, :]
+        x = plgpu.load(ref.at[b, index, n, _ds(0, padded)], mask=mask, other=0)
+        x = x.astype(self.plan.compute_dtype)
+        if live is not None:
+            x = jnp.where(live[:, None] != 0, x, jnp.zeros((), x.dtype))
+        return x
+
+    def store_rows(self, ref, b, span, n, width: int, x):
+        pl, plgpu = _pallas()
+        index, ok = span
+        padded = _pow2_tile(width)
+        mask = ok[:, None] & (jnp.arange(padded, dtype=jnp.int32) < width)[None, :]
+        plgpu.store(ref.at[b, index, n, _ds(0, padded)], x.astype(ref.dtype), mask=mask)
+
+    @staticmethod
+    def vector(ref, b, n, span, other=0):
+        """ref [B|1, N|1, L|1] at (b, n, span) -> [block] (or [1] for a broadcast L)."""
+        pl, plgpu = _pallas()
+        bb, nn = _index(ref, 0, b), _index(ref, 1, n)
+        index, ok = span
+        if ref.shape[2] == 1:
+            return plgpu.load(ref.at[bb, nn, _ds(0, 1)])
+        return plgpu.load(ref.at[bb, nn, index], mask=ok, other=other)
+
+    @staticmethod
+    def tile(ref, b, n, q_span, k_span, other=0):
+        """ref [B|1, N|1, T|1, S|1] at (b, n, q_span, k_span) -> [bq|1, bk|1]."""
+        pl, plgpu = _pallas()
+        bb, nn = _index(ref, 0, b), _index(ref, 1, n)
+        (q_index, q_ok), (k_index, k_ok) = q_span, k_span
+        mask = None
+        if ref.shape[2] > 1:
+            mask = q_ok[:, None]
+        else:
+            q_index = _ds(0, 1)
+        if ref.shape[3] > 1:
+            mask = k_ok[None, :] if mask is None else mask & k_ok[None, :]
+        else:
+            k_index = _ds(0, 1)
+        return plgpu.load(ref.at[bb, nn, q_index, k_index], mask=mask, other=other)
+
+    def logits(self, q, k, bias_refs, masks, b, n, q_span, k_span):
+        """Scaled, biased, masked float32 logits [bq, bk]; keys past the end get -inf."""
+        pl, _ = _pallas()
+        s = _dot(q, k, trans_b=True, precision=self.plan.precision) * self.plan.scale
+        for ref in bias_refs:
+            s = s + self.tile(ref, b, n, q_span, k_span).astype(jnp.float32)
+        if masks is not None:
+            keep = self.tile(masks[0], b, n, q_span, k_span) != 0
+            s = jnp.where(keep, s, numerics.MASK_VALUE)
+        return jnp.where(k_span[1][None, :], s, -jnp.inf)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, tiles: _Tiles):
+    pl, _ = _pallas()
+    plan = tiles.plan
+    bias_refs, masks, (o_ref, lse_ref) = tiles.split(refs)
+    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_span = tiles.span(i, plan.block_q, tiles.q_len)
+    live_q = None if masks is None else tiles.vector(masks[1], b, n, q_span)
+    q = tiles.rows(q_ref, b, q_span, n, plan.head_dim, live_q)
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        k_span = tiles.span(j, plan.block_k, tiles.k_len)
+        live_k = None if masks is None else tiles.vector(masks[2], b, n, k_span)
+        k = tiles.rows(k_ref, b, k_span, n, plan.head_dim, live_k)
+        s = tiles.logits(q, k, bias_refs, masks, b, n, q_span, k_span)
+        m = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        correction = jnp.exp(m_prev - m)
+        p = jnp.exp(s - m[:, None])
+        v = tiles.rows(v_ref, b, k_span, n, plan.value_dim, live_k)
+        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, precision=plan.precision)
+        return acc, m, l_prev * correction + jnp.sum(p, axis=1)
+
+    init = (
+        jnp.zeros((plan.block_q, _pow2_tile(plan.value_dim)), jnp.float32),
+        jnp.full((plan.block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((plan.block_q,), jnp.float32),
+    )
+    acc, m, total = lax.fori_loop(0, pl.cdiv(tiles.k_len, plan.block_k), body, init)
+    tiles.store_rows(o_ref, b, q_span, n, plan.value_dim, acc / total[:, None])
+    _, plgpu = _pallas()
+    plgpu.store(lse_ref.at[b, n, q_span[0]], m + jnp.log(total), mask=q_span[1])
+
+
+def _probabilities(tiles, q, k, bias_refs, masks, lse, b, n, q_span, k_span):
+    """Recomputed softmax weights [bq, bk] (zero on rows past the end)."""
+    s = tiles.logits(q, k, bias_refs, masks, b, n, q_span, k_span)
+    return jnp.where(q_span[1][:, None], jnp.exp(s - lse[:, None]), 0.0)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: _Tiles):
+    pl, _ = _pallas()
+    plan = tiles.plan
+    bias_refs, masks, (dk_ref, dv_ref) = tiles.split(refs)
+    b, n, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    k_span = tiles.span(j, plan.block_k, tiles.k_len)
+    live_k = None if masks is None else tiles.vector(masks[2], b, n, k_span)
+    k = tiles.rows(k_ref, b, k_span, n, plan.head_dim, live_k)
+    v = tiles.rows(v_ref, b, k_span, n, plan.value_dim, live_k)
+
+    def body(i, carry):
+        dk, dv = carry
+        q_span = tiles.span(i, plan.block_q, tiles.q_len)
+        live_q = None if masks is None else tiles.vector(masks[1], b, n, q_span)
+        q = tiles.rows(q_ref, b, q_span, n, plan.head_dim, live_q)
+        do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
+        lse = tiles.vector(lse_ref, b, n, q_span)
+        delta = tiles.vector(delta_ref, b, n, q_span)
+        p = _probabilities(tiles, q, k, bias_refs, masks, lse, b, n, q_span, k_span)
+        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True, precision=plan.precision)
+        dp = _dot(do, v, trans_b=True, precision=plan.precision)
+        ds = p * (dp - delta[:, None])
+        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True, precision=plan.precision)
+        return dk, dv
+
+    init = (
+        jnp.zeros((plan.block_k, _pow2_tile(plan.head_dim)), jnp.float32),
+        jnp.zeros((plan.block_k, _pow2_tile(plan.value_dim)), jnp.float32),
+    )
+    dk, dv = lax.fori_loop(0, pl.cdiv(tiles.q_len, plan.block_q), body, init)
+    dk = dk * plan.scale
+    if live_k is not None:  # keys no query sees were zeroed: no gradient reaches them
+        dk, dv = (jnp.where(live_k[:, None] != 0, x, 0.0) for x in (dk, dv))
+    tiles.store_rows(dk_ref, b, k_span, n, plan.head_dim, dk)
+    tiles.store_rows(dv_ref, b, k_span, n, plan.value_dim, dv)
+
+
+def _dq_dbias_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: _Tiles, shapes: tuple
+):
+    """dq of one query block of every row of a group; the bias gradients it owns (module doc)."""
+    pl, plgpu = _pallas()
+    plan = tiles.plan
+    bias_refs, masks, rest = tiles.split(refs)
+    rest = rest[len(shapes) :]  # the zero-filled buffers aliased to the outputs below
+    dq_ref, dbias_refs = rest[0], rest[1:]
+    g, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    batch = q_ref.shape[0]
+    q_span = tiles.span(i, plan.block_q, tiles.q_len)
+
+    def accumulate(ref, shape, b, k_span, ds):
+        """Adds ds, reduced to the bias's broadcast dims, into this program's tile of ref."""
+        slot = b if shape[0] > 1 else g
+        (q_index, q_ok), (k_index, k_ok) = q_span, k_span
+        mask = None
+        if shape[2] > 1:
+            mask = q_ok[:, None]
+        else:  # one partial row per query block
+            ds, q_index = jnp.sum(ds, axis=0, keepdims=True), _ds(i, 1)
+        if shape[3] > 1:
+            mask = k_ok[None, :] if mask is None else mask & k_ok[None, :]
+        else:
+            ds, k_index = jnp.sum(ds, axis=1, keepdims=True), _ds(0, 1)
+        view = ref.at[slot, n, q_index, k_index]
+        plgpu.store(view, plgpu.load(view, mask=mask, other=0.0) + ds, mask=mask)
+
+    def row(r, carry):
+        b = g + plan.groups * r
+        live_q = None if masks is None else tiles.vector(masks[1], b, n, q_span)
+        q = tiles.rows(q_ref, b, q_span, n, plan.head_dim, live_q)
+        do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
+        lse = tiles.vector(lse_ref, b, n, q_span)
+        delta = tiles.vector(delta_ref, b, n, q_span)
+
+        def body(j, dq):
+            k_span = tiles.span(j, plan.block_k, tiles.k_len)
+            live_k = None if masks is None else tiles.vector(masks[2], b, n, k_span)
+            k = tiles.rows(k_ref, b, k_span, n, plan.head_dim, live_k)
+            v = tiles.rows(v_ref, b, k_span, n, plan.value_dim, live_k)
+            p = _probabilities(tiles, q, k, bias_refs, masks, lse, b, n, q_span, k_span)
+            dp = _dot(do, v, trans_b=True, precision=plan.precision)
+            ds = p * (dp - delta[:, None])
+            for ref, shape in zip(dbias_refs, shapes, strict=True):
+                accumulate(ref, shape, b, k_span, ds)
+            return dq + _dot(ds.astype(k.dtype), k, precision=plan.precision)
+
+        init = jnp.zeros((plan.block_q, _pow2_tile(plan.head_dim)), jnp.float32)
+        dq = lax.fori_loop(0, pl.cdiv(tiles.k_len, plan.block_k), body, init) * plan.scale
+        if live_q is not None:
+            dq = jnp.where(live_q[:, None] != 0, dq, 0.0)
+        tiles.store_rows(dq_ref, b, q_span, n, plan.head_dim, dq)
+        return carry
+
+    rows = (batch - g + plan.groups - 1) // plan.groups  # rows g, g + groups, ... < batch
+    lax.fori_loop(0, rows, row, 0)
+
+
+def _forward(plan: _Plan, q, k, v, biases, live):
+    batch, q_len, heads, _ = q.shape
+    tiles = _Tiles(plan, q_len, k.shape[1], len(biases), live is not None)
+    grid = (
+        batch,
+        heads,
+        -(-q_len // plan.block_q),
+    )  # batch rows vary fastest: bias tiles stay in L2
+    out_shape = (
+        jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), q.dtype),
+        jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
+    )
+    args = (q, k, v, *biases, *(live or ()))
+    kernel = functools.partial(_forward_kernel, tiles=tiles)
+    return plan.call(kernel, grid, out_shape, args, "gated_attention_forward")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan, q, k, v, biases, live):
+    return _forward(plan, q, k, v, biases, live)[0]
+
+
+def _attention_fwd(plan, q, k, v, biases, live):
+    out, lse = _forward(plan, q, k, v, biases, live)
+    return out, (q, k, v, biases, live, out, lse)
+
+
+def _attention_bwd(plan, residuals, d_out):
+    q, k, v, biases, live, out, lse = residuals
+    batch, q_len, heads, _ = q.shape
+    k_len = k.shape[1]
+    tiles = _Tiles(plan, q_len, k_len, len(biases), live is not None)
+    delta = jnp.einsum(
+        "btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
+    )  # [B, N, T]: rowsum(dO * O), the softmax backward's correction
+    common = (q, k, v, d_out, lse, delta, *biases, *(live or ()))
+
+    dk, dv = plan.call(
+        functools.partial(_dkdv_kernel, tiles=tiles),
+        (batch, heads, -(-k_len // plan.block_k)),
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        common,
+        "gated_attention_dkdv",
+    )
+
+    # Bias-gradient buffers [slots, N, T or query blocks, S or 1], float32, zero-filled.
+    q_blocks = -(-q_len // plan.block_q)
+    shapes = tuple(tuple(b.shape) for b in biases)
+    buffers = tuple(
+        jnp.zeros(
+            (
+                batch if s[0] > 1 else plan.groups,
+                heads,
+                q_len if s[2] > 1 else q_blocks,
+                k_len if s[3] > 1 else 1,
+            ),
+            jnp.float32,
+        )
+        for s in shapes
+    )
+    first_buffer = len(common)
+    dq, *partials = plan.call(
+        functools.partial(_dq_dbias_kernel, tiles=tiles, shapes=shapes),
+        (plan.groups, heads, q_blocks),
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers),
+        ),
+        (*common, *buffers),
+        "gated_attention_dq_dbias",
+        aliases={first_buffer + t: 1 + t for t in range(len(buffers))},
+    )
+    dbiases = []
+    for bias, partial in zip(biases, partials, strict=True):
+        axes = tuple(a for a in range(4) if bias.shape[a] == 1 and partial.shape[a] > 1)
+        dbiases.append(jnp.sum(partial, axis=axes, keepdims=True).astype(bias.dtype))
+    return dq, dk, dv, tuple(dbiases), None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,147 @@
+"""PallasAttention: the kernels in Pallas's interpreter against the float64 reference (the shared
+harness, and lengths spanning several uneven tiles), their lowering to Triton for a CUDA target,
+the bias-gradient buffers' size, and dispatch (GPU only unless interpreted; 'auto' on GPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gated_attention as ga
+from tests import implementation_harness as harness
+from tests.helpers import rand
+from tests.implementation_harness import ImplementationTests
+
+# Tiles of 16 (the smallest) and two groups of batch rows for a shared bias's gradient, so the
+# harness's 5 rows exercise the grouped accumulation.
+INTERPRETED = ga.PallasAttention(block_q=16, block_k=16, bias_grad_programs=12, interpret=True)
+
+
+class TestPallasInterpreted(ImplementationTests):
+    """The forward, dk/dv and dq/bias-gradient kernels, interpreted on CPU."""
+
+    IMPL = INTERPRETED
+    DTYPES = ("float32", "bfloat16", "float16")
+
+
+def test_several_uneven_tiles_against_the_reference():
+    """T = 37 and S = 21 in tiles of 16 (partial last tiles), head dims 8 and 4 padded to 16, a
+    shared pair bias and a per-row key bias, a key mask; float32 forward and every gradient."""
+    shape = (3, 37, 21, 2, 8, 4)  # B, T, S, N, H, Hv
+    case, case64 = harness.problem(shape, "float32", "shared_bias+key_mask", seed=3)
+    key_bias, key_bias64 = rand(np.random.default_rng(5), (3, 1, 1, 21), "float32")
+    case = case._replace(bias=[case.bias, key_bias])
+    case64 = case64._replace(bias=[case64.bias, key_bias64])
+    [result] = harness.run(INTERPRETED, [case])
+    [expected] = harness.reference_run([case64])
+    harness.assert_matches(result, expected, "float32", "uneven tiles")
+
+
+def _specs(dtype=jnp.float32, head_dim=8, batch=3, q_len=20, k_len=24, heads=2):
+    sd = jax.ShapeDtypeStruct
+    return (
+        sd((batch, q_len, heads, head_dim), dtype),
+        sd((batch, k_len, heads, head_dim), dtype),
+        sd((batch, k_len, heads, 4), dtype),
+        sd((1, heads, q_len, k_len), jnp.float32),
+        sd((batch, 1, 1, k_len), jnp.bool_),
+    )
+
+
+def _loss(impl, q, k, v, bias, mask):
+    out = ga.dot_product_attention(q, k, v, bias, mask, implementation=impl)
+    return jnp.sum(out.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_lowers_to_triton_for_cuda(dtype):
+    """Forward and gradients lower to Triton kernels for a CUDA target on a machine without a GPU
+    (Pallas's Triton lowering runs; compiling the kernels needs the GPU)."""
+
+    def loss(q, k, v, bias, mask):  # the implementation itself: the op's check() wants a GPU
+        out = ga.PallasAttention()(q, k, v, (bias,), mask, scale=0.3, compute_dtype=q.dtype)
+        return jnp.sum(out.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    lowered = jax.jit(grad).trace(*_specs(jnp.dtype(dtype))).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    for name in ("gated_attention_forward", "gated_attention_dkdv", "gated_attention_dq_dbias"):
+        assert name in text, name
+    assert text.count("__gpu$xla.gpu.triton") == 3
+
+
+def test_shared_bias_gradient_is_never_per_row():
+    """The backward of a [1, N, T, S] bias with B = 64 rows writes group partials, not a
+    [B, N, T, S] array: no value of the backward program has that many elements."""
+    q, k, v, bias, mask = _specs(batch=64, q_len=32, k_len=32)
+    impl = ga.PallasAttention(block_q=16, block_k=16, bias_grad_programs=8, interpret=True)
+    grad = jax.grad(
+        lambda b: _loss(
+            impl, *(jnp.zeros(x.shape, x.dtype) for x in (q, k, v)), b, jnp.ones(mask.shape, bool)
+        )
+    )
+    jaxpr = jax.make_jaxpr(grad)(jnp.zeros(bias.shape, bias.dtype))
+    per_row = 64 * 2 * 32 * 32
+    sizes = [
+        int(np.prod(var.aval.shape)) for eqn in _pallas_calls(jaxpr.jaxpr) for var in eqn.outvars
+    ]
+    assert sizes and max(sizes) < per_row, sizes
+    # 8 programs wanted, 2 heads x 2 query blocks per row: 2 groups of partials.
+    assert 2 * 2 * 32 * 32 in sizes, sizes
+
+
+def _pallas_calls(jaxpr):
+    """The pallas_call equations of a jaxpr, nested ones (custom_vjp, pjit) included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _pallas_calls(inner)
+
+
+def test_named_on_cpu_says_to_interpret():
+    q, k, v, bias, mask = (jnp.zeros(x.shape, x.dtype) for x in _specs())
+    with pytest.raises(NotImplementedError, match="GPU only.*interpret=True"):
+        ga.dot_product_attention(q, k, v, bias, mask, implementation="pallas")
+
+
+@pytest.mark.parametrize(
+    "specs, compute_dtype, match",
+    [
+        (_specs(jnp.float64), jnp.float64, "float32, bfloat16 or float16, got float64"),
+        (_specs(head_dim=136), jnp.float32, r"head dims <= 128, got 136 \(query/key\)"),
+    ],
+)
+def test_check_says_why(specs, compute_dtype, match):
+    q, k, v, bias, mask = specs
+    with pytest.raises(NotImplementedError, match=match):
+        INTERPRETED.check(q, k, v, (bias,), mask, compute_dtype=compute_dtype)
+
+
+def test_auto_takes_it_on_gpu(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    q, k, v, bias, mask = _specs()
+    impl, reason = ga.Auto().choose(q, k, v, (bias,), mask, compute_dtype=jnp.float32)
+    assert impl.name == "pallas" and "Pallas kernel takes these inputs" in reason
+    # What the kernel cannot take goes on down the rules (float64: not cuDNN either).
+    q64, k64, v64, *_ = _specs(jnp.float64)
+    impl, _ = ga.Auto().choose(q64, k64, v64, (), None, compute_dtype=jnp.float64)
+    assert impl.name == "xla"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block_q=24), "block_q must be a power of two >= 16, got 24"),
+        (dict(block_k=8), "block_k must be an int >= 16, got 8"),
+        (dict(bias_grad_programs=0), "bias_grad_programs must be an int >= 1, got 0"),
+        (dict(interpret="yes"), "interpret must be a bool, got 'yes'"),
+    ],
+)
+def test_bad_tuning_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ga.PallasAttention(**kwargs)
