@@ -83,16 +83,23 @@ def test_naming_cudnn_on_cpu_raises_not_implemented():
         jax.eval_shape(lambda x: ga.dot_product_attention(x, x, x, implementation="cudnn"), x)
 
 
-def test_auto_picks_cudnn_only_on_gpu_for_half_precision(monkeypatch):
-    def chosen(dtype):
+class _PallasDeclines(ga.PallasAttention):
+    def check(self, *args, **kwargs):
+        raise NotImplementedError("declined for this test")
+
+
+def test_auto_picks_cudnn_on_gpu_for_half_precision_after_pallas(monkeypatch):
+    def chosen(dtype, auto=None):
         q, kv = _spec((B, T, N, H), dtype), _spec((B, S, N, H), dtype)
-        impl, reason = ga.Auto().choose(q, kv, kv, (), None, compute_dtype=dtype)
+        impl, reason = (auto or ga.Auto()).choose(q, kv, kv, (), None, compute_dtype=dtype)
         assert reason
         return impl.name
 
     if jax.default_backend() != "gpu":
         assert chosen(jnp.bfloat16) == "xla"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert chosen(jnp.bfloat16) == "cudnn"
-    assert chosen(jnp.float16) == "cudnn"
-    assert chosen(jnp.float32) == "xla"
+    assert chosen(jnp.bfloat16) == "pallas"  # the fused kernel first
+    no_pallas = ga.Auto(pallas=_PallasDeclines())
+    assert chosen(jnp.bfloat16, no_pallas) == "cudnn"
+    assert chosen(jnp.float16, no_pallas) == "cudnn"
+    assert chosen(jnp.float32, no_pallas) == "xla"

@@ -108,6 +108,7 @@ def test_names_and_instances():
         "xla": ga.XlaAttention(),
         "chunked": ga.ChunkedAttention(),
         "cudnn": ga.CudnnAttention(),
+        "pallas": ga.PallasAttention(),
     }
     args, _ = _inputs()
     for implementation, name in (("chunked", "chunked"), (ga.ChunkedAttention(), "chunked")):
@@ -128,7 +129,7 @@ def test_names_and_instances():
         (
             "flash",
             ValueError,
-            r"implementation must be one of \('auto', 'xla', 'chunked', 'cudnn'\)",
+            r"implementation must be one of \('auto', 'xla', 'chunked', 'cudnn', 'pallas'\)",
         ),
         (("xla", "flash"), ValueError, r"implementation\[1\] must be one of \('auto', 'xla'"),
         ((), ValueError, "implementation must not be an empty sequence"),
