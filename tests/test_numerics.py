@@ -95,8 +95,8 @@ def test_module_default_on_cpu_is_the_float32_computation(dtype):
     assert out.dtype == jnp.dtype(dtype)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
     # Gradients flow back to the low-precision parameters in their own dtype.
-    grads = jax.grad(
-        lambda p: jnp.sum(_module("auto").apply(p, x, mask, bias).astype(jnp.float32))
+    grads = jax.jit(
+        jax.grad(lambda p: jnp.sum(_module("auto").apply(p, x, mask, bias).astype(jnp.float32)))
     )(params)
     assert all(g.dtype == jnp.dtype(dtype) for g in jax.tree.leaves(grads))
     assert all(bool(jnp.isfinite(g.astype(jnp.float32)).all()) for g in jax.tree.leaves(grads))
