@@ -12,6 +12,12 @@ import jax  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+# One compilation cache for both pytest-xdist workers: the float64 reference programs and the
+# harness's programs of a shape are compiled once, not once per worker (compile time is the cost).
+jax.config.update(
+    "jax_compilation_cache_dir", os.path.join(os.path.dirname(__file__), ".jax_cache")
+)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")
