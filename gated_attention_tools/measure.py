@@ -155,9 +155,14 @@ def resident_memory(builder: str, kwargs: dict[str, Any], timeout_s: float = 180
         # buffers are not served from memory that the warm-up call left in malloc's free lists.
         MALLOC_MMAP_THRESHOLD_="131072",
     )
+    return _child("resident-memory", [], builder, kwargs, env, timeout_s)
+
+
+def _child(probe: str, flags: list[str], builder, kwargs, env, timeout_s) -> dict[str, Any]:
+    """Runs this module's child process for a probe; its last JSON line, or RuntimeError."""
     spec = json.dumps(dict(builder=builder, kwargs=kwargs))
     result = subprocess.run(
-        [sys.executable, "-m", "gated_attention_tools.measure", spec],
+        [sys.executable, "-m", "gated_attention_tools.measure", *flags, spec],
         capture_output=True,
         text=True,
         env=env,
@@ -166,7 +171,7 @@ def resident_memory(builder: str, kwargs: dict[str, Any], timeout_s: float = 180
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
         raise RuntimeError(
-            f"resident-memory probe of {builder}({kwargs}) failed with exit code "
+            f"{probe} probe of {builder}({kwargs}) failed with exit code "
             f"{result.returncode}:\n{result.stderr[-3000:]}"
         )
     return json.loads(lines[-1])
@@ -239,21 +244,7 @@ def device_memory(builder: str, kwargs: dict[str, Any], timeout_s: float = 1800)
         os.environ,
         PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parents[1]), *sys.path]),
     )
-    spec = json.dumps(dict(builder=builder, kwargs=kwargs))
-    result = subprocess.run(
-        [sys.executable, "-m", "gated_attention_tools.measure", "--device", spec],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout_s,
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"device-memory probe of {builder}({kwargs}) failed with exit code "
-            f"{result.returncode}:\n{result.stderr[-3000:]}"
-        )
-    return json.loads(lines[-1])
+    return _child("device-memory", ["--device"], builder, kwargs, env, timeout_s)
 
 
 def _device_child(spec_json: str) -> dict[str, Any]:
