@@ -223,6 +223,18 @@ class _Tiles:
             x = jnp.where(live[:, None] != 0, x, jnp.zeros((), x.dtype))
         return x
 
+    def queries(self, q_ref, masks, b, n, q_span):
+        """(q [bq, padded H] with dead queries zeroed, live_q or None) of one query block."""
+        live_q = None if masks is None else self.vector(masks[1], b, n, q_span)
+        return self.rows(q_ref, b, q_span, n, self.plan.head_dim, live_q), live_q
+
+    def keys_values(self, k_ref, v_ref, masks, b, n, k_span):
+        """(k, v with keys no query sees zeroed, live_k or None) of one key block."""
+        live_k = None if masks is None else self.vector(masks[2], b, n, k_span)
+        k = self.rows(k_ref, b, k_span, n, self.plan.head_dim, live_k)
+        v = self.rows(v_ref, b, k_span, n, self.plan.value_dim, live_k)
+        return k, v, live_k
+
     def store_rows(self, ref, b, span, n, width: int, x):
         pl, plgpu = _pallas()
         index, ok = span
@@ -270,24 +282,21 @@ class _Tiles:
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, tiles: _Tiles):
-    pl, _ = _pallas()
+    pl, plgpu = _pallas()
     plan = tiles.plan
     bias_refs, masks, (o_ref, lse_ref) = tiles.split(refs)
     b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_span = tiles.span(i, plan.block_q, tiles.q_len)
-    live_q = None if masks is None else tiles.vector(masks[1], b, n, q_span)
-    q = tiles.rows(q_ref, b, q_span, n, plan.head_dim, live_q)
+    q, _ = tiles.queries(q_ref, masks, b, n, q_span)
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
         k_span = tiles.span(j, plan.block_k, tiles.k_len)
-        live_k = None if masks is None else tiles.vector(masks[2], b, n, k_span)
-        k = tiles.rows(k_ref, b, k_span, n, plan.head_dim, live_k)
+        k, v, _ = tiles.keys_values(k_ref, v_ref, masks, b, n, k_span)
         s = tiles.logits(q, k, bias_refs, masks, b, n, q_span, k_span)
         m = jnp.maximum(m_prev, jnp.max(s, axis=1))
         correction = jnp.exp(m_prev - m)
         p = jnp.exp(s - m[:, None])
-        v = tiles.rows(v_ref, b, k_span, n, plan.value_dim, live_k)
         acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, precision=plan.precision)
         return acc, m, l_prev * correction + jnp.sum(p, axis=1)
 
@@ -298,7 +307,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tiles: _Tiles):
     )
     acc, m, total = lax.fori_loop(0, pl.cdiv(tiles.k_len, plan.block_k), body, init)
     tiles.store_rows(o_ref, b, q_span, n, plan.value_dim, acc / total[:, None])
-    _, plgpu = _pallas()
     plgpu.store(lse_ref.at[b, n, q_span[0]], m + jnp.log(total), mask=q_span[1])
 
 
@@ -314,15 +322,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: 
     bias_refs, masks, (dk_ref, dv_ref) = tiles.split(refs)
     b, n, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k_span = tiles.span(j, plan.block_k, tiles.k_len)
-    live_k = None if masks is None else tiles.vector(masks[2], b, n, k_span)
-    k = tiles.rows(k_ref, b, k_span, n, plan.head_dim, live_k)
-    v = tiles.rows(v_ref, b, k_span, n, plan.value_dim, live_k)
+    k, v, live_k = tiles.keys_values(k_ref, v_ref, masks, b, n, k_span)
 
     def body(i, carry):
         dk, dv = carry
         q_span = tiles.span(i, plan.block_q, tiles.q_len)
-        live_q = None if masks is None else tiles.vector(masks[1], b, n, q_span)
-        q = tiles.rows(q_ref, b, q_span, n, plan.head_dim, live_q)
+        q, _ = tiles.queries(q_ref, masks, b, n, q_span)
         do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
         lse = tiles.vector(lse_ref, b, n, q_span)
         delta = tiles.vector(delta_ref, b, n, q_span)
@@ -376,17 +381,14 @@ def _dq_dbias_kernel(
 
     def row(r, carry):
         b = g + plan.groups * r
-        live_q = None if masks is None else tiles.vector(masks[1], b, n, q_span)
-        q = tiles.rows(q_ref, b, q_span, n, plan.head_dim, live_q)
+        q, live_q = tiles.queries(q_ref, masks, b, n, q_span)
         do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
         lse = tiles.vector(lse_ref, b, n, q_span)
         delta = tiles.vector(delta_ref, b, n, q_span)
 
         def body(j, dq):
             k_span = tiles.span(j, plan.block_k, tiles.k_len)
-            live_k = None if masks is None else tiles.vector(masks[2], b, n, k_span)
-            k = tiles.rows(k_ref, b, k_span, n, plan.head_dim, live_k)
-            v = tiles.rows(v_ref, b, k_span, n, plan.value_dim, live_k)
+            k, v, _ = tiles.keys_values(k_ref, v_ref, masks, b, n, k_span)
             p = _probabilities(tiles, q, k, bias_refs, masks, lse, b, n, q_span, k_span)
             dp = _dot(do, v, trans_b=True, precision=plan.precision)
             ds = p * (dp - delta[:, None])

@@ -183,26 +183,34 @@ def test_resident_memory_probe_reports_a_failing_builder():
         measure.resident_memory(f"{__name__}:_ones_summed", dict(mib=64, typo=1))
 
 
-def test_benchmark_script_smoke(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _run_benchmark_script(preset, out_dir, *flags):
+    """scripts/benchmark.py with a configs/benchmark.py preset on CPU: (process, results.json)."""
     result = subprocess.run(
         [
             sys.executable,
             str(ROOT / "scripts" / "benchmark.py"),
-            f"--config={ROOT / 'configs' / 'benchmark.py'}:smoke",
-            f"--config.output_dir={tmp_path}",
-            "--config.implementations=('auto', 'xla')",
-            "--config.sweep_lengths=(64,)",
-            "--config.modes=('forward',)",  # forward_backward cells: test_run_cell_rows_are_consistent
+            f"--config={ROOT / 'configs' / 'benchmark.py'}:{preset}",
+            f"--config.output_dir={out_dir}",
+            *flags,
         ],
         capture_output=True,
         text=True,
-        env=env,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
         cwd=ROOT,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    return result, json.loads((out_dir / "results.json").read_text())
+
+
+def test_benchmark_script_smoke(tmp_path):
+    result, results = _run_benchmark_script(
+        "smoke",
+        tmp_path,
+        "--config.implementations=('auto', 'xla')",
+        "--config.sweep_lengths=(64,)",
+        "--config.modes=('forward',)",  # forward_backward cells: test_run_cell_rows_are_consistent
+    )
     shapes = {r["shape"] for r in results["cells"]}
     assert shapes == {
         "tiny 2x32 c16 h2",
@@ -243,22 +251,7 @@ def test_benchmark_presets_share_one_schema():
 def test_gpu_benchmark_script_smoke_on_cpu(tmp_path):
     """The GPU preset's pipeline on CPU: the Pallas kernels interpreted, what needs a GPU or a
     package not installed reported with the reason, the environment recorded."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "benchmark.py"),
-            f"--config={ROOT / 'configs' / 'benchmark.py'}:gpu_smoke",
-            f"--config.output_dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    _, results = _run_benchmark_script("gpu_smoke", tmp_path)
     env_keys = {"jax", "jaxlib", "backend", "device_kind", "date_utc", "command"}
     assert env_keys <= set(results["environment"]) and results["environment"]["backend"] == "cpu"
     rows = {(r["mode"], r["variant"]): r for r in results["cells"]}
