@@ -1,6 +1,7 @@
 """Installs gated_attention and its tooling, gated_attention_tools (the experiment schema, run and
 benchmark logic behind scripts/ and tests/): `pip install -e .[test]` for the tests, `.[bench]` for
-plots, `.[gpu-bench]` (with JAX's CUDA build) for the GPU benchmark's other kernels."""
+the benchmark (AF2's package as the baseline, plots), `.[gpu-bench]` (with JAX's CUDA build) for the
+GPU benchmark's other kernels."""
 
 import re
 from pathlib import Path
@@ -38,9 +39,18 @@ setup(
         "ml_collections>=0.1.1",
     ],
     extras_require={
-        # ruff pinned: its format output changes between releases.
-        "test": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff==0.17.6"],
-        "bench": ["matplotlib>=3.7"],
+        # ruff pinned: its format output changes between releases. AF2 as users install it
+        # (alphafold-colabfold, whose modules.py imports colabfold-kernels): the tests run its
+        # EvoformerIteration with our attention, and the benchmarks take it as the baseline.
+        "test": [
+            "pytest>=7",
+            "pytest-xdist>=3",
+            "hypothesis>=6",
+            "ruff==0.17.6",
+            "alphafold-colabfold==2.3.27",
+            "colabfold-kernels==0.9.0",
+        ],
+        "bench": ["matplotlib>=3.7", "alphafold-colabfold==2.3.27", "colabfold-kernels==0.9.0"],
         # The GPU benchmark's other kernels: AF2 as alphafold-colabfold runs it on GPU (with
         # colabfold-kernels), and tokamax 0.0.12 (the release AF3 pins with jax 0.10.2).
         "gpu-bench": [

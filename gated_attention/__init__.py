@@ -15,8 +15,11 @@ Public API (everything else is internal):
   load_af2_params, save_af2_params, check_params, diff_params
                                          AlphaFold 2 .npz checkpoints <-> Haiku params.
   head_parallel_specs                    partition specs sharding AF2's params by head.
+  af2_package.use_gated_attention        AlphaFold 2's own model (alphafold-colabfold) built with
+                                         these attention modules.
 """
 
+from gated_attention import af2_package
 from gated_attention.alphafold import (
     MSAColumnAttention,
     MSAColumnGlobalAttention,
@@ -60,6 +63,7 @@ __all__ = [
     "PallasAttention",
     "TriangleAttention",
     "XlaAttention",
+    "af2_package",
     "apply_dropout",
     "check_params",
     "diff_params",

@@ -1,0 +1,146 @@
+"""AlphaFold 2's own EvoformerIteration (the alphafold-colabfold package) with our attention swapped
+in: the same parameters give AF2's outputs and gradients (float32 relative difference <= 1e-5)."""
+
+import types
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gated_attention as ga
+from gated_attention import af2_package
+
+config = pytest.importorskip("alphafold.model.config", reason="needs alphafold-colabfold")
+modules = af2_package.alphafold_modules()
+
+S, R, C_M, C_Z = 6, 10, 32, 16  # MSA rows (AF2's subbatch_size 4: 4 + 2), residues, channels
+TOL = 1e-5
+
+
+def _model_config():
+    c = config.model_config("model_1").model
+    return c
+
+
+def _block(is_extra_msa, is_training):
+    c = _model_config()
+
+    def block(msa, pair, msa_mask, pair_mask):
+        iteration = modules.EvoformerIteration(
+            c.embeddings_and_evoformer.evoformer, c.global_config, is_extra_msa=is_extra_msa
+        )
+        acts, masks = {"msa": msa, "pair": pair}, {"msa": msa_mask, "pair": pair_mask}
+        return iteration(acts, masks, is_training=is_training)
+
+    return block
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    return (
+        f32(rng.normal(size=(S, R, C_M))),
+        f32(rng.normal(size=(R, R, C_Z))),
+        f32(rng.random((S, R)) > 0.2),
+        f32(rng.random((R, R)) > 0.2),
+    )
+
+
+def _random_params(transformed, args):
+    """Random parameters of AF2's shapes (from the traced init: no RNG program is compiled), scaled
+    so that every projection keeps unit-sized activations; LayerNorm scales around 1."""
+    rng = np.random.default_rng(3)
+    shapes = jax.eval_shape(transformed.init, jax.random.PRNGKey(0), *args)
+
+    def draw(path, spec):
+        scale = 1 / np.sqrt(spec.shape[0]) if len(spec.shape) > 1 else 0.2
+        x = scale * rng.normal(size=spec.shape) + (path[-1].key == "scale")
+        return jnp.asarray(x, spec.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def _rel_diff(actual, expected):
+    """The largest max|a - b| / max|b| over the leaves; a leaf whose |b| is below 1e-2 of the
+    largest leaf's (a gradient that is zero in exact arithmetic, e.g. of the pair LayerNorm's
+    offset, which shifts every logit of a head alike) is measured against that instead."""
+    scales = [float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(expected)]
+    floor = 1e-2 * max(scales)
+    worst = 0.0
+    for a, b, s in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), scales, strict=True):
+        worst = max(worst, float(jnp.max(jnp.abs(a - b))) / max(s, floor))
+    return worst
+
+
+@pytest.mark.parametrize("is_extra_msa", [False, True], ids=["main_msa", "extra_msa"])
+def test_evoformer_iteration_inference_matches_af2(is_extra_msa):
+    block = _block(is_extra_msa, is_training=False)
+    af2, ours = hk.transform(block), hk.transform(af2_package.use_gated_attention()(block))
+    args = _inputs()
+    params = _random_params(af2, args)
+    # Our modules create exactly AF2's parameters: names, shapes and dtypes.
+    assert jax.eval_shape(ours.init, jax.random.PRNGKey(0), *args) == jax.eval_shape(
+        af2.init, jax.random.PRNGKey(0), *args
+    )
+    key = jax.random.PRNGKey(1)
+    expected = jax.jit(af2.apply)(params, key, *args)
+    actual = jax.jit(ours.apply)(params, key, *args)
+    assert _rel_diff(actual, expected) <= TOL
+
+
+def test_evoformer_iteration_training_gradients_match_af2():
+    """is_training=True (AF2's dropout, same keys): the gradients for every parameter and input."""
+    block = _block(is_extra_msa=False, is_training=True)
+    af2, ours = hk.transform(block), hk.transform(af2_package.use_gated_attention()(block))
+    args = _inputs()
+    params = _random_params(af2, args)
+    key = jax.random.PRNGKey(2)
+
+    def grads(transformed):
+        def loss(params, msa, pair):
+            out = transformed.apply(params, key, msa, pair, *args[2:])
+            return jnp.sum(out["msa"] ** 2) + jnp.sum(out["pair"] ** 2)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, *args[:2])
+
+    assert _rel_diff(grads(ours), grads(af2)) <= TOL
+
+
+class _ZeroUpdate(hk.Module):
+    """A stand-in family module whose update is zero."""
+
+    def __init__(self, config, global_config, name="zero"):
+        super().__init__(name=name)
+        self.config = config
+
+    def __call__(self, act, mask, *args, **kwargs):
+        return jnp.zeros_like(act)
+
+
+def test_swap_is_scoped_and_reentrant():
+    originals = {name: getattr(modules, name) for name in af2_package.FAMILY}
+    swap = af2_package.use_gated_attention()
+    with swap as patched:
+        assert patched is modules
+        assert modules.TriangleAttention is ga.TriangleAttention
+        with af2_package.use_gated_attention({"TriangleAttention": _ZeroUpdate}):
+            assert modules.TriangleAttention is _ZeroUpdate
+            assert modules.MSAColumnAttention is ga.MSAColumnAttention
+        assert modules.TriangleAttention is ga.TriangleAttention
+    assert {name: getattr(modules, name) for name in af2_package.FAMILY} == originals
+    with pytest.raises(RuntimeError), swap:  # restored when the block raises too
+        raise RuntimeError
+    assert modules.MSARowAttentionWithPairBias is originals["MSARowAttentionWithPairBias"]
+
+
+def test_swap_rejects_unknown_names_and_targets():
+    with pytest.raises(ValueError, match=r"replacements names \['Attention'\].*expected keys"):
+        af2_package.use_gated_attention({"Attention": ga.Attention})
+    not_af2 = types.ModuleType("not_af2")
+    swap = af2_package.use_gated_attention(target=not_af2)
+    with pytest.raises(AttributeError, match="not_af2 has no"), swap:
+        pass
+    with af2_package.use_gated_attention():  # the lock was released after the failed entry
+        pass
