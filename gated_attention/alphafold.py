@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from gated_attention import config as config_lib
-from gated_attention import modules, numerics
+from gated_attention import mapping, modules, numerics
 
 # Axis whose dropout mask is shared when config.shared_dropout, per orientation (AF2: per_row -> 0,
 # per_column -> 1 of [N_seq|N_res, N_res, c]); counted from the end so leading axes may be added.
@@ -94,37 +94,60 @@ def _check_orientation(config: config_lib.ModuleConfig, expected: str, module: s
         )
 
 
-def _layer_norm(x: jax.Array, name: str) -> jax.Array:
-    """AF2's LayerNorm over channels, computed and returned in float32 (float64 for float64 x).
+def _norm_params(name: str, channels: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """AF2's LayerNorm parameters '<name>/scale' (ones) and '<name>/offset' (zeros) [channels],
+    in float32 (float64 for float64 activations), as hk.LayerNorm creates them for the float32
+    input AF2 gives it."""
+    acc = numerics.accumulation_dtype(dtype)
+    with hk.name_scope(name):
+        scale = hk.get_parameter("scale", (channels,), acc, init=jnp.ones)
+        offset = hk.get_parameter("offset", (channels,), acc, init=jnp.zeros)
+    return scale, offset
 
-    Its params are created in that dtype too (AF2's bfloat16 mode); callers cast the result.
-    """
-    acc = numerics.accumulation_dtype(x.dtype)
-    norm = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True, name=name)
-    return norm(x.astype(acc))
+
+def _layer_norm(x: jax.Array, norm: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """hk.LayerNorm's formula over channels (eps 1e-5), computed and returned in norm's dtype."""
+    scale, offset = norm
+    x = x.astype(scale.dtype)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    variance = jnp.var(x, axis=-1, keepdims=True)
+    return scale * jax.lax.rsqrt(variance + jnp.asarray(1e-5, x.dtype)) * (x - mean) + offset
 
 
-def _pair_bias(pair_normed: jax.Array, num_head: int, dtype: Any) -> jax.Array:
-    """feat_2d_weights [c_z, h] ~ N(0, 1/c_z) in `dtype`; the [h, q, k] bias in pair_normed's dtype.
+def _normalizer(norm: tuple[jax.Array, jax.Array]) -> Callable[[jax.Array], jax.Array]:
+    """The LayerNorm as the attention's input_transform: applied inside each row tile (so it is
+    recomputed in the backward pass, not saved whole) and cast back to the input's dtype."""
+    return lambda x: _layer_norm(x, norm).astype(x.dtype)
 
-    pair_normed is the float32 (float64) LayerNorm output, so the bias is computed in float32.
-    """
-    c_z = pair_normed.shape[-1]
+
+def _pair_bias(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget_mib: float):
+    """feat_2d_weights [c_z, h] ~ N(0, 1/c_z) in `dtype`; the [h, q, k] bias of the layer-normed
+    pair, computed in float32 (the op adds it to float32 logits).
+
+    It runs in tiles of pair rows that fit the memory budget, each recomputed in the backward
+    pass: the normed pair and its LayerNorm's cotangents, each the size of the pair (512 MiB at
+    N_res 1,024), are never held whole."""
+    q_len, k_len, c_z = pair_act.shape
     init = hk.initializers.RandomNormal(stddev=1.0 / math.sqrt(c_z))
     weights = hk.get_parameter("feat_2d_weights", (c_z, num_head), dtype, init=init)
-    weights = weights.astype(pair_normed.dtype)
-    return jnp.einsum("qkc,ch->hqk", pair_normed, weights)  # [h, q, k]
+
+    def bias(pair, norm, weights):  # [rows, k, c_z] -> [rows, k, h]
+        normed = _layer_norm(pair, norm)
+        return jnp.einsum("qkc,ch->qkh", normed, weights.astype(normed.dtype))
+
+    # About six float32 arrays of a row (the normed pair, LayerNorm temporaries, cotangents) in a
+    # quarter of the budget: the rest holds the attention's tiles and the pair's cotangent.
+    rows = max(1, int(budget_mib * 2**20) // (4 * 6 * 4 * k_len * c_z))
+    args = [pair_act, *(x[None] for x in norm), weights[None]]  # size 1: shared by the tiles
+    batched = [True, False, False, False]
+    shared = lambda pair, scale, offset, w: bias(pair, (scale[0], offset[0]), w[0])
+    out = mapping.subbatch(jax.checkpoint(shared), args, subbatch_size=rows, batched=batched)
+    return jnp.moveaxis(out, -1, 0)  # [h, q, k]
 
 
 def _check_msa(msa_act: Any, msa_mask: Any) -> None:
     _check_act("msa_act", msa_act, "[..., N_seq, N_res, c_m]")
     _check_mask("msa_mask", msa_mask, tuple(msa_act.shape[:-1]), "msa_act")
-
-
-def _normed_columns(msa_act: jax.Array) -> jax.Array:
-    """msa_act [s, r, c_m] layer-normed (AF2's query_norm) and transposed to columns [r, s, c_m]."""
-    normed = _layer_norm(msa_act, "query_norm").astype(msa_act.dtype)  # [s, r, c_m]
-    return jnp.swapaxes(normed, -3, -2)
 
 
 def _key_mask(mask: jax.Array) -> jax.Array:
@@ -155,13 +178,25 @@ class _FamilyModule(hk.Module):
         """AF2 subbatches at inference only (its `low_memory=not is_training`)."""
         return None if is_training else self.global_config.subbatch_size
 
+    def _pair_bias(self, pair_act, norm, dtype) -> jax.Array:
+        budget = self.global_config.memory_budget_mib
+        return _pair_bias(pair_act, norm, self.config.num_head, dtype, budget)
+
     @hk.transparent
-    def _attention(self, q_data, mask, bias, is_training) -> jax.Array:
-        """The inner gated self-attention ('attention'): [..., b, q, c] -> [..., b, q, c]."""
+    def _attention(self, act, norm, mask, bias, is_training) -> jax.Array:
+        """The inner gated self-attention ('attention') of the layer-normed act: [..., b, q, c] ->
+        [..., b, q, c]."""
         attention = modules.Attention(
-            self.config, self.global_config, q_data.shape[-1], name="attention"
+            self.config, self.global_config, act.shape[-1], name="attention"
         )
-        return attention(q_data, q_data, mask, bias, subbatch_size=self._subbatch_size(is_training))
+        return attention(
+            act,
+            act,
+            mask,
+            bias,
+            subbatch_size=self._subbatch_size(is_training),
+            input_transform=_normalizer(norm),
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -213,10 +248,10 @@ class MSARowAttentionWithPairBias(_FamilyModule):
             )
 
         def update(msa_act, msa_mask, pair_act):
-            msa_normed = _layer_norm(msa_act, "query_norm").astype(msa_act.dtype)  # [s, r, c_m]
-            pair_normed = _layer_norm(pair_act, "feat_2d_norm")  # [r, r, c_z]
-            bias = _pair_bias(pair_normed, self.config.num_head, msa_act.dtype)  # [h, r, r]
-            return self._attention(msa_normed, _key_mask(msa_mask), bias, is_training)
+            norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
+            pair_norm = _norm_params("feat_2d_norm", pair_act.shape[-1], pair_act.dtype)
+            bias = self._pair_bias(pair_act, pair_norm, msa_act.dtype)  # [h, r, r]
+            return self._attention(msa_act, norm, _key_mask(msa_mask), bias, is_training)
 
         return _map_leading(update, len(lead), msa_act, msa_mask, pair_act)
 
@@ -244,9 +279,10 @@ class MSAColumnAttention(_FamilyModule):
         _check_msa(msa_act, msa_mask)
 
         def update(msa_act, msa_mask):
-            cols = _normed_columns(msa_act)  # [r, s, c_m]
+            norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
+            cols = jnp.swapaxes(msa_act, -3, -2)  # [r, s, c_m]
             mask = _key_mask(jnp.swapaxes(msa_mask, -2, -1))  # [r, 1, 1, s]
-            return jnp.swapaxes(self._attention(cols, mask, None, is_training), -3, -2)
+            return jnp.swapaxes(self._attention(cols, norm, mask, None, is_training), -3, -2)
 
         return _map_leading(update, msa_act.ndim - 3, msa_act, msa_mask)
 
@@ -275,12 +311,19 @@ class MSAColumnGlobalAttention(_FamilyModule):
         _check_msa(msa_act, msa_mask)
 
         def update(msa_act, msa_mask):
-            cols = _normed_columns(msa_act)  # [r, s, c_m]
+            norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
+            cols = jnp.swapaxes(msa_act, -3, -2)  # [r, s, c_m]
             mask = jnp.swapaxes(msa_mask.astype(bool), -2, -1)[..., None]  # [r, s, 1]
             attention = modules.GlobalAttention(
                 self.config, self.global_config, cols.shape[-1], name="attention"
             )
-            out = attention(cols, cols, mask, subbatch_size=self._subbatch_size(is_training))
+            out = attention(
+                cols,
+                cols,
+                mask,
+                subbatch_size=self._subbatch_size(is_training),
+                input_transform=_normalizer(norm),
+            )
             return jnp.swapaxes(out, -3, -2)  # [s, r, c_m]
 
         return _map_leading(update, msa_act.ndim - 3, msa_act, msa_mask)
@@ -318,12 +361,14 @@ class TriangleAttention(_FamilyModule):
         per_column = self.config.orientation == "per_column"
 
         def update(pair_act, pair_mask):
-            normed = _layer_norm(pair_act, "query_norm")  # [r, r, c_z], float32
+            norm = _norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
             if per_column:
-                normed, pair_mask = jnp.swapaxes(normed, -3, -2), jnp.swapaxes(pair_mask, -2, -1)
-            bias = _pair_bias(normed, self.config.num_head, pair_act.dtype)  # [h, r, r]
-            normed = normed.astype(pair_act.dtype)
-            out = self._attention(normed, _key_mask(pair_mask), bias, is_training)
+                pair_act, pair_mask = (
+                    jnp.swapaxes(pair_act, -3, -2),
+                    jnp.swapaxes(pair_mask, -2, -1),
+                )
+            bias = self._pair_bias(pair_act, norm, pair_act.dtype)  # [h, r, r]
+            out = self._attention(pair_act, norm, _key_mask(pair_mask), bias, is_training)
             return jnp.swapaxes(out, -3, -2) if per_column else out
 
         return _map_leading(update, pair_act.ndim - 3, pair_act, pair_mask)

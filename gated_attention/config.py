@@ -24,6 +24,8 @@ from gated_attention.chunked import ChunkedAttention
 ORIENTATIONS = ("per_row", "per_column")
 DEFAULT_MEMORY_BUDGET_MIB = attention.DEFAULT_MEMORY_BUDGET_BYTES // 2**20
 IMPLEMENTATION_NAMES = ("auto", *attention.IMPLEMENTATIONS)
+# What a module's row tiles save for the backward pass (modules.remat_saveable).
+REMAT_POLICIES = ("auto", "projections", "nothing", "everything")
 
 
 def _as_dict(config: Any, name: str) -> dict[str, Any]:
@@ -123,6 +125,10 @@ class GlobalConfig:
       memory_budget_mib: working-set budget used by 'auto' choices.
       compute_dtype: precision policy, one of numerics.POLICIES ('auto': bfloat16/float16 inputs
         are computed in float32 on CPU; 'input': in their own dtype, as AF2; 'float32').
+      remat_policy: what a module's row tiles save for the backward pass (training memory):
+        'projections' (q/k/v/gate kept, attention recomputed), 'nothing' (the tile recomputed:
+        the least memory), 'everything' (nothing recomputed), or 'auto': 'projections' when
+        they fit memory_budget_mib, else 'nothing'. See modules.remat_saveable.
     """
 
     zero_init: bool = True
@@ -134,10 +140,12 @@ class GlobalConfig:
     key_chunk_size: int | None = None
     memory_budget_mib: float = DEFAULT_MEMORY_BUDGET_MIB
     compute_dtype: str = "auto"
+    remat_policy: str = "auto"
 
     def __post_init__(self):
         where = "global_config"
         checks.check_one_of(f"{where}.compute_dtype", self.compute_dtype, numerics.POLICIES)
+        checks.check_one_of(f"{where}.remat_policy", self.remat_policy, REMAT_POLICIES)
         _check_bool(where, "zero_init", self.zero_init)
         if self.subbatch_size != "auto":
             _check_int(where, "subbatch_size", self.subbatch_size, 1, optional=True)

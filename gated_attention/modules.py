@@ -14,6 +14,7 @@ tiling rule (rows_per_tile) decides whether the whole forward runs in tiles of b
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import haiku as hk
@@ -136,16 +137,18 @@ class _AttentionModule(hk.Module):
         """forward(*args) on tiles of rows of the leading axis, by rows_per_tile(**row).
 
         args: arrays with the leading batch axis, or with size 1 there (shared), or None.
+        Under differentiation each tile saves what global_config.remat_policy says and
+        recomputes the rest in the backward pass (remat_saveable).
         """
         budget = int(self.global_config.memory_budget_mib * 2**20)
-        rows = rows_per_tile(args[0].shape[0], subbatch_size, budget, **row)
+        batch = args[0].shape[0]
+        rows = rows_per_tile(batch, subbatch_size, budget, **row)
         if rows is None:
             return forward(*args)
-        batched = [x is not None and x.shape[0] == args[0].shape[0] for x in args]
-        # Under differentiation a tile keeps its projections (matmuls without batch dimensions)
-        # and recomputes attention, so training memory is bounded by a tile too.
-        policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-        forward = jax.checkpoint(forward, policy=policy)
+        batched = [x is not None and x.shape[0] == batch for x in args]
+        saved = batch * row["tile_row_bytes"]
+        saveable = remat_saveable(self.global_config.remat_policy, saved, budget)
+        forward = jax.checkpoint(forward, policy=saveable)
         return mapping.subbatch(forward, args, subbatch_size=rows, batched=batched)
 
 
@@ -162,36 +165,60 @@ def rows_per_tile(
     memory_budget_bytes: int,
     *,
     row_bytes: int,
+    tile_row_bytes: int,
     row_queries: int,
     row_logits: int | None,
 ) -> int | None:
     """Rows of the leading axis per tile of a module's whole forward, or None (one call).
 
-    The module-side tiling rule, the one place besides an implementation's own tiles:
-      subbatch_size an int: that many rows (AF2's inference subbatching);
-      subbatch_size 'auto': the most rows whose working set (row_bytes each) fits the budget;
-      subbatch_size None: on CPU, tiles of about TILE_BYTES of float32 logits when such a tile
-        holds at least one row and MIN_TILE_QUERIES queries; elsewhere none.
+    The module-side tiling rule, the one place besides an implementation's own tiles. A tile
+    holds as many rows as a memory bound allows, at tile_row_bytes each:
+      the bound is half of memory_budget_bytes (global_config.memory_budget_mib): the other half
+        is for what the tiles assemble (the stacked outputs and input cotangents of the loop);
+      with an int subbatch_size (AF2's inference subbatching) it is the larger of that and the
+        memory AF2's dense attention takes for subbatch_size rows (subbatch_size * row_bytes):
+        AF2's knob is read as the memory bound it exists for, not as a tile of that many rows,
+        which would starve the projections' matmuls;
+      subbatch_size None or 'auto': the budget alone.
+    On CPU a tile is also cut to about TILE_BYTES of float32 logits when such a tile holds at
+    least one row and MIN_TILE_QUERIES queries (cache-sized tiles, for speed).
 
     Args:
       batch: rows of the leading axis.
       subbatch_size: None, 'auto' or an int >= 1 (validated by the caller).
       memory_budget_bytes: global_config.memory_budget_mib in bytes.
-      row_bytes: the module's working set for one row (float32 logits and weights, projections).
+      row_bytes: AF2's dense working set for one row (float32 logits and weights, projections).
+      tile_row_bytes: ours for one row in a training step: activations, projections and their
+        cotangents, without the logits, which every implementation holds only a tile of at a
+        time (xla: tile_bytes, chunked: its chunks, pallas: its blocks).
       row_queries: query positions in one row.
       row_logits: logits (heads x queries x keys) in one row, or None: too few to tile for.
     """
-    if subbatch_size == "auto":
-        rows = mapping.subbatch_size_for_budget(batch, row_bytes, memory_budget_bytes)
-    elif subbatch_size is not None:
-        rows = subbatch_size
-    elif row_logits is not None and jax.default_backend() == "cpu":
-        rows = TILE_BYTES // (4 * row_logits)
-        if rows < 1 or rows * row_queries < MIN_TILE_QUERIES:
-            return None
-    else:
-        return None
+    bound = memory_budget_bytes // 2  # the other half: the gradient's stacked tiles and the op's
+    if subbatch_size not in (None, "auto"):
+        bound = max(bound, subbatch_size * row_bytes)
+    rows = max(1, bound // tile_row_bytes)
+    if row_logits is not None and jax.default_backend() == "cpu":
+        cache_rows = TILE_BYTES // (4 * row_logits)
+        if cache_rows >= 1 and cache_rows * row_queries >= MIN_TILE_QUERIES:
+            rows = min(rows, cache_rows)
     return rows if rows < batch else None
+
+
+def remat_saveable(policy: str, saved_bytes: int, memory_budget_bytes: int):
+    """What a tile saves for the backward pass (a jax.checkpoint policy), by remat_policy:
+    'projections': the projections (matmuls without batch dimensions), attention recomputed;
+    'nothing': only the tile's inputs, the whole tile recomputed (the least memory);
+    'everything': all of it, nothing recomputed (the most memory);
+    'auto': 'projections' when the whole batch's (saved_bytes) fit the memory budget, else
+    'nothing'."""
+    if policy == "auto":
+        policy = "projections" if saved_bytes <= memory_budget_bytes else "nothing"
+    return {
+        "projections": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        "nothing": jax.checkpoint_policies.nothing_saveable,
+        "everything": jax.checkpoint_policies.everything_saveable,
+    }[policy]
 
 
 class Attention(_AttentionModule):
@@ -214,6 +241,7 @@ class Attention(_AttentionModule):
         *,
         bias=None,
         subbatch_size: int | str | None = None,
+        input_transform: Callable[[jax.Array], jax.Array] | None = None,
     ) -> jax.Array:
         """Attends from q_data to m_data.
 
@@ -228,6 +256,9 @@ class Attention(_AttentionModule):
             global_config.subbatch_size) or 'auto' (the most rows whose projections and dense
             logits fit the memory budget). The whole forward (projections, op, gate, output) runs
             per tile; results equal the untiled ones up to float rounding.
+          input_transform: None, or a pure function applied to q_data and m_data inside each
+            tile before the projections, keeping shape and dtype (the family modules' LayerNorm:
+            recomputed per tile in the backward pass instead of saved whole).
 
         Returns:
           [..., b, q, output_dim] in q_data's dtype.
@@ -243,6 +274,7 @@ class Attention(_AttentionModule):
         implementation, policy, compute, p = self._setup(params, q_data.dtype)
 
         def forward(q_data, m_data, mask, *biases):  # pure: parameters are closed over
+            q_data, m_data = _transformed(input_transform, q_data, m_data)
             out_dtype = q_data.dtype
             q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
             q = _project(q_data, p["query_w"])  # [..., b, q, h, c]
@@ -264,15 +296,30 @@ class Attention(_AttentionModule):
         queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
         row_bytes = 4 * h * (2 * queries * k_len + queries * (key_dim + 2 * value_dim))
         row_bytes += 4 * h * keys * (key_dim + value_dim)
-        args = [q_data, m_data, mask, *biases]
+        # Ours in a training step: inputs, output, q, gate, weighted and gated averages per query,
+        # k and v (with the op's head-major copies of q, k and v), and a cotangent of each.
+        per_query = a + self.output_dim + h * (2 * key_dim + 3 * value_dim)
+        per_key = m + 2 * h * (key_dim + value_dim)
+        tile_row_bytes = 2 * 4 * (queries * per_query + keys * per_key)
+        args = [q_data, None if m_data is q_data else m_data, mask, *biases]
         return self._in_row_tiles(
             forward,
             args,
             subbatch_size,
             row_bytes=row_bytes,
+            tile_row_bytes=tile_row_bytes,
             row_queries=queries,
             row_logits=h * queries * k_len,
         )
+
+
+def _transformed(transform, q_data, m_data):
+    """(q_data, m_data) after input_transform; m_data None stands for q_data (self-attention:
+    one slice per tile, transformed once)."""
+    if transform is not None:
+        q_data = transform(q_data)
+        m_data = None if m_data is None else transform(m_data)
+    return q_data, q_data if m_data is None else m_data
 
 
 def _check_subbatch_size(subbatch_size: Any) -> None:
@@ -341,7 +388,13 @@ class GlobalAttention(_AttentionModule):
     """
 
     def __call__(
-        self, q_data, m_data, q_mask, *, subbatch_size: int | str | None = None
+        self,
+        q_data,
+        m_data,
+        q_mask,
+        *,
+        subbatch_size: int | str | None = None,
+        input_transform: Callable[[jax.Array], jax.Array] | None = None,
     ) -> jax.Array:
         """Global attention from the masked mean of q_data to m_data.
 
@@ -350,6 +403,7 @@ class GlobalAttention(_AttentionModule):
           m_data: [..., b, k, m] with k == q (the positions q_mask also masks as keys).
           q_mask: [..., b, q, 1] (or [..., b, q]), bool or float 0/1 as AF2 passes it.
           subbatch_size: inference subbatching over the leading batch axis, as for Attention.
+          input_transform: applied to q_data and m_data inside each tile, as for Attention.
 
         Returns:
           [..., b, q, output_dim] in q_data's dtype.
@@ -369,6 +423,7 @@ class GlobalAttention(_AttentionModule):
         implementation, policy, compute, p = self._setup(params, q_data.dtype)
 
         def forward(q_data, m_data, q_mask):  # pure: parameters are closed over
+            q_data, m_data = _transformed(input_transform, q_data, m_data)
             out_dtype = q_data.dtype
             q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
             q = _project(_masked_mean(q_data, q_mask), p["query_w"])  # [..., b, h, c]
@@ -393,9 +448,16 @@ class GlobalAttention(_AttentionModule):
         queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
         row_bytes = 4 * (queries * (2 * h * value_dim + self.output_dim))
         row_bytes += 4 * keys * (key_dim + value_dim)
-        args = [q_data, m_data, q_mask]
+        tile_row_bytes = 2 * (row_bytes + 4 * (queries * a + keys * m))  # and the cotangents
+        args = [q_data, None if m_data is q_data else m_data, q_mask]
         return self._in_row_tiles(
-            forward, args, subbatch_size, row_bytes=row_bytes, row_queries=queries, row_logits=None
+            forward,
+            args,
+            subbatch_size,
+            row_bytes=row_bytes,
+            tile_row_bytes=tile_row_bytes,
+            row_queries=queries,
+            row_logits=None,
         )
 
 

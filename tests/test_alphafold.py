@@ -481,7 +481,7 @@ def test_dropout_wrapper_adds_the_dropped_update():
 
 
 # --------------------------------------------------------------------------------------------
-# Inference subbatching: only the op runs in pieces; results identical.
+# Row tiles: the module's whole forward runs in pieces; results equal up to rounding.
 
 
 def test_subbatching_gives_identical_results_under_jit():
@@ -491,13 +491,15 @@ def test_subbatching_gives_identical_results_under_jit():
     bias = jnp.asarray(rng.normal(size=(2, 5, 5)), jnp.float32)
     q_mask = jnp.asarray(rng.random((7, 5, 1)) > 0.3)
     sizes = (None, 1, 3, 4, 7, 16, "auto")
-    # 'auto', budget 2,500 bytes (2 heads of 4 channels). Attention, per row: logits and weights
-    # 8 * 2 * 5 * 5 = 400 bytes, q/gate/average 4 * 2 * 5 * 12 = 480, k/v 4 * 2 * 5 * 8 = 320:
-    # 1,200 -> subbatches of 2. GlobalAttention: 4 * (5 * (2 * 2 * 4 + 8) + 5 * 8) = 640 -> 3.
-    # One implementation for every size: 'auto' could pick another for the whole batch than for
-    # a piece of it, and the results would then differ by rounding.
+    # The tiling rule (modules.rows_per_tile) on a 7,680-byte budget, half of it for a tile, 2
+    # heads of 4 channels, 5 positions. Attention per row: AF2's dense working set 1,200 bytes,
+    # ours in a training step 3,840. GlobalAttention: 640 and 1,920. A tile holds
+    # max(3,840, subbatch_size * AF2's) // ours rows: Attention 1 row up to subbatch_size 6, 2 at
+    # 7, 5 at 16; GlobalAttention 2 rows up to 7, 5 at 16. One implementation for every size:
+    # 'auto' could pick another for the whole batch than for a piece of it, and the results
+    # would then differ by rounding.
     global_config = dict(
-        zero_init=False, memory_budget_mib=2500 / 2**20, attention_implementation="xla"
+        zero_init=False, memory_budget_mib=7680 / 2**20, attention_implementation="xla"
     )
 
     def forward(x, mask, bias, q_mask):
@@ -514,7 +516,9 @@ def test_subbatching_gives_identical_results_under_jit():
         outs = jax.jit(transformed.apply)(params, x, mask, bias, q_mask)
     traced_batches = [c["query"][0] for c in choices]
     # Per size, Attention then GlobalAttention: full pieces (one loop body) then the remainder.
-    assert traced_batches == [7, 7, 1, 1, 3, 1, 3, 1, 4, 3, 4, 3, 7, 7, 7, 7, 2, 1, 3, 1]
+    one, two, five = [1], [2, 1], [5, 2]
+    expected = [one, two, one, two, one, two, one, two, two, two, five, five, one, two]
+    assert traced_batches == [b for batches in expected for b in batches]
     # The whole forward runs per subbatch (bounded memory, as AF2's subbatching of the module), so
     # the projections' matmuls see fewer rows: equal up to float32 rounding, not bit for bit.
     for out in outs[1:]:
@@ -523,20 +527,27 @@ def test_subbatching_gives_identical_results_under_jit():
         )
 
 
-def test_family_subbatches_at_inference_only():
+def test_family_tiles_by_memory_bound():
+    """The family modules' row tiles (modules.rows_per_tile), in inference and in training. R = 6
+    rows of 6 positions, 2 heads of 3: AF2's dense row takes 1,296 bytes, ours 3,456; a budget of
+    6,912 bytes leaves 3,456 to a tile: one row, or two where AF2's subbatch_size 6 rows (7,776
+    bytes) allow it. In training AF2 never subbatches (its low_memory=not is_training): the
+    budget alone bounds the tiles."""
     (params, inputs), _ = _problem("triangle_start", "float32")
-    cases = [  # (global_config, is_training, batch of each traced op call); R = 6 rows
-        (dict(GLOBAL, subbatch_size=4), False, [4, 2]),
-        (dict(GLOBAL, subbatch_size=4), True, [R]),  # training: never (AF2's low_memory)
-        (GLOBAL, False, [4, 2]),  # AF2's default, 4
-        (dict(GLOBAL, subbatch_size=None), False, [R]),  # None: off, as in AF2
-        (dict(GLOBAL, subbatch_size="auto"), False, [R]),  # 256 MiB budget: all rows at once
+    tiny = dict(GLOBAL, memory_budget_mib=6912 / 2**20)
+    cases = [  # (global_config, is_training, batch of each traced op call)
+        (dict(tiny, subbatch_size=None), False, [1]),
+        (dict(tiny, subbatch_size=4), False, [1]),
+        (dict(tiny, subbatch_size=6), False, [2]),
+        (dict(tiny, subbatch_size=6), True, [1]),
+        (GLOBAL, False, [R]),  # the default budget (256 MiB): all rows at once
+        (dict(GLOBAL, subbatch_size="auto"), True, [R]),
     ]
     for global_config, is_training, expected in cases:
         module = _transform(ga.TriangleAttention, ROW, global_config, is_training=is_training)
         with ga.record_implementation_choices() as choices:
             jax.eval_shape(module.apply, params, *inputs)
-        assert [c["query"][0] for c in choices] == expected
+        assert [c["query"][0] for c in choices] == expected, global_config
 
 
 # --------------------------------------------------------------------------------------------

@@ -162,6 +162,11 @@ CONFIG_ERRORS = {
         dict(global_config=dict(subbatch_size=0)),
         r"global_config.subbatch_size must be None or an int >= 1, got 0",
     ),
+    "remat policy": (
+        dict(global_config=dict(remat_policy="dots")),
+        r"global_config.remat_policy must be one of \('auto', 'projections', 'nothing', "
+        r"'everything'\), got 'dots'",
+    ),
     "config type": (
         dict(config=[("num_head", 2)]),
         r"config must be an ml_collections.ConfigDict or a mapping, got list",

@@ -1,14 +1,15 @@
-"""Attention and GlobalAttention against the float64 reference and AlphaFold 2's formulation."""
+"""Attention and GlobalAttention against the float64 reference and AlphaFold 2's own modules
+(alphafold-colabfold's alphafold.model.modules)."""
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 import gated_attention as ga
 from gated_attention.modules import rows_per_tile
-from gated_attention_tools import af2_baseline as baseline
 from tests import reference
 from tests.helpers import DTYPES, as_f64, assert_close, cast_tree, rand
 
@@ -20,6 +21,7 @@ B, Q, K, A, M, H, O = 2, 5, 6, 12, 10, 2, 7
 # Low-precision inputs run in their own dtype here (the 'input' policy), so that the reference
 # tests check bfloat16/float16 arithmetic; test_numerics.py checks the CPU default (float32).
 GLOBAL = dict(zero_init=False, compute_dtype="input")
+MIB = 2**20
 
 
 def _attention(config, global_config=None, output_dim=O, **call_kwargs):
@@ -37,6 +39,46 @@ def _global_attention(config, global_config=None, output_dim=O):
     return hk.without_apply_rng(
         hk.transform(
             lambda q, m, mask: ga.GlobalAttention(config, global_config, output_dim)(q, m, mask)
+        )
+    )
+
+
+def _af2_package():
+    """(alphafold.model.modules, alphafold.model.config) of the alphafold-colabfold package."""
+    config = pytest.importorskip("alphafold.model.config", reason="needs alphafold-colabfold")
+    return ga.af2_package.alphafold_modules(), config
+
+
+def _af2_configs(num_head, gating=True, zero_init=False):
+    """AF2's module config and model_1's global config (AF2's keys; its plain XLA path on CPU)."""
+    _, config = _af2_package()
+    global_config = config.model_config("model_1").model.global_config
+    global_config.zero_init = zero_init
+    return ml_collections.ConfigDict(dict(num_head=num_head, gating=gating)), global_config
+
+
+def _af2_attention(gating=True, zero_init=False):
+    """AF2's Attention as fn(q, m, mask, nonbatched_bias): the bool mask [b, 1|h, 1|q, k] passed
+    as AF2's additive bias, 1e9 * (mask - 1)."""
+    af2_modules, _ = _af2_package()
+    config, global_config = _af2_configs(H, gating, zero_init)
+
+    def forward(q_data, m_data, mask, nonbatched_bias=None):
+        bias = 1e9 * (mask.astype(q_data.dtype) - 1.0)
+        return af2_modules.Attention(config, global_config, O)(
+            q_data, m_data, bias, nonbatched_bias
+        )
+
+    return hk.without_apply_rng(hk.transform(forward))
+
+
+def _af2_global_attention(zero_init=False):
+    """AF2's GlobalAttention as fn(q, m, q_mask), q_mask float [b, q, 1]."""
+    af2_modules, _ = _af2_package()
+    config, global_config = _af2_configs(H, True, zero_init)
+    return hk.without_apply_rng(
+        hk.transform(
+            lambda q, m, q_mask: af2_modules.GlobalAttention(config, global_config, O)(q, m, q_mask)
         )
     )
 
@@ -78,14 +120,10 @@ def test_attention_params_are_af2s(gating, zero_init, dtype):
         w = np.abs(np.asarray(params[name], np.float32))
         assert w.max() <= limit * 1.01 and w.max() > 0.8 * limit, name
     # Same initializers in the same order as AF2's module: identical params from the same key.
-    af2 = hk.without_apply_rng(
-        hk.transform(
-            lambda q, m: baseline.AF2Attention(H, O, gating=gating, zero_init=zero_init)(
-                q, m, jnp.ones((1, 1, 1, 1), bool)
-            )
-        )
-    )
-    af2_params = jax.jit(af2.init)(jax.random.PRNGKey(7), q_data, m_data)["attention"]
+    af2 = _af2_attention(gating=gating, zero_init=zero_init)
+    af2_params = jax.jit(af2.init)(
+        jax.random.PRNGKey(7), q_data, m_data, jnp.ones((1, 1, 1, 1), bool)
+    )["attention"]
     jax.tree.map(np.testing.assert_array_equal, af2_params, params)
 
 
@@ -118,11 +156,7 @@ def test_global_attention_params_are_af2s():
         output_w=(H, c, O),
         output_b=(O,),
     )
-    af2 = hk.without_apply_rng(
-        hk.transform(
-            lambda q, m, mask: baseline.AF2GlobalAttention(H, O, zero_init=False)(q, m, mask)
-        )
-    )
+    af2 = _af2_global_attention(zero_init=False)
     jax.tree.map(
         np.testing.assert_array_equal,
         jax.jit(af2.init)(jax.random.PRNGKey(3), q_data, q_data, mask),
@@ -246,11 +280,7 @@ def test_fully_masked_rows_finite_with_finite_gradients(implementation, dtype):
 
 def test_af2_params_apply_unchanged_and_match():
     (params, q_data, m_data, mask, nb, _), _ = _module_problem("float32", "key_mask+nonbatched_hqk")
-    af2 = hk.without_apply_rng(
-        hk.transform(
-            lambda q, m, mask, nb: baseline.AF2Attention(H, O, zero_init=False)(q, m, mask, nb)
-        )
-    )
+    af2 = _af2_attention()
     af2_params = jax.jit(af2.init)(jax.random.PRNGKey(11), q_data, m_data, mask, nb)
     af2_params = jax.tree.map(  # make the gate matter: AF2 inits it to a constant
         lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(1), x.shape), af2_params
@@ -266,12 +296,7 @@ def test_af2_params_apply_unchanged_and_match():
 def test_bfloat16_at_least_as_accurate_as_af2():
     errors = {"ours": [], "af2": []}
     ours_apply = jax.jit(_attention(dict(num_head=H)).apply)
-    af2 = hk.without_apply_rng(
-        hk.transform(
-            lambda q, m, mask, nb: baseline.AF2Attention(H, O, zero_init=False)(q, m, mask, nb)
-        )
-    )
-    af2_apply = jax.jit(af2.apply)
+    af2_apply = jax.jit(_af2_attention().apply)
     for seed in range(4):
         (params, *inputs), (params64, *ref_inputs) = _module_problem(
             "bfloat16", "key_mask+nonbatched_hqk", seed
@@ -330,29 +355,34 @@ def test_global_attention_gradients_and_af2_params():
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, q_data)
     ref = jax.grad(ref_loss, argnums=(0, 1))(dict(attention=params64), q64)
     jax.tree.map(lambda g, r: assert_close(g, r, reference.grad_tolerance("float32")), grads, ref)
-    af2 = hk.without_apply_rng(
-        hk.transform(lambda q, m, mask: baseline.AF2GlobalAttention(H, O)(q, m, mask))
-    )
-    theirs = jax.jit(af2.apply)(params, q_data, q_data, mask)
+    theirs = jax.jit(_af2_global_attention().apply)(params, q_data, q_data, mask)
     np.testing.assert_allclose(
         jax.jit(module.apply)(params, q_data, q_data, mask), theirs, rtol=1e-5, atol=1e-6
     )
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_row_tiled_forward_matches_reference_with_gradients(implementation):
-    """The whole forward in tiles of 2 rows (the module's tiling rule), checkpointed per tile."""
+@pytest.mark.parametrize(
+    "implementation, remat_policy",
+    [("xla", "nothing"), ("chunked", "projections"), ("xla", "everything")],
+)
+def test_row_tiled_forward_matches_reference_with_gradients(implementation, remat_policy):
+    """The whole forward in tiles of one row (a budget below one row's working set), each
+    checkpointed with the remat policy: forward and gradients as the untiled reference."""
     rng = np.random.default_rng(5)
-    b = 5  # tiles of 2 rows: two full tiles and a remainder
+    b = 5
     q_data, q64 = rand(rng, (b, Q, A), "float32")
     m_data, m64 = rand(rng, (b, K, M), "float32")
     mask = jnp.asarray(rng.random((b, 1, 1, K)) > 0.3)
     nb, nb64 = rand(rng, (H, Q, K), "float32")
     params64 = reference.random_attention_params(rng, A, M, H, A // H, M // H, O)
     params = dict(attention=cast_tree(params64, "float32"))
-    module = _attention(
-        dict(num_head=H), dict(GLOBAL, attention_implementation=implementation), subbatch_size=2
+    global_config = dict(
+        GLOBAL,
+        attention_implementation=implementation,
+        memory_budget_mib=1e-6,
+        remat_policy=remat_policy,
     )
+    module = _attention(dict(num_head=H), global_config)
     jaxpr = str(jax.make_jaxpr(module.apply)(params, q_data, m_data, mask, nb))
     assert "scan" in jaxpr and "remat" in jaxpr  # really tiled, checkpointed per tile
     out = jax.jit(module.apply)(params, q_data, m_data, mask, nb)
@@ -371,36 +401,60 @@ def test_row_tiled_forward_matches_reference_with_gradients(implementation):
     jax.tree.map(lambda g, r: assert_close(g, r, reference.grad_tolerance("float32")), grads, ref)
 
 
-def _rows(batch, queries, keys, heads, subbatch_size=None, budget=256 * 2**20):
-    row_logits = heads * queries * keys
+def test_remat_policy_sets_what_a_training_step_keeps():
+    """XLA's temp bytes of a tiled training step: 'nothing' < 'projections' < 'everything'; 'auto'
+    keeps the projections when they fit the budget and recomputes them when they do not."""
+    specs = (jax.ShapeDtypeStruct((64, 128, 64), jnp.float32),) * 2
+
+    def temp(policy, budget_mib=1.0):
+        global_config = dict(GLOBAL, remat_policy=policy, memory_budget_mib=budget_mib)
+        module = _attention(dict(num_head=4), global_config)
+        params = jax.eval_shape(module.init, jax.random.PRNGKey(0), *specs)
+        loss = lambda p, q, m: jnp.sum(module.apply(p, q, m))
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        return step.lower(params, *specs).compile().memory_analysis().temp_size_in_bytes
+
+    nothing, projections, everything = (temp(p) for p in ("nothing", "projections", "everything"))
+    assert nothing < projections < everything
+    assert temp("auto") == nothing  # 64 rows of projections do not fit 1 MiB
+    assert temp("auto", budget_mib=64.0) == temp("projections", budget_mib=64.0)
+
+
+def _rows(
+    batch, subbatch_size=None, budget=64 * MIB, row=MIB, tile_row=MIB, queries=64, logits=None
+):
     return rows_per_tile(
         batch,
         subbatch_size,
         budget,
-        row_bytes=8 * row_logits,
+        row_bytes=row,
+        tile_row_bytes=tile_row,
         row_queries=queries,
-        row_logits=row_logits,
+        row_logits=logits,
     )
 
 
 def test_rows_per_tile_rule():
-    # Triangle shape: 8 rows of 128 queries fill a 2 MiB tile of float32 logits.
-    assert _rows(128, 128, 128, 4) == 8
-    # MSA-row shape: one row per tile has too few queries for the projections to gain.
-    assert _rows(64, 256, 256, 8) is None
-    # A row whose logits alone exceed the tile: left to the implementation's own tiles.
-    assert _rows(1024, 1024, 1024, 4) is None
-    # A batch that fits one tile is not tiled.
-    assert _rows(8, 128, 128, 4) is None
-    # AF2's subbatch_size: that many rows; None when the batch is no larger.
-    assert _rows(64, 256, 256, 8, subbatch_size=4) == 4
-    assert _rows(4, 256, 256, 8, subbatch_size=4) is None
-    # 'auto': the most rows whose working set fits the budget (8 MiB per row here).
-    assert _rows(64, 256, 256, 16, subbatch_size="auto", budget=20 * 2**20) == 2
-    assert _rows(64, 256, 256, 16, subbatch_size="auto", budget=1) == 1
+    # Half the budget (the other half for the stacked outputs and cotangents), by our row's bytes.
+    assert _rows(1000) == 32
+    assert _rows(1000, subbatch_size="auto") == 32
+    assert _rows(1000, tile_row=3 * MIB) == 10
+    # A batch that fits one tile is not tiled; at least one row a tile.
+    assert _rows(32) is None
+    assert _rows(1000, budget=1) == 1
+    # AF2's subbatch_size as the memory bound it exists for: what AF2's dense attention takes for
+    # that many rows (8 MiB each here), when that is more than the budget; never 4-row tiles.
+    assert _rows(1000, subbatch_size=4, budget=MIB, row=8 * MIB) == 32
+    assert _rows(1000, subbatch_size=4, row=8 * MIB, tile_row=2 * MIB) == 16
+    assert _rows(1000, subbatch_size=1, row=2 * MIB) == 32
+    # On CPU, also cut to about 2 MiB of float32 logits once such a tile holds 1,024 queries:
+    # 4 heads x 128 x 128 logits -> 8 rows of 128 queries; with 64 queries a row, no cut.
+    assert _rows(1000, queries=128, logits=4 * 128 * 128) == 8
+    assert _rows(1000, queries=64, logits=4 * 64 * 64) == 32
+    # A row whose logits alone exceed the cache tile: only the memory bound.
+    assert _rows(1000, queries=1024, logits=4 * 1024 * 1024) == 32
 
 
 def test_row_tile_rule_is_cpu_only(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert _rows(128, 128, 128, 4) is None
-    assert _rows(64, 256, 256, 8, subbatch_size=4) == 4
+    assert _rows(1000, queries=128, logits=4 * 128 * 128) == 32
