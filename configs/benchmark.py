@@ -5,6 +5,7 @@
   python scripts/benchmark.py --config=configs/benchmark.py:smoke   # seconds: checks the script runs
   python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
   python scripts/benchmark.py --config=configs/benchmark.py:gpu     # on a GPU: the op vs kernels
+  python scripts/benchmark.py --config=configs/benchmark.py:family  # AF2's modules and Evoformer
 
 Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask[, module]).
 """
@@ -44,7 +45,40 @@ GPU_SHAPES = (
     ("long 1x16384 h8x32", 1, 16384, 8, 32),  # one long sequence, shared bias
 )
 
-PRESETS = ("full", "quick", "smoke", "gpu", "gpu_smoke")
+# The family suite (gated_attention_tools/family_benchmark.py): AF2's own modules and
+# EvoformerIteration (alphafold-colabfold, model_1's configs) against them with our attention.
+# (what, N_seq, N_res): MSA 128 x 256 residues, extra MSA 1,024 x 256, pair 256^2; a block at
+# N_seq 128, N_res 128.
+FAMILY_SHAPES = (
+    ("msa_row", 128, 256),
+    ("msa_column", 128, 256),
+    ("msa_column_global", 1024, 256),
+    ("triangle_start", 1, 256),
+    ("triangle_end", 1, 256),
+    ("evoformer", 128, 128),
+)
+_INFERENCE_GOALS = dict(evoformer=0.62)
+_TRAINING_GOALS = dict(evoformer=0.75)
+FAMILY_GOALS = tuple(
+    ("time", what, mode, "float32", goals.get(what, default))
+    for what, _, _ in FAMILY_SHAPES
+    for mode, goals, default in (
+        ("inference", _INFERENCE_GOALS, 0.50),
+        ("training", _TRAINING_GOALS, 0.60),
+    )
+) + (
+    ("memory", "triangle_start", 1, 512, 600),
+    ("memory", "triangle_start", 1, 1024, 2048),
+    ("memory", "msa_row", 128, 384, 512),
+)
+# Training-step memory against the crop: (what, N_seq, N_res, variants). AF2's is compiled (XLA
+# temp) at every size, but run (resident memory) only up to FAMILY_RESIDENT_MAX_N_RES.
+FAMILY_MEMORY_SCALING = tuple(
+    ("triangle_start", 1, n, ("ours", "af2")) for n in (256, 512, 768, 1024)
+) + tuple(("msa_row", 128, n, ("ours", "af2")) for n in (256, 384, 512, 1024))
+FAMILY_RESIDENT_MAX_N_RES = dict(ours=1024, af2=512)
+
+PRESETS = ("full", "quick", "smoke", "gpu", "gpu_smoke", "family", "family_smoke")
 
 
 def get_config(preset="full"):
@@ -52,6 +86,8 @@ def get_config(preset="full"):
         raise ValueError(f"configs/benchmark.py preset must be one of {PRESETS}, got {preset!r}")
     if preset in ("gpu", "gpu_smoke"):
         return _gpu_config(preset)
+    if preset in ("family", "family_smoke"):
+        return _family_config(preset)
     if preset == "smoke":  # seconds: tiny shapes, for the tests of the script itself
         cfg = get_config("full")
         cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
@@ -111,4 +147,30 @@ def _gpu_config(preset):
         cfg.device_memory = False
         cfg.interpret_pallas = True
         cfg.output_dir = "/tmp/gated_attention_gpu_smoke"
+    return cfg
+
+
+def _family_config(preset):
+    """AF2's attention modules and EvoformerIteration, as users run them (family_benchmark.py)."""
+    cfg = ml_collections.ConfigDict()
+    cfg.suite = "family"
+    cfg.family_shapes = FAMILY_SHAPES
+    cfg.goals = FAMILY_GOALS
+    cfg.dtypes = ("float32", "bfloat16")
+    cfg.modes = ("inference", "training")
+    cfg.rounds = 5
+    cfg.steps = 1
+    cfg.memory_scaling = FAMILY_MEMORY_SCALING
+    cfg.resident_max_n_res = FAMILY_RESIDENT_MAX_N_RES
+    cfg.output_dir = "benchmark_results/family"
+    if preset == "family_smoke":  # seconds: checks the suite runs
+        cfg.family_shapes = (("triangle_start", 1, 8), ("evoformer", 4, 8))
+        cfg.goals = (("time", "triangle_start", "training", "float32", 100.0),) + (
+            ("memory", "triangle_start", 1, 8, 1024),
+        )
+        cfg.dtypes, cfg.modes = ("float32",), ("inference", "training")
+        cfg.rounds = 1
+        cfg.memory_scaling = (("triangle_start", 1, 8, ("ours", "af2")),)
+        cfg.resident_max_n_res = dict(ours=8)
+        cfg.output_dir = "/tmp/gated_attention_family_smoke"
     return cfg

@@ -1,6 +1,8 @@
 """gated_attention_tools: the tooling behind scripts/, configs/ and tests/, not the library.
 
 The experiment schema of configs/*.py (schema), config-driven forward passes (run), the benchmark
-(benchmark) with AlphaFold 2's formulation as its baseline (af2_baseline), and the measurements they
-share (measure). `import gated_attention` never loads it; import its modules by name.
+(benchmark, each cell in a fresh process: benchmark_cell) with AlphaFold 2's own modules (the
+alphafold-colabfold package) as its baseline, the GPU benchmark (gpu_benchmark), and the
+measurements they share (measure). `import gated_attention` never loads it; import its modules by
+name.
 """

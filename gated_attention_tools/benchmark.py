@@ -1,14 +1,22 @@
-"""Benchmark logic behind scripts/benchmark.py: Attention against AF2's formulation and a roofline.
+"""Benchmark logic behind scripts/benchmark.py: Attention against AF2's Attention and a roofline.
 
-For each shape x dtype x mode (forward, forward+backward) the variants are: gated_attention.Attention
-with each requested implementation, the AlphaFold 2 formulation (af2_baseline.AF2Attention, AF2's
-'bqhc' einsums) and a same-FLOP matrix product (the roofline). All variants of a cell share
-parameters and inputs, are compiled first, then timed in interleaved rounds in this one process
-(each round times every variant `steps` times and keeps the median; the time is the median over
-rounds), so that machine load moves every variant alike. The ratio to AF2 is taken per round
-(against AF2's time in the same round) and reported as the median over rounds with its range. XLA's
-compiled memory analysis is recorded per variant, and the CPU steal share during the timed rounds
-per cell.
+The baseline is AlphaFold 2 as users install it: the alphafold-colabfold package's own modules
+(baseline_label() gives the version; run() records it), imported lazily through
+gated_attention.af2_package.alphafold_modules(). For each shape x dtype x mode (forward,
+forward+backward) the variants are: gated_attention.Attention with each requested implementation,
+AF2's Attention (alphafold.model.modules.Attention with model_1's global config, zero_init off; on
+CPU it takes AF2's plain XLA 'bqhc' einsum path) or, for triangle cells, AF2's TriangleAttention
+(at inference, as installed: rows in subbatches of model_1's subbatch_size, 4), and a same-FLOP
+matrix product (the roofline). All variants of a cell share parameters (AF2's
+module initializes them; ours take the same tree) and inputs, are compiled first, then timed in
+interleaved rounds (each round times every variant `steps` times and keeps the median; the time is
+the median over rounds), so that machine load moves every variant alike. The ratio to AF2 is taken
+per round (against AF2's time in the same round) and reported as the median over rounds with its
+range. XLA's compiled memory analysis is recorded per variant, and the CPU steal share during the
+timed rounds per cell.
+
+run() times each cell in a fresh child process (run_cell_in_child, child.py says why); run_cell
+itself also runs in-process (the tests).
 
 Op-level memory cases record, forward and forward+backward, XLA's temp bytes of
 dot_product_attention compiled on jax.ShapeDtypeStructs and the resident memory of one call in a
@@ -18,6 +26,8 @@ fresh process (measure.resident_memory); a goal judges the larger of the two.
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.metadata
 import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,11 +38,34 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from gated_attention import alphafold, attention, modules, numerics
-from gated_attention_tools import af2_baseline, measure
+from gated_attention import af2_package, alphafold, attention, modules, numerics
+from gated_attention_tools import child, measure
 
 AF2 = "af2"
 ROOFLINE = "matmul"
+BASELINE_PACKAGE = "alphafold-colabfold"
+
+
+def baseline_label() -> str:
+    """The baseline's package and version, e.g. 'alphafold-colabfold 2.3.27' (from its metadata;
+    'not installed' in place of the version when it is missing)."""
+    try:
+        version = importlib.metadata.version(BASELINE_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        version = "not installed"
+    return f"{BASELINE_PACKAGE} {version}"
+
+
+def _af2_package():
+    """(alphafold.model.modules, model_1's global config with zero_init off), imported on first use;
+    ImportError saying how to install the package when it is missing."""
+    af2_modules = af2_package.alphafold_modules()
+    af2_config = importlib.import_module("alphafold.model.config")
+    # AF2's own keys (use_pallas, kernel_backend, subbatch_size, ...) as users get them: the
+    # package's Attention reads them to pick its path (off a GPU: its plain XLA einsums).
+    global_config = af2_config.model_config("model_1").model.global_config
+    global_config.zero_init = False  # a random output projection: the output depends on every op
+    return af2_modules, global_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,9 +77,9 @@ class Shape:
       batch, length, channels, num_head: sizes; per-head dim = channels // num_head.
       nonbatched_bias: pass a [h, q, k] bias shared by the batch.
       mask: 'key' ([b, 1, 1, k], 10% masked) or 'none'.
-      module: 'attention' (Attention vs af2_baseline.AF2Attention) or 'triangle_attention'
-        (alphafold.TriangleAttention vs af2_baseline.AF2TriangleAttention on a [length, length,
-        channels] pair; batch must equal length).
+      module: 'attention' (Attention vs AF2's alphafold.model.modules.Attention) or
+        'triangle_attention' (alphafold.TriangleAttention vs AF2's modules.TriangleAttention,
+        per row, on a [length, length, channels] pair; batch must equal length).
     """
 
     name: str
@@ -89,7 +122,8 @@ def _inputs(shape: Shape, dtype, seed: int = 0):
 
 
 def _forward_fns(shape: Shape, implementations: Iterable[str]) -> dict[str, hk.Transformed]:
-    """Transformed fns(x, mask, bias) for each implementation of ours and for AF2's formulation."""
+    """Transformed fns(x, mask, bias) for each implementation of ours and for AF2's Attention
+    (alphafold-colabfold's module; AF2 = the key)."""
     h, c = shape.num_head, shape.channels
     triangle = shape.module == "triangle_attention"
     fns = {}
@@ -104,14 +138,44 @@ def _forward_fns(shape: Shape, implementations: Iterable[str]) -> dict[str, hk.T
 
         fns[name] = hk.without_apply_rng(hk.transform(ours))
 
-    def af2(x, mask, bias):  # AF2's formulation, the mask as an additive bias
+    af2_modules, global_config = _af2_package()
+    utils = importlib.import_module("alphafold.model.utils")
+
+    def af2(x, mask, bias):  # AF2's modules, the key mask as AF2's additive bias
         if triangle:
-            return af2_baseline.AF2TriangleAttention(h)(x, mask)
-        mask_bias = 1e9 * (mask.astype(x.dtype) - 1.0)  # [b, 1, 1, k]
-        return af2_baseline.AF2Attention(h, c, zero_init=False)(x, x, None, bias, mask_bias)
+            config = ml_collections.ConfigDict(
+                dict(
+                    num_head=h,
+                    orientation="per_row",
+                    gating=True,
+                    dropout_rate=0.25,
+                    shared_dropout=True,
+                )
+            )
+            return af2_modules.TriangleAttention(config, global_config)(x, mask, is_training=False)
+        # [b, 1, 1, k]: 1e9 * (mask - 1), as AF2 builds it (-1e4 in float16, where 1e9 overflows).
+        mask_bias = utils.mask_to_bias(mask, x.dtype)
+        config = ml_collections.ConfigDict(dict(num_head=h, gating=True))
+        return af2_modules.Attention(config, global_config, c)(x, x, mask_bias, bias)
 
     fns[AF2] = hk.without_apply_rng(hk.transform(af2))
     return fns
+
+
+def _check_same_params(fns: dict[str, hk.Transformed], params, args) -> None:
+    """Raises ValueError unless every variant's parameter tree (structure, shapes, dtypes) is the
+    one AF2's module initialized, which all variants share."""
+    expected = jax.tree.map(lambda p: (p.shape, p.dtype), params)
+    for name, fn in fns.items():
+        if name == AF2:
+            continue
+        spec = jax.eval_shape(fn.init, jax.random.PRNGKey(0), *args)
+        got = jax.tree.map(lambda p: (p.shape, p.dtype), spec)
+        if got != expected:
+            raise ValueError(
+                f"variant {name!r} does not take AF2's parameters: its tree {got} differs from "
+                f"AF2's {expected}"
+            )
 
 
 def _timed_fn(transformed: hk.Transformed, mode: str) -> Callable:
@@ -153,6 +217,7 @@ def run_cell(
     x, mask, bias = _inputs(shape, jnp.dtype(dtype))
     fns = _forward_fns(shape, implementations)
     params = jax.jit(fns[AF2].init)(jax.random.PRNGKey(0), x, mask, bias)
+    _check_same_params(fns, params, (x, mask, bias))
     params = jax.tree.map(lambda p: (p + 0.1).astype(dtype), params)  # a gate that varies
     variants = {
         name: (jax.jit(_timed_fn(fn, mode)), (params, x, mask, bias)) for name, fn in fns.items()
@@ -164,7 +229,7 @@ def run_cell(
     for name, (fn, args) in variants.items():
         (compile_s[name],), outputs[name] = measure.time_calls(fn, args, 1)  # compiles
         temp[name] = measure.xla_memory(fn, args)["temp_size_in_bytes"]
-    # The accuracy reference: AF2's formulation in float32 on the same (rounded) params and inputs.
+    # The accuracy reference: AF2's module in float32 on the same (rounded) params and inputs.
     reference = outputs[AF2]
     if jnp.dtype(dtype) != jnp.float32:
         reference = jax.jit(_timed_fn(fns[AF2], mode))(
@@ -389,11 +454,12 @@ def markdown(
 ) -> str:
     """The results as Markdown tables: goals (if any), every cell, memory cases (if any).
 
-    "/ AF2" is the median over rounds of each round's time ratio to AF2's formulation, with the
-    lowest and highest round in brackets; "steal %" is the share of the machine's CPU time the
+    The first line names the baseline (baseline_label(), the version installed). "/ AF2" is the
+    median over rounds of each round's time ratio to AF2's Attention (or TriangleAttention), with
+    the lowest and highest round in brackets; "steal %" is the share of the machine's CPU time the
     hypervisor took during the cell's timed rounds (Linux only).
     """
-    lines = []
+    lines = [f"AF2: AlphaFold 2's Attention and TriangleAttention ({baseline_label()})", ""]
     met = goal_rows(rows, goals)
     if met:
         lines += [
@@ -444,25 +510,28 @@ def markdown(
 
 
 def run(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Runs configs/benchmark.py's sweep: every cell, then the memory cases.
+    """Runs configs/benchmark.py's sweep: every cell, each in a fresh process, then the memory cases.
 
-    The goals are checked before anything runs. Cells are cfg.shapes and the self-attention sweep
-    (1 x L tokens, c=256, 8 heads of 32) in every dtype and mode, and cfg.triangle_shapes in float32
-    forward.
+    The goals are checked, and AF2's package imported (ImportError if it is missing), before
+    anything runs. Cells are cfg.shapes and the self-attention sweep (1 x L tokens, c=256, 8 heads
+    of 32) in every dtype and mode, and cfg.triangle_shapes in float32 forward; each is timed by
+    run_cell in a child process of its own (run_cell_in_child; see the module docstring).
 
     Returns:
-      dict(goals=goal_rows(...), cells=run_cell rows, memory=memory_case rows), JSON-serializable.
+      dict(baseline=baseline_label(), goals=goal_rows(...), cells=run_cell rows,
+      memory=memory_case rows), JSON-serializable.
     """
     shapes = [Shape(*s) for s in cfg.shapes]
     shapes += [Shape(f"sweep 1x{n} c256 h8", 1, n, 256, 8, False, "key") for n in cfg.sweep_lengths]
     check_goals(cfg.goals, {s.name for s in shapes}, cfg.modes, cfg.implementations)
+    af2_package.alphafold_modules()  # the baseline is there before a child process needs it
     cells = [(s, d, m) for s in shapes for d in cfg.dtypes for m in cfg.modes]
     # Family cells: float32 forward (their LayerNorm parameters are float32 in every mode).
     cells += [(Shape(*s), "float32", "forward") for s in cfg.triangle_shapes]
     rows = []
     for i, (shape, dtype, mode) in enumerate(cells):
         log(f"[{i + 1}/{len(cells)}] {shape.name} {dtype} {mode}")
-        rows += run_cell(
+        rows += run_cell_in_child(
             shape, dtype, mode, list(cfg.implementations), cfg.rounds, cfg.steps, log=log
         )
     memory_rows = []
@@ -471,7 +540,38 @@ def run(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print) -> d
             for impl in ("auto", "chunked"):
                 log(f"memory: {case.name} {impl}")
                 memory_rows.append(memory_case(case, impl))
-    return dict(goals=goal_rows(rows, cfg.goals), cells=rows, memory=memory_rows)
+    return dict(
+        baseline=baseline_label(),
+        goals=goal_rows(rows, cfg.goals),
+        cells=rows,
+        memory=memory_rows,
+    )
+
+
+def run_cell_in_child(
+    shape: Shape,
+    dtype: str,
+    mode: str,
+    implementations: list[str],
+    rounds: int,
+    steps: int,
+    log: Callable[[str], None] = print,
+) -> list[dict[str, Any]]:
+    """run_cell's rows, computed in a fresh process (child.call; see its docstring for why)."""
+    kwargs = dict(
+        shape=dataclasses.asdict(shape),
+        dtype=dtype,
+        mode=mode,
+        implementations=list(implementations),
+        rounds=rounds,
+        steps=steps,
+    )
+    return child.call(f"{__name__}:_run_cell_json", kwargs, log)
+
+
+def _run_cell_json(shape: dict, **kwargs) -> list[dict[str, Any]]:
+    """run_cell for child.call: the Shape as a dict, progress printed."""
+    return run_cell(Shape(**shape), **kwargs, log=lambda line: print(line, flush=True))
 
 
 def plot(rows: list[dict[str, Any]], sweep_prefix: str, path: str) -> None:
@@ -499,7 +599,7 @@ def plot(rows: list[dict[str, Any]], sweep_prefix: str, path: str) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
     ax_t.legend(fontsize=7)
-    fig.suptitle("Attention vs AlphaFold 2's formulation (self-attention, 1 sequence)")
+    fig.suptitle(f"Attention vs AF2's Attention ({baseline_label()}; self-attention, 1 sequence)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

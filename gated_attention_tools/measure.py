@@ -122,6 +122,16 @@ def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None)
 _RESIDENT_KEYS = ("resident_mib", "baseline_mib", "peak_mib", "output_mib")
 
 
+def child_env(**overrides: str) -> dict[str, str]:
+    """The environment of a child process run with `python -m gated_attention_tools.<module>`:
+    this process's, with its sys.path (and this package's root) as PYTHONPATH, and `overrides`."""
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parents[1]), *sys.path]),
+        **overrides,
+    )
+
+
 def resident_memory(builder: str, kwargs: dict[str, Any], timeout_s: float = 1800) -> dict:
     """Peak resident memory of one call of a jitted function, measured in a fresh CPU process.
 
@@ -147,10 +157,8 @@ def resident_memory(builder: str, kwargs: dict[str, Any], timeout_s: float = 180
     """
     if not sys.platform.startswith("linux"):
         return dict.fromkeys(_RESIDENT_KEYS) | dict(peak_reset=False, note="needs Linux's /proc")
-    env = dict(
-        os.environ,
+    env = child_env(
         JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parents[1]), *sys.path]),
         # Buffers of 128 KiB and more are mapped on allocation and unmapped on free, so a call's
         # buffers are not served from memory that the warm-up call left in malloc's free lists.
         MALLOC_MMAP_THRESHOLD_="131072",
@@ -240,11 +248,7 @@ def device_memory(builder: str, kwargs: dict[str, Any], timeout_s: float = 1800)
         return dict(
             peak_mib=resident["resident_mib"], note="resident memory (VmHWM): " + resident["note"]
         )
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parents[1]), *sys.path]),
-    )
-    return _child("device-memory", ["--device"], builder, kwargs, env, timeout_s)
+    return _child("device-memory", ["--device"], builder, kwargs, child_env(), timeout_s)
 
 
 def _device_child(spec_json: str) -> dict[str, Any]:

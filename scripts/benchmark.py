@@ -3,6 +3,7 @@ r"""Benchmarks gated_attention.Attention against AlphaFold 2's formulation and a
   python scripts/benchmark.py                                     # configs/benchmark.py
   python scripts/benchmark.py --config=configs/benchmark.py:quick --config.rounds=3
   python scripts/benchmark.py --config=configs/benchmark.py:gpu    # on a GPU: gpu_benchmark.py
+  python scripts/benchmark.py --config=configs/benchmark.py:family # AF2's modules and Evoformer
 
 Writes results.json, results.md and (with matplotlib, the 'bench' extra) results.png to
 config.output_dir, and prints progress and the Markdown table.
@@ -26,15 +27,16 @@ _CONFIG = config_flags.DEFINE_config_file(
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from gated_attention_tools import benchmark, gpu_benchmark
+    from gated_attention_tools import benchmark, family_benchmark, gpu_benchmark
 
     cfg = _CONFIG.value
     out_dir = pathlib.Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.suite == "gpu":
-        results = gpu_benchmark.run(cfg, log=lambda s: print(s, flush=True))
+    if cfg.suite in ("gpu", "family"):
+        suite = gpu_benchmark if cfg.suite == "gpu" else family_benchmark
+        results = suite.run(cfg, log=lambda s: print(s, flush=True))
         (out_dir / "results.json").write_text(json.dumps(results, indent=2))
-        table = gpu_benchmark.markdown(results)
+        table = suite.markdown(results)
         (out_dir / "results.md").write_text(table)
         print(table)
         return

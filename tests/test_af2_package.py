@@ -11,6 +11,7 @@ import pytest
 
 import gated_attention as ga
 from gated_attention import af2_package
+from gated_attention_tools import family_benchmark
 
 config = pytest.importorskip("alphafold.model.config", reason="needs alphafold-colabfold")
 modules = af2_package.alphafold_modules()
@@ -48,38 +49,12 @@ def _inputs():
     )
 
 
-def _random_params(transformed, args):
-    """Random parameters of AF2's shapes (from the traced init: no RNG program is compiled), scaled
-    so that every projection keeps unit-sized activations; LayerNorm scales around 1."""
-    rng = np.random.default_rng(3)
-    shapes = jax.eval_shape(transformed.init, jax.random.PRNGKey(0), *args)
-
-    def draw(path, spec):
-        scale = 1 / np.sqrt(spec.shape[0]) if len(spec.shape) > 1 else 0.2
-        x = scale * rng.normal(size=spec.shape) + (path[-1].key == "scale")
-        return jnp.asarray(x, spec.dtype)
-
-    return jax.tree_util.tree_map_with_path(draw, shapes)
-
-
-def _rel_diff(actual, expected):
-    """The largest max|a - b| / max|b| over the leaves; a leaf whose |b| is below 1e-2 of the
-    largest leaf's (a gradient that is zero in exact arithmetic, e.g. of the pair LayerNorm's
-    offset, which shifts every logit of a head alike) is measured against that instead."""
-    scales = [float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(expected)]
-    floor = 1e-2 * max(scales)
-    worst = 0.0
-    for a, b, s in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), scales, strict=True):
-        worst = max(worst, float(jnp.max(jnp.abs(a - b))) / max(s, floor))
-    return worst
-
-
 @pytest.mark.parametrize("is_extra_msa", [False, True], ids=["main_msa", "extra_msa"])
 def test_evoformer_iteration_inference_matches_af2(is_extra_msa):
     block = _block(is_extra_msa, is_training=False)
     af2, ours = hk.transform(block), hk.transform(af2_package.use_gated_attention()(block))
     args = _inputs()
-    params = _random_params(af2, args)
+    params = family_benchmark.random_params(af2, args)
     # Our modules create exactly AF2's parameters: names, shapes and dtypes.
     assert jax.eval_shape(ours.init, jax.random.PRNGKey(0), *args) == jax.eval_shape(
         af2.init, jax.random.PRNGKey(0), *args
@@ -87,7 +62,7 @@ def test_evoformer_iteration_inference_matches_af2(is_extra_msa):
     key = jax.random.PRNGKey(1)
     expected = jax.jit(af2.apply)(params, key, *args)
     actual = jax.jit(ours.apply)(params, key, *args)
-    assert _rel_diff(actual, expected) <= TOL
+    assert family_benchmark.relative_diff(actual, expected) <= TOL
 
 
 def test_evoformer_iteration_training_gradients_match_af2():
@@ -95,7 +70,7 @@ def test_evoformer_iteration_training_gradients_match_af2():
     block = _block(is_extra_msa=False, is_training=True)
     af2, ours = hk.transform(block), hk.transform(af2_package.use_gated_attention()(block))
     args = _inputs()
-    params = _random_params(af2, args)
+    params = family_benchmark.random_params(af2, args)
     key = jax.random.PRNGKey(2)
 
     def grads(transformed):
@@ -105,7 +80,7 @@ def test_evoformer_iteration_training_gradients_match_af2():
 
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, *args[:2])
 
-    assert _rel_diff(grads(ours), grads(af2)) <= TOL
+    assert family_benchmark.relative_diff(grads(ours), grads(af2)) <= TOL
 
 
 class _ZeroUpdate(hk.Module):

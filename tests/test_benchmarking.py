@@ -1,6 +1,7 @@
 """The benchmark's logic and script (no timing is asserted: speed lives in benchmark output)."""
 
 import dataclasses
+import importlib.metadata
 import json
 import os
 import pathlib
@@ -10,9 +11,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import pytest
 
-from gated_attention_tools import benchmark, gpu_benchmark, measure
+from gated_attention_tools import benchmark, family_benchmark, gpu_benchmark, measure
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -48,15 +50,60 @@ def test_run_cell_rows_are_consistent():
     assert shape.flops() == 2 * 2 * 16 * 8 * 8 * 5 + 2 * 2 * 16 * 16 * 8 * 2
 
 
-def test_low_precision_cells_are_compared_with_af2_in_float32():
-    shape = benchmark.Shape("tiny", 2, 16, 8, 2, True, "key")
-    rows = benchmark.run_cell(shape, "bfloat16", "forward", ["auto"], 1, 1, log=lambda s: None)
+TINY = ("tiny", 2, 16, 8, 2, True, "key")
+
+
+@pytest.fixture(scope="module")
+def tiny_bfloat16_rows():
+    """run_cell's rows, in this process, of a tiny bfloat16 forward cell ('auto' against AF2)."""
+    shape = benchmark.Shape(*TINY)
+    return benchmark.run_cell(shape, "bfloat16", "forward", ["auto"], 1, 1, log=lambda s: None)
+
+
+def _check_low_precision_diffs(rows):
     diff = {r["variant"]: r["rel_diff_vs_af2_float32"] for r in rows}
-    # Ours computes bfloat16 inputs in float32 on CPU and rounds the output once; AF2's
-    # formulation computes in bfloat16, so its own row is not 0 against its float32 self.
+    # Ours computes bfloat16 inputs in float32 on CPU and rounds the output once; AF2's Attention
+    # computes in bfloat16 (its softmax too), so its own row is not 0 against its float32 self.
     assert 0 < diff["auto"] < 1e-2
     assert 0 < diff[benchmark.AF2] < 0.1
     assert diff[benchmark.ROOFLINE] is None
+
+
+def test_low_precision_cells_are_compared_with_af2_in_float32(tiny_bfloat16_rows):
+    _check_low_precision_diffs(tiny_bfloat16_rows)
+
+
+def test_run_times_cells_in_child_processes_and_records_the_baseline(
+    tiny_bfloat16_rows, monkeypatch
+):
+    # The child compiles through the tests' persistent cache (conftest.py), every program of it.
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    cfg = ml_collections.ConfigDict(
+        dict(
+            shapes=(TINY,),
+            goals=(),
+            sweep_lengths=(),
+            implementations=("auto",),
+            dtypes=("bfloat16",),
+            modes=("forward",),
+            rounds=1,
+            steps=1,
+            memory_cases=False,
+            triangle_shapes=(),
+        )
+    )
+    logs = []
+    results = benchmark.run(cfg, log=logs.append)
+    version = importlib.metadata.version("alphafold-colabfold")
+    assert results["baseline"] == benchmark.baseline_label() == f"alphafold-colabfold {version}"
+    assert "  tiny bfloat16 forward: round 1/1 done" in logs  # the child's progress, passed on
+    # The child's rows have the in-process rows' variants and keys, and the same accuracy.
+    child = results["cells"]
+    assert [r["variant"] for r in child] == [r["variant"] for r in tiny_bfloat16_rows]
+    assert [sorted(r) for r in child] == [sorted(r) for r in tiny_bfloat16_rows]
+    _check_low_precision_diffs(child)
+    json.dumps(results)  # serializable as results.json
 
 
 def _row(shape, dtype, mode, variant, ratio, low, high):
@@ -90,6 +137,9 @@ def test_goals_are_judged_on_auto_forward_median_ratios():
         ("bfloat16", 0.125, False),
     ]
     table = benchmark.markdown(rows, [], [("a", 0.12)])
+    assert table.startswith(
+        "AF2: AlphaFold 2's Attention and TriangleAttention (alphafold-colabfold "
+    )
     assert "| a | float32 | 0.12 | 0.110 (0.10-0.13) | yes |" in table
     assert "| a | bfloat16 | 0.12 | 0.125 (0.12-0.13) | no |" in table
     assert "| a | float32 | forward | xla | 10.00 | 0.050 (0.05-0.05) |" in table
@@ -235,9 +285,15 @@ def test_benchmark_presets_share_one_schema():
     for preset in module.PRESETS:  # one schema per suite
         cfg = module.get_config(preset)
         keys.setdefault(cfg.suite, set()).add(frozenset(cfg.keys()))
-    assert sorted(keys) == ["gpu", "modules"] and all(len(k) == 1 for k in keys.values()), keys
+    assert sorted(keys) == ["family", "gpu", "modules"], keys
+    assert all(len(k) == 1 for k in keys.values()), keys
     for preset in module.PRESETS:
         cfg = module.get_config(preset)
+        if cfg.suite == "family":
+            whats = {w for w, _, _ in cfg.family_shapes}
+            assert whats <= {*family_benchmark.MODULES, "evoformer", "extra_evoformer"}
+            assert {g[1] for g in cfg.goals} <= whats | {m[0] for m in cfg.memory_scaling}
+            continue
         if cfg.suite == "gpu":
             assert all(gpu_benchmark.OpShape(*s).batch >= 1 for s in cfg.op_shapes)
             assert set(cfg.variants) <= set(gpu_benchmark.VARIANTS)
@@ -278,3 +334,48 @@ def test_gpu_benchmark_rejects_unknown_variants():
     cfg.variants = ("pallas", "flash")
     with pytest.raises(ValueError, match=r"config.variants entries must be in .*got 'flash'"):
         gpu_benchmark.run(cfg)
+
+
+def test_family_cell_times_af2_and_ours_on_the_same_params():
+    """A training-step cell of AF2's own TriangleAttention (ending node) against ours swapped in:
+    per-round ratios, the same gradients, and the goal and memory tables built from them."""
+    cell = family_benchmark.Cell("triangle_end", 1, 8, "float32", "training")
+    rows = family_benchmark.run_cell(cell, rounds=2, steps=1, log=lambda s: None)
+    by_variant = {r["variant"]: r for r in rows}
+    assert set(by_variant) == {family_benchmark.AF2, family_benchmark.OURS}
+    ours, af2 = by_variant["ours"], by_variant["af2"]
+    assert af2["ratio_to_af2"] == 1.0 and len(ours["rounds_ms"]) == 2
+    ratios = [t / a for t, a in zip(ours["rounds_ms"], af2["rounds_ms"], strict=True)]
+    assert ours["ratio_to_af2"] == pytest.approx(statistics.median(ratios))
+    assert ours["rel_diff_vs_af2_float32"] < 1e-5  # gradients of every parameter and input
+    memory = [
+        family_benchmark.memory_cell("triangle_end", v, 1, 8, "float32", "training", False)
+        for v in ("ours", "af2")
+    ]
+    assert all(m["temp_mib"] > 0 and m["resident_mib"] is None for m in memory)
+    goals = (("time", "triangle_end", "training", "float32", 1e-9),)
+    goals += (("memory", "triangle_end", 1, 8, 1e6),)
+    judged = family_benchmark.goal_rows(rows, memory, goals)
+    assert [g["met"] for g in judged] == [False, True]
+    results = dict(baseline="alphafold-colabfold x", jax="y", cells=rows, memory=memory)
+    table = family_benchmark.markdown(results | dict(goals=judged))
+    assert "| triangle_end 8 | float32 | training | ours |" in table
+    assert "| triangle_end 8 | af2 |" in table
+
+
+def test_family_floor_removes_every_attention_module():
+    """The Evoformer floor: AF2's block with each attention module's update zero (and no
+    attention parameters), the rest of the block as it ships."""
+    cell = family_benchmark.Cell("evoformer", 4, 8, "float32", "inference")
+    specs = family_benchmark.input_specs(cell)
+    shapes = {
+        v: jax.eval_shape(
+            family_benchmark.transformed("evoformer", v, False).init, jax.random.PRNGKey(0), *specs
+        )
+        for v in ("af2", "floor")
+    }
+    attention = {k for k in shapes["af2"] if "attention" in k and "outer" not in k}
+    assert attention and not attention & set(shapes["floor"])
+    assert set(shapes["floor"]) == set(shapes["af2"]) - attention
+    with pytest.raises(ValueError, match=r"variant must be one of \('af2', 'ours', 'floor'\)"):
+        family_benchmark.transformed("evoformer", "fast", False)

@@ -1,0 +1,67 @@
+"""Run a function in a fresh Python process: `child.call('module:function', kwargs, log)`.
+
+The benchmarks time every cell in a process of its own: a long-lived process that already holds
+many live buffers faults freshly mapped large buffers in more slowly, and slowed AF2's baseline
+most (its Attention at 1 x 4,096 tokens, c 256, 8 heads: 1.5 s late in one long process, 0.8 s in a
+process of its own), so ratios measured there would not hold in a user's process.
+
+`python -m gated_attention_tools.child '<json>'` is the child: it calls the function with the
+kwargs, lets its printed lines through, and prints the JSON-serializable result last, after RESULT.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from gated_attention_tools import measure
+
+_RESULT = "RESULT "
+
+
+def call(target: str, kwargs: dict[str, Any], log: Callable[[str], None] = print) -> Any:
+    """target(**kwargs) ('module:function', importable with this process's sys.path) computed in a
+    fresh process; its printed lines go to `log` as they come.
+
+    Raises:
+      RuntimeError: the child failed or printed no result (its stderr's tail included).
+    """
+    import subprocess
+
+    spec = json.dumps(dict(target=target, kwargs=kwargs))
+    result = None
+    with tempfile.TemporaryFile("w+") as stderr:
+        with subprocess.Popen(
+            [sys.executable, "-m", __name__, spec],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=measure.child_env(),
+        ) as child:
+            for line in child.stdout:
+                if line.startswith(_RESULT):
+                    result = line[len(_RESULT) :]
+                else:
+                    log(line.rstrip("\n"))
+        if child.returncode != 0 or result is None:
+            stderr.seek(0)
+            raise RuntimeError(
+                f"{target}({kwargs}) failed in its child process with exit code "
+                f"{child.returncode}:\n{stderr.read()[-3000:]}"
+            )
+    return json.loads(result)
+
+
+def _main(spec_json: str) -> None:
+    spec = json.loads(spec_json)
+    module, _, name = spec["target"].partition(":")
+    out = getattr(importlib.import_module(module), name)(**spec["kwargs"])
+    print(_RESULT + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

@@ -1,0 +1,412 @@
+"""The family benchmark: AlphaFold 2's own attention modules and EvoformerIteration (the
+alphafold-colabfold package, model_1's configs and AF2's global config as they ship) against the
+same code with our attention swapped in (gated_attention.af2_package.use_gated_attention).
+
+Cells (configs/benchmark.py:family):
+  * each of AF2's five attention modules in inference (is_training=False, AF2's subbatch_size 4)
+    and as a training step (is_training=True, forward+backward of sum(update), no subbatching),
+    float32 and bfloat16;
+  * EvoformerIteration, the same two modes, with AF2's attention ('af2'), ours ('ours') and none
+    ('floor': every attention module's update is zero, so its cost is the rest of the block);
+  * memory scaling: a training step of TriangleAttention and MSA row attention at growing crops:
+    XLA temp bytes (compiled on shapes, nothing run) and resident memory (VmHWM in a fresh process).
+
+Every timed cell runs in a fresh process (child.py says why); within it the variants share
+random parameters and inputs, are compiled first and timed in interleaved rounds; a ratio is taken
+per round against AF2's time in the same round, and reported as the median and range over rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gated_attention import af2_package, numerics
+from gated_attention_tools import child, measure
+
+MODULES = ("msa_row", "msa_column", "msa_column_global", "triangle_start", "triangle_end")
+AF2, OURS, FLOOR = "af2", "ours", "floor"
+MODES = ("inference", "training")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One family cell.
+
+    Attributes:
+      what: one of MODULES, or 'evoformer' (main MSA) / 'extra_evoformer' (extra MSA stack block).
+      n_seq: MSA rows (extra MSA rows for msa_column_global); ignored by the triangle modules.
+      n_res: residues.
+      dtype: 'float32' or 'bfloat16' (activations and parameters; LayerNorm params float32).
+      mode: 'inference' or 'training'.
+    """
+
+    what: str
+    n_seq: int
+    n_res: int
+    dtype: str
+    mode: str
+
+    @property
+    def name(self) -> str:
+        rows = "" if self.what.startswith("triangle") else f"{self.n_seq}x"
+        return f"{self.what} {rows}{self.n_res}"
+
+
+def model_config():
+    """model_1's model config from the package, global config as it ships."""
+    from alphafold.model import config
+
+    return config.model_config("model_1").model
+
+
+def _channels(what: str, c) -> tuple[int, int]:
+    """(msa channels, pair channels) of model_1: c_m 256 (extra MSA c_e 64), c_z 128."""
+    c_m = c.embeddings_and_evoformer.msa_channel
+    c_e = c.embeddings_and_evoformer.extra_msa_channel
+    c_z = c.embeddings_and_evoformer.pair_channel
+    return (c_e if what in ("msa_column_global", "extra_evoformer") else c_m), c_z
+
+
+def _body(what: str, is_training: bool) -> Callable[..., Any]:
+    """fn(msa, pair, msa_mask, pair_mask) -> the module's update or the block's output, built from
+    the package's classes as the caller's modules.py names them when traced."""
+    c = model_config()
+    evo, gc = c.embeddings_and_evoformer.evoformer, c.global_config
+    modules = af2_package.alphafold_modules()
+
+    def fn(msa, pair, msa_mask, pair_mask):
+        if what in ("evoformer", "extra_evoformer"):
+            block = modules.EvoformerIteration(evo, gc, is_extra_msa=what == "extra_evoformer")
+            return block(
+                {"msa": msa, "pair": pair},
+                {"msa": msa_mask, "pair": pair_mask},
+                is_training=is_training,
+            )
+        if what == "msa_row":
+            m = modules.MSARowAttentionWithPairBias(evo.msa_row_attention_with_pair_bias, gc)
+            return m(msa, msa_mask, pair, is_training=is_training)
+        if what == "msa_column":
+            m = modules.MSAColumnAttention(evo.msa_column_attention, gc)
+            return m(msa, msa_mask, is_training=is_training)
+        if what == "msa_column_global":
+            m = modules.MSAColumnGlobalAttention(evo.msa_column_attention, gc)
+            return m(msa, msa_mask, is_training=is_training)
+        cfg = evo[f"triangle_attention_{what.split('_')[1]}ing_node"]
+        return modules.TriangleAttention(cfg, gc)(pair, pair_mask, is_training=is_training)
+
+    return fn
+
+
+class _ZeroUpdate(hk.Module):
+    """An attention module whose update is zero: the floor variant's stand-in for all four."""
+
+    def __init__(self, config, global_config, name="zero_update"):
+        super().__init__(name=name)
+        self.config = config
+
+    def __call__(self, act, mask, *args, **kwargs):
+        return jnp.zeros_like(act)
+
+
+def transformed(what: str, variant: str, is_training: bool) -> hk.Transformed:
+    """The cell's function for a variant: AF2's classes, ours swapped in, or attention removed."""
+    body = _body(what, is_training)
+    if variant == OURS:
+        body = af2_package.use_gated_attention()(body)
+    elif variant == FLOOR:
+        body = af2_package.use_gated_attention(dict.fromkeys(af2_package.FAMILY, _ZeroUpdate))(body)
+    elif variant != AF2:
+        raise ValueError(f"variant must be one of {(AF2, OURS, FLOOR)}, got {variant!r}")
+    return hk.transform(body)
+
+
+def input_specs(cell: Cell) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """(msa, pair, msa_mask, pair_mask) specs: activations and AF2's float masks in cell.dtype."""
+    c_msa, c_z = _channels(cell.what, model_config())
+    dt = jnp.dtype(cell.dtype)
+    s, r = cell.n_seq, cell.n_res
+    spec = jax.ShapeDtypeStruct
+    return spec((s, r, c_msa), dt), spec((r, r, c_z), dt), spec((s, r), dt), spec((r, r), dt)
+
+
+def random_params(t: hk.Transformed, specs, seed: int = 3) -> dict[str, Any]:
+    """Random parameters of the package's shapes and dtypes (from the traced init, so no RNG
+    program is compiled): weights ~ N(0, 1/fan_in), vectors ~ N(0, 0.04), LayerNorm scales ~ 1."""
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(t.init, jax.random.PRNGKey(0), *specs)
+
+    def draw(path, spec):
+        scale = 1 / np.sqrt(spec.shape[0]) if len(spec.shape) > 1 else 0.2
+        x = scale * rng.normal(size=spec.shape) + (path[-1].key == "scale")
+        return jnp.asarray(x, spec.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def random_inputs(specs, seed: int = 0) -> tuple[jax.Array, ...]:
+    """Unit-normal activations; masks with 10% of the MSA and 2% of the residues padded."""
+    rng = np.random.default_rng(seed)
+    msa, pair, msa_mask, pair_mask = specs
+    residues = rng.random(pair_mask.shape[0]) > 0.02
+    return (
+        jnp.asarray(rng.normal(size=msa.shape), msa.dtype),
+        jnp.asarray(rng.normal(size=pair.shape), pair.dtype),
+        jnp.asarray((rng.random(msa_mask.shape) > 0.1) & residues, msa_mask.dtype),
+        jnp.asarray(residues[:, None] & residues[None, :], pair_mask.dtype),
+    )
+
+
+def step_fn(t: hk.Transformed, cell_what: str, mode: str) -> Callable:
+    """fn(params, msa, pair, msa_mask, pair_mask): the output (inference), or the gradients of
+    sum(output) for the parameters and the activations (training: forward+backward)."""
+    key = jax.random.PRNGKey(1)
+    if mode == "inference":
+        return lambda params, *args: t.apply(params, key, *args)
+    if mode != "training":
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+    def loss(params, msa, pair, msa_mask, pair_mask):
+        out = t.apply(params, key, msa, pair, msa_mask, pair_mask)
+        return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(out))
+
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def relative_diff(tree, reference) -> float:
+    """The largest max|a - b| / max|b| over the leaves (in float32). A leaf whose max|b| is below
+    1e-2 of the largest leaf's is measured against that instead: a gradient that is zero in exact
+    arithmetic (the pair LayerNorm's offset shifts every logit of a head alike) is rounding noise
+    in both, and its ratio would say nothing."""
+    pairs = [
+        (a.astype(jnp.float32), b.astype(jnp.float32))
+        for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(reference), strict=True)
+    ]
+    scales = [float(jnp.max(jnp.abs(b))) for _, b in pairs]
+    floor = max(1e-2 * max(scales), 1e-30)
+    return max(
+        float(jnp.max(jnp.abs(a - b))) / max(s, floor)
+        for (a, b), s in zip(pairs, scales, strict=True)
+    )
+
+
+def run_cell(cell: Cell, rounds: int, steps: int, log: Callable[[str], None] = print) -> list:
+    """Times AF2, ours (and for the Evoformer the floor) on one cell in interleaved rounds."""
+    variants = (AF2, OURS, FLOOR) if "evoformer" in cell.what else (AF2, OURS)
+    is_training = cell.mode == "training"
+    fns = {v: transformed(cell.what, v, is_training) for v in variants}
+    specs = input_specs(cell)
+    params = random_params(fns[AF2], specs)
+    args = (params, *random_inputs(specs))
+    jitted = {v: jax.jit(step_fn(fns[v], cell.what, cell.mode)) for v in variants}
+    compile_s, temp, outputs = {}, {}, {}
+    for v, fn in jitted.items():
+        (compile_s[v],), outputs[v] = measure.time_calls(fn, args, 1)
+        temp[v] = measure.xla_memory(fn, args)["temp_size_in_bytes"]
+    reference = outputs[AF2]
+    if cell.dtype != "float32":  # AF2 in float32 on the same (rounded) params and inputs
+        reference = jitted[AF2](*numerics.cast_floats(args, jnp.float32))
+    per_round = {v: [] for v in variants}
+    cpu_before = measure.cpu_ticks()
+    for r in range(rounds):
+        for v, fn in jitted.items():
+            per_round[v].append(statistics.median(measure.time_calls(fn, args, steps)[0]))
+        log(f"  {cell.name} {cell.dtype} {cell.mode}: round {r + 1}/{rounds}")
+    steal = measure.steal_percent(cpu_before, measure.cpu_ticks())
+    rows = []
+    for v in variants:
+        ratios = [t / a for t, a in zip(per_round[v], per_round[AF2], strict=True)]
+        rows.append(
+            dict(
+                cell=cell.name,
+                what=cell.what,
+                n_seq=cell.n_seq,
+                n_res=cell.n_res,
+                dtype=cell.dtype,
+                mode=cell.mode,
+                variant=v,
+                time_ms=statistics.median(per_round[v]) * 1e3,
+                ratio_to_af2=statistics.median(ratios),
+                ratio_range=[min(ratios), max(ratios)],
+                rounds_ms=[t * 1e3 for t in per_round[v]],
+                temp_mib=None if temp[v] is None else temp[v] / 2**20,
+                rel_diff_vs_af2_float32=None
+                if v == FLOOR
+                else relative_diff(outputs[v], reference),
+                compile_s=compile_s[v],
+                cpu_steal_percent=steal,
+            )
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory: a training step's XLA temp bytes (on shapes) and resident memory (fresh process).
+
+
+def memory_problem(what: str, variant: str, n_seq: int, n_res: int, dtype: str, mode: str):
+    """(fn, specs) of a cell for measure.resident_memory: fn takes the parameters' leaves and the
+    inputs as flat positional arguments (the child makes every input ones)."""
+    cell = Cell(what, n_seq, n_res, dtype, mode)
+    t = transformed(what, variant, mode == "training")
+    specs = input_specs(cell)
+    shapes = jax.eval_shape(t.init, jax.random.PRNGKey(0), *specs)
+    leaves, treedef = jax.tree.flatten(shapes)
+    step = step_fn(t, what, mode)
+
+    def fn(*flat):
+        params = jax.tree.unflatten(treedef, flat[: len(leaves)])
+        return step(params, *flat[len(leaves) :])
+
+    return fn, (*leaves, *specs)
+
+
+def memory_cell(
+    what: str, variant: str, n_seq: int, n_res: int, dtype: str, mode: str, resident: bool
+) -> dict[str, Any]:
+    """XLA temp MiB (compiled on shapes) and, when `resident`, the resident MiB and the time of one
+    call in a fresh process."""
+    fn, specs = memory_problem(what, variant, n_seq, n_res, dtype, mode)
+    temp = measure.xla_memory(jax.jit(fn), specs)["temp_size_in_bytes"]
+    row = dict(
+        what=what,
+        variant=variant,
+        n_seq=n_seq,
+        n_res=n_res,
+        dtype=dtype,
+        mode=mode,
+        temp_mib=None if temp is None else temp / 2**20,
+        resident_mib=None,
+    )
+    if resident:
+        kwargs = dict(what=what, variant=variant, n_seq=n_seq, n_res=n_res, dtype=dtype, mode=mode)
+        probe = measure.resident_memory(f"{__name__}:memory_problem", kwargs)
+        row.update(resident_mib=probe["resident_mib"], resident_note=probe["note"])
+    return row
+
+
+# --------------------------------------------------------------------------------------------------
+# The sweep.
+
+
+def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """configs/benchmark.py's family preset: every cell in a fresh process, then memory scaling."""
+    from importlib import metadata
+
+    cells = []
+    for what, n_seq, n_res in cfg.family_shapes:
+        cells += [Cell(what, n_seq, n_res, d, m) for d in cfg.dtypes for m in cfg.modes]
+    rows = []
+    for i, cell in enumerate(cells):
+        log(f"[{i + 1}/{len(cells)}] {cell.name} {cell.dtype} {cell.mode}")
+        kwargs = dict(cell=dataclasses.asdict(cell), rounds=cfg.rounds, steps=cfg.steps)
+        rows += child.call(f"{__name__}:_cell", kwargs, log)
+    memory = []
+    for what, n_seq, n_res, variants in cfg.memory_scaling:
+        for variant in variants:
+            log(f"memory: {what} {n_seq}x{n_res} {variant}")
+            kwargs = dict(
+                what=what,
+                variant=variant,
+                n_seq=n_seq,
+                n_res=n_res,
+                dtype="float32",
+                mode="training",
+                resident=n_res <= cfg.resident_max_n_res.get(variant, 0),
+            )
+            memory.append(memory_cell(**kwargs))
+    return dict(
+        baseline=f"alphafold-colabfold {metadata.version('alphafold-colabfold')}",
+        jax=jax.__version__,
+        cells=rows,
+        memory=memory,
+        goals=goal_rows(rows, memory, cfg.goals),
+    )
+
+
+def _cell(cell: dict, rounds: int, steps: int) -> list:
+    """run_cell for child.call: the Cell as a dict, progress printed."""
+    return run_cell(Cell(**cell), rounds, steps, log=lambda s: print(s, flush=True))
+
+
+def goal_rows(rows, memory, goals) -> list[dict[str, Any]]:
+    """Each goal with its figure: ('time', what, mode, dtype, ratio) against 'ours' rows (every
+    cell of that module, mode and dtype), ('memory', what, n_seq, n_res, mib) against the larger of
+    XLA temp and resident memory of our training step."""
+    out = []
+    for goal in goals:
+        if goal[0] == "time":
+            _, what, mode, dtype, limit = goal
+            for r in rows:
+                if (r["what"], r["mode"], r["dtype"], r["variant"]) == (what, mode, dtype, OURS):
+                    out.append(
+                        dict(
+                            goal=f"{r['cell']} {mode} {dtype}: <= {limit:.2f}x AF2",
+                            figure=r["ratio_to_af2"],
+                            range=r["ratio_range"],
+                            met=r["ratio_to_af2"] <= limit,
+                        )
+                    )
+        else:
+            _, what, n_seq, n_res, limit = goal
+            for m in memory:
+                if (m["what"], m["n_seq"], m["n_res"], m["variant"]) == (what, n_seq, n_res, OURS):
+                    known = [x for x in (m["temp_mib"], m["resident_mib"]) if x is not None]
+                    figure = max(known) if known else None
+                    out.append(
+                        dict(
+                            goal=f"{what} {n_seq}x{n_res} training step: <= {limit:.0f} MiB",
+                            figure=figure,
+                            range=None,
+                            met=figure is not None and figure <= limit,
+                        )
+                    )
+    return out
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """Goals, cells and memory scaling as Markdown tables."""
+    lines = [f"Baseline: {results['baseline']} (jax {results['jax']}).", ""]
+    if results["goals"]:
+        lines += ["| goal | figure | met |", "| --- | ---: | --- |"]
+        for g in results["goals"]:
+            fig = "" if g["figure"] is None else f"{g['figure']:.3g}"
+            if g["range"]:
+                fig += f" ({g['range'][0]:.2f}-{g['range'][1]:.2f})"
+            lines.append(f"| {g['goal']} | {fig} | {'yes' if g['met'] else 'no'} |")
+        lines.append("")
+    lines += [
+        "| cell | dtype | mode | variant | time (ms) | / AF2 (rounds) | XLA temp (MiB) "
+        "| rel. diff vs AF2 float32 | steal % |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results["cells"]:
+        low, high = r["ratio_range"]
+        temp = "" if r["temp_mib"] is None else f"{r['temp_mib']:.0f}"
+        diff = r["rel_diff_vs_af2_float32"]
+        steal = r["cpu_steal_percent"]
+        lines.append(
+            f"| {r['cell']} | {r['dtype']} | {r['mode']} | {r['variant']} | {r['time_ms']:.1f} | "
+            f"{r['ratio_to_af2']:.3f} ({low:.2f}-{high:.2f}) | {temp} | "
+            f"{'' if diff is None else f'{diff:.1e}'} | {'' if steal is None else f'{steal:.0f}'} |"
+        )
+    if results["memory"]:
+        lines += [
+            "",
+            "| training step, float32 | variant | XLA temp (MiB) | resident (MiB) |",
+            "| --- | --- | ---: | ---: |",
+        ]
+        for m in results["memory"]:
+            rows = "" if m["what"].startswith("triangle") else f"{m['n_seq']}x"
+            res = "" if m["resident_mib"] is None else f"{m['resident_mib']:.0f}"
+            lines.append(
+                f"| {m['what']} {rows}{m['n_res']} | {m['variant']} | {m['temp_mib']:.0f} | {res} |"
+            )
+    return "\n".join(lines) + "\n"
