@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention.modules import rows_per_tile
+from gated_attention.modules import remat_saveable, rows_per_tile
+from gated_attention_tools import family_benchmark
 from tests import reference
 from tests.helpers import DTYPES, as_f64, assert_close, cast_tree, rand
 
@@ -281,10 +282,8 @@ def test_fully_masked_rows_finite_with_finite_gradients(implementation, dtype):
 def test_af2_params_apply_unchanged_and_match():
     (params, q_data, m_data, mask, nb, _), _ = _module_problem("float32", "key_mask+nonbatched_hqk")
     af2 = _af2_attention()
-    af2_params = jax.jit(af2.init)(jax.random.PRNGKey(11), q_data, m_data, mask, nb)
-    af2_params = jax.tree.map(  # make the gate matter: AF2 inits it to a constant
-        lambda x: x + 0.3 * jax.random.normal(jax.random.PRNGKey(1), x.shape), af2_params
-    )
+    # Random values in the tree AF2's init makes (traced only: no RNG program compiled).
+    af2_params = family_benchmark.random_params(af2, (q_data, m_data, mask, nb), seed=11)
     ours = jax.jit(_attention(dict(num_head=H, gating=True)).apply)(
         af2_params, q_data, m_data, mask, nb
     )
@@ -362,8 +361,7 @@ def test_global_attention_gradients_and_af2_params():
 
 
 @pytest.mark.parametrize(
-    "implementation, remat_policy",
-    [("xla", "nothing"), ("chunked", "projections"), ("xla", "everything")],
+    "implementation, remat_policy", [("xla", "nothing"), ("chunked", "projections")]
 )
 def test_row_tiled_forward_matches_reference_with_gradients(implementation, remat_policy):
     """The whole forward in tiles of one row (a budget below one row's working set), each
@@ -416,8 +414,9 @@ def test_remat_policy_sets_what_a_training_step_keeps():
 
     nothing, projections, everything = (temp(p) for p in ("nothing", "projections", "everything"))
     assert nothing < projections < everything
-    assert temp("auto") == nothing  # 64 rows of projections do not fit 1 MiB
-    assert temp("auto", budget_mib=64.0) == temp("projections", budget_mib=64.0)
+    policies = jax.checkpoint_policies
+    assert remat_saveable("auto", 2**20, 2**20) is policies.dots_with_no_batch_dims_saveable
+    assert remat_saveable("auto", 2**20 + 1, 2**20) is policies.nothing_saveable
 
 
 def _rows(
