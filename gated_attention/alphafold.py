@@ -312,19 +312,18 @@ class MSAColumnGlobalAttention(_FamilyModule):
 
         def update(msa_act, msa_mask):
             norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
-            cols = jnp.swapaxes(msa_act, -3, -2)  # [r, s, c_m]
-            mask = jnp.swapaxes(msa_mask.astype(bool), -2, -1)[..., None]  # [r, s, 1]
             attention = modules.GlobalAttention(
-                self.config, self.global_config, cols.shape[-1], name="attention"
+                self.config, self.global_config, msa_act.shape[-1], name="attention"
             )
-            out = attention(
-                cols,
-                cols,
-                mask,
+            # Each column (residue) attends over the sequences, the MSA as it lies: [s, r, c_m].
+            return attention(
+                msa_act,
+                msa_act,
+                msa_mask.astype(bool),
                 subbatch_size=self._subbatch_size(is_training),
                 input_transform=_normalizer(norm),
+                positions_first=True,
             )
-            return jnp.swapaxes(out, -3, -2)  # [s, r, c_m]
 
         return _map_leading(update, msa_act.ndim - 3, msa_act, msa_mask)
 

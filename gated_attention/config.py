@@ -25,7 +25,7 @@ ORIENTATIONS = ("per_row", "per_column")
 DEFAULT_MEMORY_BUDGET_MIB = attention.DEFAULT_MEMORY_BUDGET_BYTES // 2**20
 IMPLEMENTATION_NAMES = ("auto", *attention.IMPLEMENTATIONS)
 # What a module's row tiles save for the backward pass (modules.remat_saveable).
-REMAT_POLICIES = ("auto", "projections", "nothing", "everything")
+REMAT_POLICIES = ("nothing", "projections", "everything")
 
 
 def _as_dict(config: Any, name: str) -> dict[str, Any]:
@@ -126,9 +126,9 @@ class GlobalConfig:
       compute_dtype: precision policy, one of numerics.POLICIES ('auto': bfloat16/float16 inputs
         are computed in float32 on CPU; 'input': in their own dtype, as AF2; 'float32').
       remat_policy: what a module's row tiles save for the backward pass (training memory):
-        'projections' (q/k/v/gate kept, attention recomputed), 'nothing' (the tile recomputed:
-        the least memory), 'everything' (nothing recomputed), or 'auto': 'projections' when
-        they fit memory_budget_mib, else 'nothing'. See modules.remat_saveable.
+        'nothing' (the tile recomputed: the least memory, and on CPU the fastest), 'projections'
+        (q/k/v/gate kept, attention recomputed) or 'everything' (nothing recomputed). See
+        modules.remat_saveable.
     """
 
     zero_init: bool = True
@@ -140,7 +140,7 @@ class GlobalConfig:
     key_chunk_size: int | None = None
     memory_budget_mib: float = DEFAULT_MEMORY_BUDGET_MIB
     compute_dtype: str = "auto"
-    remat_policy: str = "auto"
+    remat_policy: str = "nothing"
 
     def __post_init__(self):
         where = "global_config"

@@ -133,23 +133,21 @@ class _AttentionModule(hk.Module):
         compute = numerics.compute_dtype(dtype, policy)
         return implementation, policy, compute, numerics.cast_floats(params, compute)
 
-    def _in_row_tiles(self, forward, args, subbatch_size, **row):
-        """forward(*args) on tiles of rows of the leading axis, by rows_per_tile(**row).
+    def _in_row_tiles(self, forward, args, subbatch_size, axis=0, **row):
+        """forward(*args) on tiles of rows along `axis` (the batch rows), by rows_per_tile(**row).
 
-        args: arrays with the leading batch axis, or with size 1 there (shared), or None.
+        args: arrays with the batch along `axis`, or with size 1 there (shared), or None.
         Under differentiation each tile saves what global_config.remat_policy says and
         recomputes the rest in the backward pass (remat_saveable).
         """
         budget = int(self.global_config.memory_budget_mib * 2**20)
-        batch = args[0].shape[0]
+        batch = args[0].shape[axis]
         rows = rows_per_tile(batch, subbatch_size, budget, **row)
         if rows is None:
             return forward(*args)
-        batched = [x is not None and x.shape[0] == batch for x in args]
-        saved = batch * row["tile_row_bytes"]
-        saveable = remat_saveable(self.global_config.remat_policy, saved, budget)
-        forward = jax.checkpoint(forward, policy=saveable)
-        return mapping.subbatch(forward, args, subbatch_size=rows, batched=batched)
+        batched = [x is not None and x.shape[axis] == batch for x in args]
+        forward = jax.checkpoint(forward, policy=remat_saveable(self.global_config.remat_policy))
+        return mapping.subbatch(forward, args, subbatch_size=rows, batched=batched, axis=axis)
 
 
 # The module's own tiling for speed on CPU, where a tile whose logits stay near TILE_BYTES stays
@@ -205,18 +203,16 @@ def rows_per_tile(
     return rows if rows < batch else None
 
 
-def remat_saveable(policy: str, saved_bytes: int, memory_budget_bytes: int):
-    """What a tile saves for the backward pass (a jax.checkpoint policy), by remat_policy:
-    'projections': the projections (matmuls without batch dimensions), attention recomputed;
-    'nothing': only the tile's inputs, the whole tile recomputed (the least memory);
-    'everything': all of it, nothing recomputed (the most memory);
-    'auto': 'projections' when the whole batch's (saved_bytes) fit the memory budget, else
-    'nothing'."""
-    if policy == "auto":
-        policy = "projections" if saved_bytes <= memory_budget_bytes else "nothing"
+def remat_saveable(policy: str):
+    """What a row tile saves for the backward pass (a jax.checkpoint policy), by
+    global_config.remat_policy: 'nothing' (the default): only the tile's inputs, the whole tile
+    recomputed, the least memory, and on CPU the fastest too (scripts/benchmark.py's family
+    suite: saving costs more memory traffic than recomputing the projections); 'projections':
+    the matmuls without batch dimensions (q, k, v, gate), attention recomputed; 'everything':
+    nothing recomputed."""
     return {
-        "projections": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         "nothing": jax.checkpoint_policies.nothing_saveable,
+        "projections": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
         "everything": jax.checkpoint_policies.everything_saveable,
     }[policy]
 
@@ -395,6 +391,7 @@ class GlobalAttention(_AttentionModule):
         *,
         subbatch_size: int | str | None = None,
         input_transform: Callable[[jax.Array], jax.Array] | None = None,
+        positions_first: bool = False,
     ) -> jax.Array:
         """Global attention from the masked mean of q_data to m_data.
 
@@ -404,19 +401,37 @@ class GlobalAttention(_AttentionModule):
           q_mask: [..., b, q, 1] (or [..., b, q]), bool or float 0/1 as AF2 passes it.
           subbatch_size: inference subbatching over the leading batch axis, as for Attention.
           input_transform: applied to q_data and m_data inside each tile, as for Attention.
+          positions_first: q_data [q, b, a], m_data [k, b, m] and q_mask [q, b, 1] (or [q, b])
+            instead, and the output [q, b, o]: an MSA [s, r, c] attended along its columns as it
+            lies. Nothing of width a, m or o is transposed then (only k and v, [k, b, c]), where
+            transposing the MSA in and the update out would move it twice.
 
         Returns:
-          [..., b, q, output_dim] in q_data's dtype.
+          [..., b, q, output_dim] in q_data's dtype ([q, b, output_dim] with positions_first).
         """
         _check_data(q_data, m_data)
         _check_subbatch_size(subbatch_size)
-        batch, (q_len, a), (k_len, m) = q_data.shape[:-2], q_data.shape[-2:], m_data.shape[-2:]
+        checks.check_bool("positions_first", positions_first)
+        if positions_first and (q_data.ndim != 3 or m_data.ndim != 3):
+            raise ValueError(
+                f"positions_first takes q_data [q, b, a] and m_data [k, b, m], got shapes "
+                f"{tuple(q_data.shape)} and {tuple(m_data.shape)}"
+            )
+        pos = -3 if positions_first else -2  # the positions' axis; the batch's is the other one
+        batch = q_data.shape[:-3] + (q_data.shape[-2 if positions_first else -3],)
+        (q_len, a), (k_len, m) = (
+            (q_data.shape[pos], q_data.shape[-1]),
+            (
+                m_data.shape[pos],
+                m_data.shape[-1],
+            ),
+        )
         if k_len != q_len:
             raise ValueError(
                 f"m_data has {k_len} positions but q_data has {q_len}; global attention "
                 "masks keys with q_mask, so they must be equal"
             )
-        q_mask = _global_mask(q_mask, batch, q_len)
+        q_mask = _global_mask(q_mask, batch, q_len, positions_first)
         h = self.config.num_head
         key_dim, value_dim = _head_dims(self.config, a, m)
         params = _create_params(self, (a, h, key_dim), (m, key_dim), (m, value_dim), q_data.dtype)
@@ -426,9 +441,12 @@ class GlobalAttention(_AttentionModule):
             q_data, m_data = _transformed(input_transform, q_data, m_data)
             out_dtype = q_data.dtype
             q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
-            q = _project(_masked_mean(q_data, q_mask), p["query_w"])  # [..., b, h, c]
-            k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # [..., b, k, c]
-            key_mask = jnp.swapaxes(q_mask.astype(bool), -1, -2)[..., None, :, :]  # [.., 1, 1, k]
+            q = _project(_masked_mean(q_data, q_mask, pos), p["query_w"])  # [..., b, h, c]
+            k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # positions, c
+            mask = q_mask.astype(bool)
+            if positions_first:  # [k, b, c] -> [b, k, c]: the narrow projections, not the data
+                k, v, mask = (jnp.swapaxes(x, -3, -2) for x in (k, v, mask))
+            key_mask = jnp.swapaxes(mask, -1, -2)[..., None, :, :]  # [..., b, 1, 1, k]
             # The h heads attend as h query positions of one head (the shared key/value head).
             avg = attention.dot_product_attention(
                 q[..., None, :],
@@ -440,12 +458,18 @@ class GlobalAttention(_AttentionModule):
                 implementation=implementation,
                 compute_dtype=policy,
             )  # [..., b, h, 1, cv]
-            out = _gated_output(jnp.swapaxes(avg, -3, -2), q_data, p)  # [..., b, q|1, o]
-            out = jnp.broadcast_to(out, (*q_data.shape[:-1], self.output_dim))  # [..., b, q, o]
+            avg = jnp.swapaxes(avg, -3, -2)  # [..., b, 1, h, cv]
+            if positions_first:
+                avg = jnp.swapaxes(avg, -4, -3)  # [1, b, h, cv]
+            out = _gated_output(avg, q_data, p)  # [..., b, q|1, o] ([q|1, b, o])
+            out = jnp.broadcast_to(out, (*q_data.shape[:-1], self.output_dim))
             return out.astype(out_dtype)
 
         # Per row: gate and gated average per query, k and v per key.
-        queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
+        if positions_first:
+            queries, keys = q_len, k_len
+        else:
+            queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
         row_bytes = 4 * (queries * (2 * h * value_dim + self.output_dim))
         row_bytes += 4 * keys * (key_dim + value_dim)
         tile_row_bytes = 2 * (row_bytes + 4 * (queries * a + keys * m))  # and the cotangents
@@ -454,6 +478,7 @@ class GlobalAttention(_AttentionModule):
             forward,
             args,
             subbatch_size,
+            axis=1 if positions_first else 0,
             row_bytes=row_bytes,
             tile_row_bytes=tile_row_bytes,
             row_queries=queries,
@@ -461,25 +486,28 @@ class GlobalAttention(_AttentionModule):
         )
 
 
-def _masked_mean(q_data, q_mask):
-    """AF2's mean of q_data [..., b, q, a] over the positions q_mask [..., b, q, 1] weights (eps
-    1e-10); masked positions are zeroed first, so whatever they hold does not reach the mean."""
+def _masked_mean(q_data, q_mask, axis=-2):
+    """AF2's mean of q_data [..., b, q, a] over the positions (`axis`) q_mask [..., b, q, 1]
+    weights (eps 1e-10); masked positions are zeroed first, so whatever they hold does not reach
+    the mean."""
     weights = q_mask.astype(q_data.dtype)
     kept = jnp.where(q_mask.astype(bool), q_data, jnp.zeros((), q_data.dtype))
-    return jnp.sum(weights * kept, axis=-2) / (jnp.sum(weights, axis=-2) + 1e-10)  # [..., b, a]
+    total = jnp.sum(weights, axis=axis) + 1e-10
+    return jnp.sum(weights * kept, axis=axis) / total  # [..., b, a]
 
 
-def _global_mask(q_mask, batch, q_len):
-    """q_mask [..., b, q, 1] or [..., b, q], bool or float -> [..., b, q, 1]."""
+def _global_mask(q_mask, batch, q_len, positions_first=False):
+    """q_mask [..., b, q, 1] or [..., b, q], bool or float -> [..., b, q, 1] ([q, b, 1] or [q, b]
+    -> [q, b, 1] with positions_first)."""
     dtype = jnp.result_type(q_mask)
     if dtype != jnp.bool_ and not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"q_mask must be bool or float 0/1, got dtype {dtype}")
-    shape = tuple(q_mask.shape)
-    if shape == (*batch, q_len):
+    shape, lead = tuple(q_mask.shape), (q_len, *batch) if positions_first else (*batch, q_len)
+    names = "[q, b" if positions_first else "[..., b, q"
+    if shape == lead:
         return q_mask[..., None]
-    if shape != (*batch, q_len, 1):
+    if shape != (*lead, 1):
         raise ValueError(
-            f"q_mask of shape {shape} must be [..., b, q, 1] = {(*batch, q_len, 1)} "
-            f"or [..., b, q] = {(*batch, q_len)}"
+            f"q_mask of shape {shape} must be {names}, 1] = {(*lead, 1)} or {names}] = {lead}"
         )
     return q_mask

@@ -164,8 +164,8 @@ CONFIG_ERRORS = {
     ),
     "remat policy": (
         dict(global_config=dict(remat_policy="dots")),
-        r"global_config.remat_policy must be one of \('auto', 'projections', 'nothing', "
-        r"'everything'\), got 'dots'",
+        r"global_config.remat_policy must be one of \('nothing', 'projections', 'everything'\), "
+        r"got 'dots'",
     ),
     "config type": (
         dict(config=[("num_head", 2)]),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention.modules import remat_saveable, rows_per_tile
+from gated_attention.modules import rows_per_tile
 from gated_attention_tools import family_benchmark
 from tests import reference
 from tests.helpers import DTYPES, as_f64, assert_close, cast_tree, rand
@@ -360,6 +360,40 @@ def test_global_attention_gradients_and_af2_params():
     )
 
 
+def test_global_attention_positions_first_is_the_transposed_problem():
+    """positions_first: [q, b, a] in and [q, b, o] out, the same values and gradients as the
+    [b, q, a] problem transposed, in row tiles (a tiny budget: tiles along the batch axis 1)."""
+    (params, q_data, mask), (params64, q64, mask64) = _global_problem("float32", True, jnp.float32)
+    tiled = dict(GLOBAL, memory_budget_mib=1e-6)
+
+    def first(q, mask):
+        attention = ga.GlobalAttention(dict(num_head=H), tiled, O)
+        t = lambda x: jnp.swapaxes(x, 0, 1)
+        return t(attention(t(q), t(q), t(mask), positions_first=True))
+
+    module = hk.without_apply_rng(hk.transform(first))
+    loss = lambda p, q: jnp.sum(module.apply(p, q, mask) ** 2)
+    jaxpr = str(jax.make_jaxpr(module.apply)(params, q_data, mask))
+    assert "scan" in jaxpr  # really tiled
+    out, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, q_data)
+    ref_loss = lambda p, q: jnp.sum(
+        reference.global_attention(p["attention"], q, q, mask64, xp=jnp) ** 2
+    )
+    ref_out, ref = jax.value_and_grad(ref_loss, argnums=(0, 1))(dict(attention=params64), q64)
+    assert_close(out, ref_out, reference.tolerance("float32"))
+    jax.tree.map(lambda g, r: assert_close(g, r, reference.grad_tolerance("float32")), grads, ref)
+    with pytest.raises(ValueError, match=r"positions_first takes q_data \[q, b, a\]"):
+        _global_attention_apply(q_data[None], positions_first=True)
+    with pytest.raises(ValueError, match=r"q_mask of shape \(2, 3\) must be \[q, b, 1\]"):
+        _global_attention_apply(q_data, mask=jnp.ones((2, 3), bool), positions_first=True)
+
+
+def _global_attention_apply(q_data, mask=None, **kwargs):
+    mask = jnp.ones(q_data.shape[:-1], bool) if mask is None else mask
+    fn = lambda q, m: ga.GlobalAttention(dict(num_head=H), GLOBAL, O)(q, q, m, **kwargs)
+    return jax.eval_shape(hk.transform(fn).init, jax.random.PRNGKey(0), q_data, mask)
+
+
 @pytest.mark.parametrize(
     "implementation, remat_policy", [("xla", "nothing"), ("chunked", "projections")]
 )
@@ -400,8 +434,8 @@ def test_row_tiled_forward_matches_reference_with_gradients(implementation, rema
 
 
 def test_remat_policy_sets_what_a_training_step_keeps():
-    """XLA's temp bytes of a tiled training step: 'nothing' < 'projections' < 'everything'; 'auto'
-    keeps the projections when they fit the budget and recomputes them when they do not."""
+    """XLA's temp bytes of a tiled training step: 'nothing' (the default) < 'projections' <
+    'everything'."""
     specs = (jax.ShapeDtypeStruct((64, 128, 64), jnp.float32),) * 2
 
     def temp(policy, budget_mib=1.0):
@@ -414,9 +448,7 @@ def test_remat_policy_sets_what_a_training_step_keeps():
 
     nothing, projections, everything = (temp(p) for p in ("nothing", "projections", "everything"))
     assert nothing < projections < everything
-    policies = jax.checkpoint_policies
-    assert remat_saveable("auto", 2**20, 2**20) is policies.dots_with_no_batch_dims_saveable
-    assert remat_saveable("auto", 2**20 + 1, 2**20) is policies.nothing_saveable
+    assert ga.GlobalConfig().remat_policy == "nothing"
 
 
 def _rows(
