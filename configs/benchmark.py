@@ -20,7 +20,8 @@ GOAL_SHAPES = (
     # Long self-attention: 1 x 4,096 tokens, c=256, 8 heads of 32, key mask.
     ("long 1x4096 c256 h8", 1, 4096, 256, 8, False, "key"),
 )
-# Forward goals: Attention's time ('auto') / AF2's formulation's, at most, in every dtype swept.
+# Forward goals: Attention's time ('auto') / AF2's Attention's (alphafold-colabfold), at most, in
+# every dtype swept.
 GOALS = (
     ("msa_row 64x256 c64 h8", 0.12),
     ("triangle 128x128 c128 h4", 0.30),
@@ -100,7 +101,7 @@ def get_config(preset="full"):
         )
         return cfg
     cfg = ml_collections.ConfigDict()
-    cfg.suite = "modules"  # Attention against AF2's formulation (gated_attention_tools.benchmark)
+    cfg.suite = "modules"  # Attention against AF2's own Attention (gated_attention_tools.benchmark)
     cfg.shapes = GOAL_SHAPES
     cfg.goals = GOALS  # (shape name, largest forward ratio to AF2): a table above the results
     cfg.sweep_lengths = SWEEP_LENGTHS if preset == "full" else ()
@@ -111,7 +112,7 @@ def get_config(preset="full"):
     cfg.steps = 3  # calls per round per variant; a round keeps their median
     # Op-level memory (XLA temp and resident) at 16k tokens and a 1024^2 triangle.
     cfg.memory_cases = preset == "full"
-    # Float32 forward only: forward+backward at 512 takes minutes per call of AF2's formulation on
+    # Float32 forward only: forward+backward at 512 takes minutes per call of AF2's module on
     # 2 CPU cores.
     cfg.triangle_shapes = TRIANGLE_SHAPES if preset == "full" else ()
     cfg.output_dir = "benchmark_results"

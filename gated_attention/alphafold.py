@@ -20,22 +20,28 @@ Parameters (AF2 model_1: c_m 256, c_z 128, 8 MSA heads, 4 triangle heads):
   triangle_attention                query_norm [c_z], feat_2d_weights [c_z, h], attention/...
   (AF2's Evoformer names the two triangle modules triangle_attention_starting_node / _ending_node.)
 
-LayerNorms are Haiku's LayerNorm(axis=-1, create_scale=True, create_offset=True) evaluated, as in AF2,
-in float32 for lower-precision inputs: their params are float32 then (AF2's bfloat16 mode), while
-feat_2d_weights and the inner attention's params have the activations' dtype. The pair bias is
+LayerNorms are hk.LayerNorm's formula and parameters (axis -1, scale and offset) evaluated, as in
+AF2, in float32 for lower-precision inputs: their params are float32 then (AF2's bfloat16 mode),
+while feat_2d_weights and the inner attention's params have the activations' dtype. The pair bias is
 computed from the float32 LayerNorm output (float64 for float64 inputs) and stays float32: the op
 adds it to float32 logits.
+
+Memory: the query LayerNorm runs inside the attention's row tiles (its input_transform) and the pair
+bias in tiles of pair rows, each recomputed in the backward pass, so a training step never holds a
+normed copy of the MSA or pair, nor its cotangents, whole (global_config.remat_policy says what the
+attention's tiles keep; modules.rows_per_tile how many rows a tile holds).
 
 Masks are AF2's float 0/1 masks (bool and integer masks work too) and are turned into a boolean key
 mask with `mask.astype(bool)`, i.e. nonzero = attend, which is what AF2's `jnp.where(mask, ...)` does
 with a float mask. A fully masked row or column gives a finite update (a uniform average).
 
-Column attention (Alg. 8, 19) and ending-node attention (Alg. 14) are AF2's row algorithm on the
-transposed activations, written as that: LayerNorm, swap the two position axes, the shared
-gated_attention.Attention, swap back. XLA fuses the swap back into the output projection's bias add
-(one loop writes the result transposed), so the only transposed copy is the one of the projections'
-input, which the op's batch-leading layout needs once for q, k, v and the gate alike (projecting into
-a transposed layout instead would transpose each of them).
+Column attention (Alg. 8) and ending-node attention (Alg. 14) are AF2's row algorithm on the
+transposed activations, written as that: swap the two position axes, the shared
+gated_attention.Attention (LayerNorm inside its tiles), swap back. XLA fuses the swap back into the
+output projection's bias add (one loop writes the result transposed), so the only transposed copy is
+the one of the input, which the op's batch-leading layout needs once for q, k, v and the gate alike
+(projecting into a transposed layout instead would transpose each of them). Column global attention
+(Alg. 19) transposes nothing: GlobalAttention(positions_first=True) reads the MSA as it lies.
 
 Extra leading axes ([..., N_seq, N_res, c]) are mapped with hk.vmap (parameters shared), so a batch of
 pair representations keeps its [h, r, r] bias per example and never broadcast to [s, h, r, r].

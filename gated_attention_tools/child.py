@@ -1,9 +1,9 @@
 """Run a function in a fresh Python process: `child.call('module:function', kwargs, log)`.
 
-The benchmarks time every cell in a process of its own: a long-lived process that already holds
-many live buffers faults freshly mapped large buffers in more slowly, and slowed AF2's baseline
-most (its Attention at 1 x 4,096 tokens, c 256, 8 heads: 1.5 s late in one long process, 0.8 s in a
-process of its own), so ratios measured there would not hold in a user's process.
+The benchmarks time every cell in a process of its own: late in one long-lived benchmark process,
+which holds many live buffers, AF2's Attention at 1 x 4,096 tokens (c 256, 8 heads) took 1.5 s
+against 0.8 s in a process of its own (issue 13's measurement), so ratios measured there would not
+hold in a user's process.
 
 `python -m gated_attention_tools.child '<json>'` is the child: it calls the function with the
 kwargs, lets its printed lines through, and prints the JSON-serializable result last, after RESULT.

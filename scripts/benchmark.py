@@ -1,4 +1,6 @@
-r"""Benchmarks gated_attention.Attention against AlphaFold 2's formulation and a same-FLOP matmul.
+r"""Benchmarks gated_attention against AlphaFold 2's own modules (alphafold-colabfold): the op
+suite (with a same-FLOP matmul), the family suite (AF2's attention modules and EvoformerIteration)
+and the GPU suite.
 
   python scripts/benchmark.py                                     # configs/benchmark.py
   python scripts/benchmark.py --config=configs/benchmark.py:quick --config.rounds=3
