@@ -15,6 +15,7 @@ import pytest
 from gated_attention import config as config_lib
 from gated_attention import params as params_lib
 from gated_attention_tools import run, schema
+from gated_attention_tools.family_benchmark import random_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRESETS = [("default.py", None), ("long_sequence.py", None)] + [
@@ -66,8 +67,8 @@ def test_alphafold_presets_carry_af2_shapes():
 def test_report_matches_a_direct_forward():
     cfg = _shrink(schema.experiment_config())
     problem = run.build(cfg)
-    params = problem.forward.init(jax.random.PRNGKey(0), *problem.inputs)
-    out = problem.forward.apply(params, None, *problem.inputs)
+    params = random_params(problem.forward, problem.inputs)
+    out = jax.jit(problem.forward.apply)(params, None, *problem.inputs)
     report = run.run_forward(cfg, params=params)
     np.testing.assert_allclose(report["output_checksum"]["sum"], float(np.sum(out)), rtol=1e-5)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
+from gated_attention_tools.family_benchmark import random_params
 
 B, Q, K, A, H, O = 2, 5, 6, 8, 2, 4
 q_data = jnp.ones((B, Q, A))
@@ -199,7 +200,7 @@ def test_af2_global_config_keys_are_accepted():
 
 def test_params_that_do_not_fit_name_the_parameter():
     fn = hk.transform(lambda q, m: ga.Attention(dict(num_head=H), {}, O)(q, m))
-    params = fn.init(jax.random.PRNGKey(0), q_data, m_data)
+    params = random_params(fn, (q_data, m_data))
     with pytest.raises(
         ValueError,
         match=r"attention/~/query_w|attention/query_w|query_w.*\(16, 2, 4\).*\(8, 2, 4\)|query_w.*\(8, 2, 4\).*\(16, 2, 4\)",

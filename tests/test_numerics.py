@@ -9,6 +9,7 @@ import pytest
 
 import gated_attention as ga
 from gated_attention import numerics
+from gated_attention_tools.family_benchmark import random_params
 from tests import reference
 from tests.helpers import assert_close, rand
 
@@ -87,7 +88,7 @@ def test_module_default_on_cpu_is_the_float32_computation(dtype):
     x, x64 = rand(rng, (3, 5, 8), dtype)
     bias, _ = rand(rng, (2, 5, 5), dtype)
     mask = jnp.asarray(rng.random((3, 1, 1, 5)) > 0.3)
-    params = _module("auto").init(jax.random.PRNGKey(0), x, mask, bias)
+    params = random_params(_module("auto"), (x, mask, bias))
     assert all(p.dtype == jnp.dtype(dtype) for p in jax.tree.leaves(params))  # AF2's dtypes
     out = jax.jit(_module("auto").apply)(params, x, mask, bias)
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (params, x, bias))
@@ -111,7 +112,7 @@ def test_global_attention_default_on_cpu_is_the_float32_computation():
         return ga.GlobalAttention(dict(num_head=2), dict(zero_init=False), 8)(x, x, q_mask)
 
     fn = hk.without_apply_rng(hk.transform(forward))
-    params = fn.init(jax.random.PRNGKey(0), x, q_mask)
+    params = random_params(fn, (x, q_mask))
     out = jax.jit(fn.apply)(params, x, q_mask)
     f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (params, x))
     expected = jax.jit(fn.apply)(f32[0], f32[1], q_mask).astype(jnp.bfloat16)
@@ -136,7 +137,7 @@ def test_module_bfloat16_gradients_are_the_float32_computation_on_the_rounded_in
     bias, _ = rand(rng, (2, 5, 5), "bfloat16")
     mask = jnp.asarray(rng.random((3, 1, 1, 5)) > 0.3)
     fn = _module("auto")
-    params = fn.init(jax.random.PRNGKey(0), x, mask, bias)
+    params = random_params(fn, (x, mask, bias))
 
     cot, _ = rand(rng, (3, 5, 8), "bfloat16")  # a cotangent exact in bfloat16
 
