@@ -26,7 +26,9 @@ class TestPallasInterpreted(ImplementationTests):
     DTYPES = ("float32",)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+# bfloat16 only (suite time): float16 runs the same kernels, rounded as the float16 harness cases of
+# the other implementations check.
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_half_precision_against_the_reference(dtype):
     """Every bias/mask form of the harness, forward and vjp, computed in the half dtype itself."""
     shape = TestPallasInterpreted().shape
