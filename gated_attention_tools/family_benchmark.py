@@ -105,7 +105,7 @@ def _body(what: str, is_training: bool) -> Callable[..., Any]:
     return fn
 
 
-class _ZeroUpdate(hk.Module):
+class ZeroUpdate(hk.Module):
     """An attention module whose update is zero: the floor variant's stand-in for all four."""
 
     def __init__(self, config, global_config, name="zero_update"):
@@ -122,7 +122,7 @@ def transformed(what: str, variant: str, is_training: bool) -> hk.Transformed:
     if variant == OURS:
         body = af2_package.use_gated_attention()(body)
     elif variant == FLOOR:
-        body = af2_package.use_gated_attention(dict.fromkeys(af2_package.FAMILY, _ZeroUpdate))(body)
+        body = af2_package.use_gated_attention(dict.fromkeys(af2_package.FAMILY, ZeroUpdate))(body)
     elif variant != AF2:
         raise ValueError(f"variant must be one of {(AF2, OURS, FLOOR)}, got {variant!r}")
     return hk.transform(body)

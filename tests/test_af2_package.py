@@ -67,25 +67,14 @@ def test_evoformer_iteration_inference_matches_af2():
     assert family_benchmark.relative_diff(actual, expected) <= TOL
 
 
-class _ZeroUpdate(hk.Module):
-    """A stand-in family module whose update is zero."""
-
-    def __init__(self, config, global_config, name="zero"):
-        super().__init__(name=name)
-        self.config = config
-
-    def __call__(self, act, mask, *args, **kwargs):
-        return jnp.zeros_like(act)
-
-
 def test_swap_is_scoped_and_reentrant():
     originals = {name: getattr(modules, name) for name in af2_package.FAMILY}
     swap = af2_package.use_gated_attention()
     with swap as patched:
         assert patched is modules
         assert modules.TriangleAttention is ga.TriangleAttention
-        with af2_package.use_gated_attention({"TriangleAttention": _ZeroUpdate}):
-            assert modules.TriangleAttention is _ZeroUpdate
+        with af2_package.use_gated_attention({"TriangleAttention": family_benchmark.ZeroUpdate}):
+            assert modules.TriangleAttention is family_benchmark.ZeroUpdate
             assert modules.MSAColumnAttention is ga.MSAColumnAttention
         assert modules.TriangleAttention is ga.TriangleAttention
     assert {name: getattr(modules, name) for name in af2_package.FAMILY} == originals
