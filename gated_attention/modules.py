@@ -192,10 +192,10 @@ def rows_per_tile(
       row_queries: query positions in one row.
       row_logits: logits (heads x queries x keys) in one row, or None: too few to tile for.
     """
-    bound = memory_budget_bytes // 2  # the other half: the gradient's stacked tiles and the op's
+    bound = max(1, memory_budget_bytes // 2)  # the other half: the loop's stacked outputs
     if subbatch_size not in (None, "auto"):
         bound = max(bound, subbatch_size * row_bytes)
-    rows = max(1, bound // tile_row_bytes)
+    rows = mapping.subbatch_size_for_budget(batch, tile_row_bytes, bound)
     if row_logits is not None and jax.default_backend() == "cpu":
         cache_rows = TILE_BYTES // (4 * row_logits)
         if cache_rows >= 1 and cache_rows * row_queries >= MIN_TILE_QUERIES:
@@ -248,10 +248,10 @@ class Attention(_AttentionModule):
             [..., b, q, k] mask applied to every head. False = masked out.
           nonbatched_bias: None, [h, q, k] or [q, k]; shared by the batch, never broadcast to it.
           bias: None or an additive float bias broadcastable like mask (AF2 before 2023, ColabFold).
-          subbatch_size: tiles of the leading batch axis (rows_per_tile): None, an int >= 1 (AF2's
-            global_config.subbatch_size) or 'auto' (the most rows whose projections and dense
-            logits fit the memory budget). The whole forward (projections, op, gate, output) runs
-            per tile; results equal the untiled ones up to float rounding.
+          subbatch_size: None, 'auto' or an int >= 1 (AF2's global_config.subbatch_size, read as
+            a memory bound): how many rows of the leading batch axis a tile holds is
+            rows_per_tile's rule. The whole forward (projections, op, gate, output) runs per tile;
+            results equal the untiled ones up to float rounding.
           input_transform: None, or a pure function applied to q_data and m_data inside each
             tile before the projections, keeping shape and dtype (the family modules' LayerNorm:
             recomputed per tile in the backward pass instead of saved whole).
