@@ -39,7 +39,7 @@ import ml_collections
 import numpy as np
 
 from gated_attention import af2_package, alphafold, attention, modules, numerics
-from gated_attention_tools import child, measure
+from gated_attention_tools import child, family_benchmark, measure
 
 AF2 = "af2"
 ROOFLINE = "matmul"
@@ -60,10 +60,9 @@ def _af2_package():
     """(alphafold.model.modules, model_1's global config with zero_init off), imported on first use;
     ImportError saying how to install the package when it is missing."""
     af2_modules = af2_package.alphafold_modules()
-    af2_config = importlib.import_module("alphafold.model.config")
     # AF2's own keys (use_pallas, kernel_backend, subbatch_size, ...) as users get them: the
     # package's Attention reads them to pick its path (off a GPU: its plain XLA einsums).
-    global_config = af2_config.model_config("model_1").model.global_config
+    global_config = family_benchmark.model_config().global_config
     global_config.zero_init = False  # a random output projection: the output depends on every op
     return af2_modules, global_config
 
