@@ -116,6 +116,8 @@ def get_config(preset="full"):
     # 2 CPU cores.
     cfg.triangle_shapes = TRIANGLE_SHAPES if preset == "full" else ()
     cfg.output_dir = "benchmark_results"
+    cfg.allocator = "steady"  # malloc policy of every child (measure.ALLOCATOR_POLICIES)
+    cfg.baseline_tolerance = 0.10  # AF2 in the harness against AF2 alone: flagged beyond this
     return cfg
 
 
@@ -164,6 +166,8 @@ def _family_config(preset):
     cfg.memory_scaling = FAMILY_MEMORY_SCALING
     cfg.resident_max_n_res = FAMILY_RESIDENT_MAX_N_RES
     cfg.output_dir = "benchmark_results/family"
+    cfg.allocator = "steady"  # malloc policy of every child (measure.ALLOCATOR_POLICIES)
+    cfg.baseline_tolerance = 0.10  # AF2 in the harness against AF2 alone: flagged beyond this
     if preset == "family_smoke":  # seconds: checks the suite runs
         cfg.family_shapes = (("triangle_start", 1, 8), ("evoformer", 4, 8))
         cfg.goals = (("time", "triangle_start", "training", "float32", 100.0),) + (

@@ -178,13 +178,18 @@ def _check_same_params(fns: dict[str, hk.Transformed], params, args) -> None:
 
 
 def _timed_fn(transformed: hk.Transformed, mode: str) -> Callable:
+    """fn(params, x, mask, bias): the forward, or with mode 'forward_backward'
+    fn(params, x, mask, bias, cotangent): the gradients for the parameters and x of the output with
+    that cotangent (an argument, as a model's backward pass receives it: the gradient of
+    sum(output) is a constant that XLA can fold into the backward)."""
     if mode == "forward":
         return transformed.apply
 
-    def loss(params, x, mask, bias):
-        return jnp.sum(transformed.apply(params, x, mask, bias).astype(jnp.float32))
+    def step(params, x, mask, bias, cotangent):
+        _, vjp = jax.vjp(lambda params, x: transformed.apply(params, x, mask, bias), params, x)
+        return vjp(cotangent)
 
-    return jax.grad(loss, argnums=(0, 1))
+    return step
 
 
 def _roofline(flops: int, dtype, mode: str):
@@ -211,26 +216,34 @@ def run_cell(
     rounds: int,
     steps: int,
     log: Callable[[str], None] = print,
+    baseline_only: bool = False,
 ) -> list[dict[str, Any]]:
-    """Times every variant of one shape x dtype x mode in interleaved rounds; one row per variant."""
+    """Times every variant of one shape x dtype x mode in interleaved rounds; one row per variant.
+
+    baseline_only: AF2 alone (only its program compiled and called in the process, as a user runs
+    it; no roofline, no accuracy reference): the baseline check of run().
+    """
     x, mask, bias = _inputs(shape, jnp.dtype(dtype))
-    fns = _forward_fns(shape, implementations)
+    fns = _forward_fns(shape, [] if baseline_only else implementations)
     params = jax.jit(fns[AF2].init)(jax.random.PRNGKey(0), x, mask, bias)
     _check_same_params(fns, params, (x, mask, bias))
     params = jax.tree.map(lambda p: (p + 0.1).astype(dtype), params)  # a gate that varies
-    variants = {
-        name: (jax.jit(_timed_fn(fn, mode)), (params, x, mask, bias)) for name, fn in fns.items()
-    }
+    args = (params, x, mask, bias)
+    if mode == "forward_backward":  # a unit-normal cotangent of the output
+        rng = np.random.default_rng(2)
+        args += (jnp.asarray(rng.normal(size=(*x.shape[:-1], shape.channels)), dtype),)
+    variants = {name: (jax.jit(_timed_fn(fn, mode)), args) for name, fn in fns.items()}
     flops = shape.flops() * (3 if mode == "forward_backward" else 1)
     mm, mm_args, mm_flops = _roofline(shape.flops(), jnp.dtype(dtype), mode)
-    variants[ROOFLINE] = (jax.jit(mm), mm_args)
+    if not baseline_only:
+        variants[ROOFLINE] = (jax.jit(mm), mm_args)
     compile_s, temp, outputs = {}, {}, {}
     for name, (fn, args) in variants.items():
         (compile_s[name],), outputs[name] = measure.time_calls(fn, args, 1)  # compiles
         temp[name] = measure.xla_memory(fn, args)["temp_size_in_bytes"]
     # The accuracy reference: AF2's module in float32 on the same (rounded) params and inputs.
     reference = outputs[AF2]
-    if jnp.dtype(dtype) != jnp.float32:
+    if jnp.dtype(dtype) != jnp.float32 and not baseline_only:
         reference = jax.jit(_timed_fn(fns[AF2], mode))(
             *numerics.cast_floats(variants[AF2][1], jnp.float32)
         )
@@ -243,7 +256,7 @@ def run_cell(
         log(f"  {shape.name} {dtype} {mode}: round {r + 1}/{rounds} done")
     steal = measure.steal_percent(cpu_before, measure.cpu_ticks())
     med = {name: statistics.median(ts) for name, ts in per_round.items()}
-    roofline_gflops = mm_flops / med[ROOFLINE] / 1e9
+    roofline_gflops = mm_flops / med.get(ROOFLINE, float("nan")) / 1e9
     rows = []
     for name in variants:
         cell_flops = mm_flops if name == ROOFLINE else flops
@@ -318,8 +331,9 @@ def memory_problem(
       mode: 'forward', or 'forward_backward' (the gradients for q, k, v and the bias).
 
     Returns:
-      (fn(q, k, v, bias, mask), specs): q, k, v [batch, length, num_head, head_dim], bias
-      [1, num_head, length, length] or None, mask bool [batch, 1, 1, length].
+      (fn(q, k, v, bias, mask[, cotangent]), specs): q, k, v [batch, length, num_head,
+      head_dim], bias [1, num_head, length, length] or None, mask bool [batch, 1, 1, length]; in
+      forward_backward the output's cotangent, q's shape, is an argument too.
     """
     if mode not in MEMORY_MODES:
         raise ValueError(f"mode must be one of {MEMORY_MODES}, got {mode!r}")
@@ -333,11 +347,13 @@ def memory_problem(
     def fwd(q, k, v, bias, mask):
         return attention.dot_product_attention(q, k, v, bias, mask, implementation=implementation)
 
-    def fwd_bwd(q, k, v, bias, mask):
-        out, vjp = jax.vjp(lambda q, k, v, bias: fwd(q, k, v, bias, mask), q, k, v, bias)
-        return vjp(out)
+    def fwd_bwd(q, k, v, bias, mask, cotangent):  # the cotangent an argument, as in a model
+        _, vjp = jax.vjp(lambda q, k, v, bias: fwd(q, k, v, bias, mask), q, k, v, bias)
+        return vjp(cotangent)
 
-    return (fwd if mode == "forward" else fwd_bwd), (qkv, qkv, qkv, bias, mask)
+    if mode == "forward":
+        return fwd, (qkv, qkv, qkv, bias, mask)
+    return fwd_bwd, (qkv, qkv, qkv, bias, mask, qkv)
 
 
 def memory_case(case: MemoryCase, implementation: str, dtype: str = "float32") -> dict[str, Any]:
@@ -450,6 +466,7 @@ def markdown(
     rows: list[dict[str, Any]],
     memory_rows: list[dict[str, Any]],
     goals: Iterable[tuple[str, float]] = (),
+    allocator: dict[str, Any] | None = None,
 ) -> str:
     """The results as Markdown tables: goals (if any), every cell, memory cases (if any).
 
@@ -459,6 +476,8 @@ def markdown(
     hypervisor took during the cell's timed rounds (Linux only).
     """
     lines = [f"AF2: AlphaFold 2's Attention and TriangleAttention ({baseline_label()})", ""]
+    if allocator is not None:
+        lines += [measure.allocator_line(allocator, rows, "shape"), ""]
     met = goal_rows(rows, goals)
     if met:
         lines += [
@@ -474,8 +493,8 @@ def markdown(
         lines.append("")
     lines += [
         "| shape | dtype | mode | variant | time (ms) | / AF2 (rounds) | GFLOP/s | % roofline "
-        "| XLA temp (MiB) | rel. diff vs AF2 float32 | steal % |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| XLA temp (MiB) | rel. diff vs AF2 float32 | steal % | AF2 alone (ms), harness / alone |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         temp = "" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"
@@ -487,7 +506,7 @@ def markdown(
         lines.append(
             f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['variant']} | {r['time_ms']:.2f} | "
             f"{r['ratio_to_af2']:.3f} ({low:.2f}-{high:.2f}) | {r['gflops_per_s']:.1f} | "
-            f"{r['percent_of_roofline']:.0f} | {temp} | {diff} | {steal} |"
+            f"{r['percent_of_roofline']:.0f} | {temp} | {diff} | {steal} | {measure.alone_cell(r)} |"
         )
     if memory_rows:
         lines += [
@@ -530,9 +549,11 @@ def run(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print) -> d
     rows = []
     for i, (shape, dtype, mode) in enumerate(cells):
         log(f"[{i + 1}/{len(cells)}] {shape.name} {dtype} {mode}")
-        rows += run_cell_in_child(
-            shape, dtype, mode, list(cfg.implementations), cfg.rounds, cfg.steps, log=log
-        )
+        cell = (shape, dtype, mode, list(cfg.implementations), cfg.rounds, cfg.steps)
+        cell_rows = run_cell_in_child(*cell, log=log, allocator=cfg.allocator)
+        log(f"  {shape.name} {dtype} {mode}: AF2 alone")
+        alone = run_cell_in_child(*cell, log=log, allocator=cfg.allocator, baseline_only=True)
+        rows += measure.check_baseline(cell_rows, alone[0]["time_ms"], cfg.baseline_tolerance)
     memory_rows = []
     if cfg.memory_cases:
         for case in memory_goal_cases():
@@ -541,6 +562,8 @@ def run(cfg: ml_collections.ConfigDict, log: Callable[[str], None] = print) -> d
                 memory_rows.append(memory_case(case, impl))
     return dict(
         baseline=baseline_label(),
+        jax=jax.__version__,
+        allocator=dict(policy=cfg.allocator, env=measure.allocator_env(cfg.allocator)),
         goals=goal_rows(rows, cfg.goals),
         cells=rows,
         memory=memory_rows,
@@ -555,8 +578,11 @@ def run_cell_in_child(
     rounds: int,
     steps: int,
     log: Callable[[str], None] = print,
+    allocator: str | None = None,
+    baseline_only: bool = False,
 ) -> list[dict[str, Any]]:
-    """run_cell's rows, computed in a fresh process (child.call; see its docstring for why)."""
+    """run_cell's rows, computed in a fresh process under the `allocator` malloc policy
+    (child.call; see its docstring for why)."""
     kwargs = dict(
         shape=dataclasses.asdict(shape),
         dtype=dtype,
@@ -564,8 +590,9 @@ def run_cell_in_child(
         implementations=list(implementations),
         rounds=rounds,
         steps=steps,
+        baseline_only=baseline_only,
     )
-    return child.call(f"{__name__}:_run_cell_json", kwargs, log)
+    return child.call(f"{__name__}:_run_cell_json", kwargs, log, allocator=allocator)
 
 
 def _run_cell_json(shape: dict, **kwargs) -> list[dict[str, Any]]:

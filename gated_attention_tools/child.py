@@ -1,9 +1,9 @@
 """Run a function in a fresh Python process: `child.call('module:function', kwargs, log)`.
 
-The benchmarks time every cell in a process of its own: late in one long-lived benchmark process,
-which holds many live buffers, AF2's Attention at 1 x 4,096 tokens (c 256, 8 heads) took 1.5 s
-against 0.8 s in a process of its own (issue 13's measurement), so ratios measured there would not
-hold in a user's process.
+The benchmarks time every cell in a process of its own, under one malloc policy for all its
+variants (measure.ALLOCATOR_POLICIES): a process's history moves glibc's mmap threshold, and with it
+the time of XLA:CPU's programs by up to 2x (AF2's MSA row attention: 1,127 ms in one benchmark child,
+577-725 ms in a standalone script, issue 19), so a child's figures hold only under a fixed policy.
 
 `python -m gated_attention_tools.child '<json>'` is the child: it calls the function with the
 kwargs, lets its printed lines through, and prints the JSON-serializable result last, after RESULT.
@@ -23,9 +23,15 @@ from gated_attention_tools import measure
 _RESULT = "RESULT "
 
 
-def call(target: str, kwargs: dict[str, Any], log: Callable[[str], None] = print) -> Any:
+def call(
+    target: str,
+    kwargs: dict[str, Any],
+    log: Callable[[str], None] = print,
+    allocator: str | None = None,
+) -> Any:
     """target(**kwargs) ('module:function', importable with this process's sys.path) computed in a
-    fresh process; its printed lines go to `log` as they come.
+    fresh process; its printed lines go to `log` as they come. `allocator` names the child's malloc
+    policy (measure.ALLOCATOR_POLICIES; None: this process's environment as it is).
 
     Raises:
       RuntimeError: the child failed or printed no result (its stderr's tail included).
@@ -40,7 +46,7 @@ def call(target: str, kwargs: dict[str, Any], log: Callable[[str], None] = print
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
-            env=measure.child_env(),
+            env=measure.child_env(allocator),
         ) as child:
             for line in child.stdout:
                 if line.startswith(_RESULT):

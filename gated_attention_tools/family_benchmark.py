@@ -165,19 +165,35 @@ def random_inputs(specs, seed: int = 0) -> tuple[jax.Array, ...]:
 
 
 def step_fn(t: hk.Transformed, cell_what: str, mode: str) -> Callable:
-    """fn(params, msa, pair, msa_mask, pair_mask): the output (inference), or the gradients of
-    sum(output) for the parameters and the activations (training: forward+backward)."""
+    """fn(params, msa, pair, msa_mask, pair_mask) -> the output (inference), or
+    fn(params, msa, pair, msa_mask, pair_mask, cotangent) -> the gradients for the parameters and
+    the activations (training: forward+backward). The update's cotangent is an argument, as a
+    model's backward pass receives it: the gradient of sum(update) would be a constant that XLA can
+    fold into the backward, a program no model runs."""
     key = jax.random.PRNGKey(1)
     if mode == "inference":
         return lambda params, *args: t.apply(params, key, *args)
     if mode != "training":
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
-    def loss(params, msa, pair, msa_mask, pair_mask):
-        out = t.apply(params, key, msa, pair, msa_mask, pair_mask)
-        return sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(out))
+    def step(params, msa, pair, msa_mask, pair_mask, cotangent):
+        forward = lambda params, msa, pair: t.apply(params, key, msa, pair, msa_mask, pair_mask)
+        _, vjp = jax.vjp(forward, params, msa, pair)
+        return vjp(cotangent)
 
-    return jax.grad(loss, argnums=(0, 1, 2))
+    return step
+
+
+def cotangent(t: hk.Transformed, params, specs, seed: int = 5):
+    """A unit-normal cotangent of the update (or the block's outputs), in the output's dtypes."""
+    out = jax.eval_shape(lambda p, *a: t.apply(p, jax.random.PRNGKey(1), *a), params, *specs)
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), out)
+
+
+def cotangent_specs(t: hk.Transformed, param_specs, specs):
+    """The cotangent's jax.ShapeDtypeStructs (for compiling on shapes)."""
+    return jax.eval_shape(lambda p, *a: t.apply(p, jax.random.PRNGKey(1), *a), param_specs, *specs)
 
 
 def relative_diff(tree, reference) -> float:
@@ -197,22 +213,42 @@ def relative_diff(tree, reference) -> float:
     )
 
 
-def run_cell(cell: Cell, rounds: int, steps: int, log: Callable[[str], None] = print) -> list:
-    """Times AF2, ours (and for the Evoformer the floor) on one cell in interleaved rounds."""
-    variants = (AF2, OURS, FLOOR) if "evoformer" in cell.what else (AF2, OURS)
+def run_cell(
+    cell: Cell,
+    rounds: int,
+    steps: int,
+    log: Callable[[str], None] = print,
+    variants: tuple[str, ...] | None = None,
+) -> list:
+    """Times AF2, ours (and for the Evoformer the floor) on one cell in interleaved rounds.
+
+    Args:
+      variants: None for all of the cell's; (AF2,) times AF2 alone (only its program compiled and
+        called in the process, as a user runs it: the baseline check of run()).
+    """
+    if variants is None:
+        variants = (AF2, OURS, FLOOR) if "evoformer" in cell.what else (AF2, OURS)
     is_training = cell.mode == "training"
     fns = {v: transformed(cell.what, v, is_training) for v in variants}
     specs = input_specs(cell)
-    params = random_params(fns[AF2], specs)
+    params = random_params(fns[variants[0]], specs)
     args = (params, *random_inputs(specs))
+    if is_training:
+        args += (cotangent(fns[variants[0]], params, specs),)
     jitted = {v: jax.jit(step_fn(fns[v], cell.what, cell.mode)) for v in variants}
     compile_s, temp, outputs = {}, {}, {}
     for v, fn in jitted.items():
         (compile_s[v],), outputs[v] = measure.time_calls(fn, args, 1)
         temp[v] = measure.xla_memory(fn, args)["temp_size_in_bytes"]
-    reference = outputs[AF2]
-    if cell.dtype != "float32":  # AF2 in float32 on the same (rounded) params and inputs
+    reference = outputs.get(AF2)
+    if cell.dtype != "float32" and len(variants) > 1:  # AF2 in float32 on the same (rounded) inputs
         reference = jitted[AF2](*numerics.cast_floats(args, jnp.float32))
+    return _timed_rows(cell, jitted, args, rounds, steps, log, compile_s, temp, outputs, reference)
+
+
+def _timed_rows(cell, jitted, args, rounds, steps, log, compile_s, temp, outputs, reference):
+    """The interleaved rounds of a cell's compiled variants, one row per variant."""
+    variants = tuple(jitted)
     per_round = {v: [] for v in variants}
     cpu_before = measure.cpu_ticks()
     for r in range(rounds):
@@ -238,7 +274,7 @@ def run_cell(cell: Cell, rounds: int, steps: int, log: Callable[[str], None] = p
                 rounds_ms=[t * 1e3 for t in per_round[v]],
                 temp_mib=None if temp[v] is None else temp[v] / 2**20,
                 rel_diff_vs_af2_float32=None
-                if v == FLOOR
+                if v == FLOOR or len(variants) == 1
                 else relative_diff(outputs[v], reference),
                 compile_s=compile_s[v],
                 cpu_steal_percent=steal,
@@ -253,19 +289,23 @@ def run_cell(cell: Cell, rounds: int, steps: int, log: Callable[[str], None] = p
 
 def memory_problem(what: str, variant: str, n_seq: int, n_res: int, dtype: str, mode: str):
     """(fn, specs) of a cell for measure.resident_memory: fn takes the parameters' leaves and the
-    inputs as flat positional arguments (the child makes every input ones)."""
+    inputs (with the update's cotangent in training) as flat positional arguments (the child makes
+    every input ones)."""
     cell = Cell(what, n_seq, n_res, dtype, mode)
     t = transformed(what, variant, mode == "training")
     specs = input_specs(cell)
     shapes = jax.eval_shape(t.init, jax.random.PRNGKey(0), *specs)
+    if mode == "training":
+        specs += (cotangent_specs(t, shapes, specs),)
     leaves, treedef = jax.tree.flatten(shapes)
+    in_leaves, in_treedef = jax.tree.flatten(specs)
     step = step_fn(t, what, mode)
 
     def fn(*flat):
         params = jax.tree.unflatten(treedef, flat[: len(leaves)])
-        return step(params, *flat[len(leaves) :])
+        return step(params, *jax.tree.unflatten(in_treedef, flat[len(leaves) :]))
 
-    return fn, (*leaves, *specs)
+    return fn, (*leaves, *in_leaves)
 
 
 def memory_cell(
@@ -297,7 +337,9 @@ def memory_cell(
 
 
 def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """configs/benchmark.py's family preset: every cell in a fresh process, then memory scaling."""
+    """configs/benchmark.py's family preset: every cell in a fresh process under cfg.allocator's
+    malloc policy, each checked against AF2 timed alone in another fresh process (same policy);
+    then memory scaling."""
     from importlib import metadata
 
     cells = []
@@ -307,7 +349,12 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
     for i, cell in enumerate(cells):
         log(f"[{i + 1}/{len(cells)}] {cell.name} {cell.dtype} {cell.mode}")
         kwargs = dict(cell=dataclasses.asdict(cell), rounds=cfg.rounds, steps=cfg.steps)
-        rows += child.call(f"{__name__}:_cell", kwargs, log)
+        cell_rows = child.call(f"{__name__}:_cell", kwargs, log, allocator=cfg.allocator)
+        log(f"  {cell.name}: AF2 alone")
+        alone = child.call(
+            f"{__name__}:_cell", kwargs | dict(variants=[AF2]), log, allocator=cfg.allocator
+        )
+        rows += measure.check_baseline(cell_rows, alone[0]["time_ms"], cfg.baseline_tolerance)
     memory = []
     for what, n_seq, n_res, variants in cfg.memory_scaling:
         for variant in variants:
@@ -325,15 +372,22 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
     return dict(
         baseline=f"alphafold-colabfold {metadata.version('alphafold-colabfold')}",
         jax=jax.__version__,
+        allocator=dict(policy=cfg.allocator, env=measure.allocator_env(cfg.allocator)),
         cells=rows,
         memory=memory,
         goals=goal_rows(rows, memory, cfg.goals),
     )
 
 
-def _cell(cell: dict, rounds: int, steps: int) -> list:
+def _cell(cell: dict, rounds: int, steps: int, variants: list[str] | None = None) -> list:
     """run_cell for child.call: the Cell as a dict, progress printed."""
-    return run_cell(Cell(**cell), rounds, steps, log=lambda s: print(s, flush=True))
+    return run_cell(
+        Cell(**cell),
+        rounds,
+        steps,
+        log=lambda s: print(s, flush=True),
+        variants=None if variants is None else tuple(variants),
+    )
 
 
 def goal_rows(rows, memory, goals) -> list[dict[str, Any]]:
@@ -374,6 +428,8 @@ def goal_rows(rows, memory, goals) -> list[dict[str, Any]]:
 def markdown(results: dict[str, Any]) -> str:
     """Goals, cells and memory scaling as Markdown tables."""
     lines = [f"Baseline: {results['baseline']} (jax {results['jax']}).", ""]
+    if "allocator" in results:
+        lines += [measure.allocator_line(results["allocator"], results["cells"], "cell"), ""]
     if results["goals"]:
         lines += ["| goal | figure | met |", "| --- | ---: | --- |"]
         for g in results["goals"]:
@@ -384,8 +440,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("")
     lines += [
         "| cell | dtype | mode | variant | time (ms) | / AF2 (rounds) | XLA temp (MiB) "
-        "| rel. diff vs AF2 float32 | steal % |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| rel. diff vs AF2 float32 | steal % | AF2 alone (ms), harness / alone |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results["cells"]:
         low, high = r["ratio_range"]
@@ -395,7 +451,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| {r['cell']} | {r['dtype']} | {r['mode']} | {r['variant']} | {r['time_ms']:.1f} | "
             f"{r['ratio_to_af2']:.3f} ({low:.2f}-{high:.2f}) | {temp} | "
-            f"{'' if diff is None else f'{diff:.1e}'} | {'' if steal is None else f'{steal:.0f}'} |"
+            f"{'' if diff is None else f'{diff:.1e}'} | {'' if steal is None else f'{steal:.0f}'} | "
+            f"{measure.alone_cell(r)} |"
         )
     if results["memory"]:
         lines += [

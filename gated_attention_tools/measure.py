@@ -122,11 +122,78 @@ def steal_percent(before: tuple[int, int] | None, after: tuple[int, int] | None)
 _RESIDENT_KEYS = ("resident_mib", "baseline_mib", "peak_mib", "output_mib")
 
 
-def child_env(**overrides: str) -> dict[str, str]:
+# glibc malloc's tuning, one policy for every variant of a timed cell. XLA:CPU's large temp buffers
+# come from mmap (fresh pages, faulted in and zeroed on every call) or from the heap, by a threshold
+# that glibc moves with the process's history: the same program then runs up to 2x apart from one
+# process to the next. 'steady' fixes the threshold above any buffer and never trims the heap, so
+# a buffer's pages are reused from call to call, as a GPU/TPU's preallocated pool reuses them;
+# 'default' leaves glibc's dynamic threshold, what a CPU user meets without tuning.
+ALLOCATOR_POLICIES = {
+    "steady": {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"},
+    "default": {},
+}
+
+
+def allocator_env(policy: str) -> dict[str, str]:
+    """The environment variables of an ALLOCATOR_POLICIES policy (ValueError for another name)."""
+    if policy not in ALLOCATOR_POLICIES:
+        raise ValueError(f"allocator must be one of {sorted(ALLOCATOR_POLICIES)}, got {policy!r}")
+    return dict(ALLOCATOR_POLICIES[policy])
+
+
+def check_baseline(rows: list[dict], alone_ms: float, tolerance: float) -> list[dict]:
+    """A cell's rows with the baseline's ('af2') time alone in a fresh process and the check that
+    its time in the harness agrees with that within `tolerance` (a fraction): baseline_ok False
+    flags the cell."""
+    harness = next(r["time_ms"] for r in rows if r["variant"] == "af2")
+    ratio = harness / alone_ms
+    check = dict(
+        af2_alone_ms=alone_ms,
+        af2_harness_over_alone=ratio,
+        baseline_ok=abs(ratio - 1) <= tolerance,
+    )
+    return [r | check for r in rows]
+
+
+def alone_cell(row: dict) -> str:
+    """A table cell: the baseline's time alone and the harness's ratio to it, on its row."""
+    if row["variant"] != "af2" or "af2_alone_ms" not in row:
+        return ""
+    flag = "" if row["baseline_ok"] else " FLAGGED"
+    return f"{row['af2_alone_ms']:.1f}, {row['af2_harness_over_alone']:.2f}{flag}"
+
+
+def allocator_line(allocator: dict, rows: list[dict], name_key: str) -> str:
+    """A results line: the malloc policy and which cells' baseline check failed."""
+    env = " ".join(f"{k}={v}" for k, v in allocator["env"].items()) or "glibc's defaults"
+    flagged = sorted(
+        {f"{r[name_key]} {r['dtype']} {r['mode']}" for r in rows if not r.get("baseline_ok", True)}
+    )
+    verdict = (
+        f"FLAGGED (off by more than the tolerance): {', '.join(flagged)}."
+        if flagged
+        else "every cell within the tolerance."
+    )
+    return (
+        f"Allocator policy '{allocator['policy']}' in every child ({env}). Baseline check, AF2's "
+        f"time in the harness against AF2 alone in a fresh process (same policy): {verdict}"
+    )
+
+
+def child_env(allocator: str | None = None, **overrides: str) -> dict[str, str]:
     """The environment of a child process run with `python -m gated_attention_tools.<module>`:
-    this process's, with its sys.path (and this package's root) as PYTHONPATH, and `overrides`."""
+    this process's, with its sys.path (and this package's root) as PYTHONPATH, and `overrides`.
+
+    Args:
+      allocator: None keeps this process's malloc variables; a policy name of
+        ALLOCATOR_POLICIES replaces them (any MALLOC_* variable here is dropped first).
+    """
+    env = dict(os.environ)
+    if allocator is not None:
+        policy = allocator_env(allocator)
+        env = {k: v for k, v in env.items() if not k.startswith("MALLOC_")} | policy
     return dict(
-        os.environ,
+        env,
         PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parents[1]), *sys.path]),
         **overrides,
     )

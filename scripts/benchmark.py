@@ -44,7 +44,7 @@ def main(argv):
         return
     results = benchmark.run(cfg, log=lambda s: print(s, flush=True))
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
-    table = benchmark.markdown(results["cells"], results["memory"], cfg.goals)
+    table = benchmark.markdown(results["cells"], results["memory"], cfg.goals, results["allocator"])
     (out_dir / "results.md").write_text(table)
     print(table)
     if cfg.sweep_lengths:

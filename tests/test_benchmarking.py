@@ -109,7 +109,7 @@ def test_goals_are_judged_on_auto_forward_median_ratios():
     assert "| a | float32 | 0.12 | 0.110 (0.10-0.13) | yes |" in table
     assert "| a | bfloat16 | 0.12 | 0.125 (0.12-0.13) | no |" in table
     assert "| a | float32 | forward | xla | 10.00 | 0.050 (0.05-0.05) |" in table
-    assert table.rstrip().endswith("| 1.0 | 1.0e-07 | 12 |")
+    assert table.rstrip().endswith("| 1.0 | 1.0e-07 | 12 |  |")
     assert "goal shape" not in benchmark.markdown(rows, [])
 
 
@@ -352,3 +352,93 @@ def test_family_floor_removes_every_attention_module():
     assert set(shapes["floor"]) == set(shapes["af2"]) - attention
     with pytest.raises(ValueError, match=r"variant must be one of \('af2', 'ours', 'floor'\)"):
         family_benchmark.transformed("evoformer", "fast", False)
+
+
+# ------------------------------------------------------------------ allocator policy and baseline
+
+
+def test_allocator_policy_replaces_the_parents_malloc_variables(monkeypatch):
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    steady = measure.child_env("steady")
+    assert steady["MALLOC_MMAP_THRESHOLD_"] == steady["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
+    assert "MALLOC_ARENA_MAX" not in steady
+    assert not any(k.startswith("MALLOC_") for k in measure.child_env("default"))
+    assert measure.child_env()["MALLOC_ARENA_MAX"] == "2"  # None: this process's, as it is
+    with pytest.raises(
+        ValueError, match=r"allocator must be one of \['default', 'steady'\], got 'tc'"
+    ):
+        measure.child_env("tc")
+
+
+def _malloc_env():
+    return {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+
+
+def test_child_runs_under_the_allocator_policy():
+    from gated_attention_tools import child
+
+    got = child.call(f"{__name__}:_malloc_env", {}, log=lambda s: None, allocator="steady")
+    assert got == measure.ALLOCATOR_POLICIES["steady"]
+
+
+def test_baseline_check_flags_a_cell_whose_af2_time_moved():
+    rows = [dict(variant="af2", time_ms=110.0), dict(variant="ours", time_ms=50.0)]
+    ok = measure.check_baseline(rows, alone_ms=101.0, tolerance=0.10)
+    assert [r["baseline_ok"] for r in ok] == [True, True]
+    assert ok[0]["af2_harness_over_alone"] == pytest.approx(110 / 101)
+    bad = measure.check_baseline(rows, alone_ms=99.0, tolerance=0.10)  # 1.11x: off by 11 %
+    assert not bad[0]["baseline_ok"]
+    assert measure.alone_cell(bad[0]) == "99.0, 1.11 FLAGGED" and measure.alone_cell(bad[1]) == ""
+    line = measure.allocator_line(
+        dict(policy="steady", env={"A": "1"}),
+        [r | dict(cell="c", dtype="float32", mode="training") for r in bad],
+        "cell",
+    )
+    assert (
+        "'steady' in every child (A=1)" in line
+        and "FLAGGED" in line
+        and "c float32 training" in line
+    )
+
+
+def test_baseline_alone_times_only_af2():
+    cell = family_benchmark.Cell("triangle_start", 1, 8, "float32", "inference")
+    rows = family_benchmark.run_cell(cell, 1, 1, log=lambda s: None, variants=("af2",))
+    assert [r["variant"] for r in rows] == ["af2"] and rows[0]["time_ms"] > 0
+    shape = benchmark.Shape(*TINY)
+    rows = benchmark.run_cell(shape, "float32", "forward", ["auto"], 1, 1, lambda s: None, True)
+    assert [r["variant"] for r in rows] == [benchmark.AF2]
+
+
+def test_training_steps_take_the_updates_cotangent():
+    """The family and op training steps are the VJP of the cotangent passed in (not of ones):
+    their gradients equal jax.grad of sum(update * cotangent)."""
+    cell = family_benchmark.Cell("triangle_start", 1, 8, "float32", "training")
+    t = family_benchmark.transformed("triangle_start", "ours", True)
+    specs = family_benchmark.input_specs(cell)
+    params = family_benchmark.random_params(t, specs)
+    msa, pair, msa_mask, pair_mask = family_benchmark.random_inputs(specs)
+    cot = family_benchmark.cotangent(t, params, specs)
+    assert float(jnp.std(cot)) > 0.5  # unit-normal, not a constant
+    step = jax.jit(family_benchmark.step_fn(t, "triangle_start", "training"))
+    grads = step(params, msa, pair, msa_mask, pair_mask, cot)
+    key = jax.random.PRNGKey(1)
+
+    def weighted(params, msa, pair):
+        return jnp.sum(t.apply(params, key, msa, pair, msa_mask, pair_mask) * cot)
+
+    expected = jax.grad(weighted, argnums=(0, 1, 2))(params, msa, pair)
+    assert family_benchmark.relative_diff(grads, expected) < 1e-5
+    ones = jax.grad(
+        lambda p, m, x: weighted(p, m, x) * 0 + jnp.sum(t.apply(p, key, m, x, msa_mask, pair_mask)),
+        argnums=(0, 1, 2),
+    )(params, msa, pair)
+    assert family_benchmark.relative_diff(grads, ones) > 0.1
+    fn, specs = family_benchmark.memory_problem(
+        "triangle_start", "ours", 1, 8, "float32", "training"
+    )
+    assert specs[-1].shape == (8, 8, 128)  # the cotangent is the last input of the program
+    fn, specs = benchmark.memory_problem(
+        benchmark.MemoryCase("m", 2, 2, 8, 4, True, 1, 1), "xla", "float32", "forward_backward"
+    )
+    assert len(specs) == 6 and specs[-1].shape == (2, 8, 2, 4)
