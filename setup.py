@@ -47,6 +47,7 @@ setup(
             "pytest-xdist>=3",
             "hypothesis>=6",
             "ruff==0.17.6",
+            "matplotlib>=3.7",  # the benchmark's pictures are tested
             "alphafold-colabfold==2.3.27",
             "colabfold-kernels==0.9.0",
         ],

@@ -75,7 +75,7 @@ FAMILY_GOALS = tuple(
 # Training-step memory against the crop: (what, N_seq, N_res, variants). AF2's is compiled (XLA
 # temp) at every size, but run (resident memory) only up to FAMILY_RESIDENT_MAX_N_RES.
 FAMILY_MEMORY_SCALING = tuple(
-    ("triangle_start", 1, n, ("ours", "af2")) for n in (256, 512, 768, 1024)
+    ("triangle_start", 1, n, ("ours", "af2")) for n in (256, 512, 768, 1024, 1536, 2048)
 ) + tuple(("msa_row", 128, n, ("ours", "af2")) for n in (256, 384, 512, 1024))
 FAMILY_RESIDENT_MAX_N_RES = dict(ours=1024, af2=512)
 

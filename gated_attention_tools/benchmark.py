@@ -600,36 +600,6 @@ def _run_cell_json(shape: dict, **kwargs) -> list[dict[str, Any]]:
     return run_cell(Shape(**shape), **kwargs, log=lambda line: print(line, flush=True))
 
 
-def plot(rows: list[dict[str, Any]], sweep_prefix: str, path: str) -> None:
-    """Time and XLA temp memory against sequence length for the sweep shapes (needs matplotlib)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    sweep = [r for r in rows if r["shape"].startswith(sweep_prefix) and r["variant"] != ROOFLINE]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
-    for key in sorted({(r["variant"], r["dtype"], r["mode"]) for r in sweep}):
-        pts = sorted(
-            (r["length"], r["time_ms"], (r["temp_bytes"] or 0) / 2**20)
-            for r in sweep
-            if (r["variant"], r["dtype"], r["mode"]) == key
-        )
-        label = " ".join(key)
-        ax_t.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-        ax_m.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=label)
-    for ax, ylabel in ((ax_t, "time (ms)"), (ax_m, "XLA temp memory (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    ax_t.legend(fontsize=7)
-    fig.suptitle(f"Attention vs AF2's Attention ({baseline_label()}; self-attention, 1 sequence)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def memory_goal_cases() -> list[MemoryCase]:
     """The op-level memory goals: self-attention at 16,384 tokens, and the triangle shape (1,024
     rows of 1,024 positions) with a bias shared by the rows."""

@@ -403,6 +403,9 @@ def goal_rows(rows, memory, goals) -> list[dict[str, Any]]:
                     out.append(
                         dict(
                             goal=f"{r['cell']} {mode} {dtype}: <= {limit:.2f}x AF2",
+                            what=what,
+                            mode=mode,
+                            limit=limit,
                             figure=r["ratio_to_af2"],
                             range=r["ratio_range"],
                             met=r["ratio_to_af2"] <= limit,

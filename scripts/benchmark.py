@@ -7,8 +7,8 @@ and the GPU suite.
   python scripts/benchmark.py --config=configs/benchmark.py:gpu    # on a GPU: gpu_benchmark.py
   python scripts/benchmark.py --config=configs/benchmark.py:family # AF2's modules and Evoformer
 
-Writes results.json, results.md and (with matplotlib, the 'bench' extra) results.png to
-config.output_dir, and prints progress and the Markdown table.
+Writes results.json, results.md and (with matplotlib, the 'bench' extra) the suite's pictures
+(gated_attention_tools/plots.py) to config.output_dir, and prints progress and the Markdown table.
 """
 
 import json
@@ -34,26 +34,38 @@ def main(argv):
     cfg = _CONFIG.value
     out_dir = pathlib.Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if cfg.suite in ("gpu", "family"):
-        suite = gpu_benchmark if cfg.suite == "gpu" else family_benchmark
-        results = suite.run(cfg, log=lambda s: print(s, flush=True))
-        (out_dir / "results.json").write_text(json.dumps(results, indent=2))
-        table = suite.markdown(results)
-        (out_dir / "results.md").write_text(table)
-        print(table)
-        return
-    results = benchmark.run(cfg, log=lambda s: print(s, flush=True))
+    log = lambda s: print(s, flush=True)
+    if cfg.suite == "gpu":
+        results = gpu_benchmark.run(cfg, log=log)
+        table = gpu_benchmark.markdown(results)
+    elif cfg.suite == "family":
+        results = family_benchmark.run(cfg, log=log)
+        table = family_benchmark.markdown(results)
+    else:
+        results = benchmark.run(cfg, log=log)
+        table = benchmark.markdown(
+            results["cells"], results["memory"], cfg.goals, results["allocator"]
+        )
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
-    table = benchmark.markdown(results["cells"], results["memory"], cfg.goals, results["allocator"])
     (out_dir / "results.md").write_text(table)
     print(table)
-    if cfg.sweep_lengths:
-        try:
-            benchmark.plot(results["cells"], "sweep", str(out_dir / "results.png"))
-        except ImportError:
-            logging.warning(
-                "matplotlib is not installed (pip install -e .[bench]); no plot written"
-            )
+    try:
+        _plot(cfg, results, out_dir)
+    except ImportError:
+        logging.warning("matplotlib is not installed (pip install -e .[bench]); no plot written")
+
+
+def _plot(cfg, results, out_dir):
+    """The suite's pictures (gated_attention_tools/plots.py), where it has data for them."""
+    from gated_attention_tools import plots
+
+    if cfg.suite == "family":
+        if results["memory"]:
+            plots.training_memory(results["memory"], str(out_dir / "training_memory.png"))
+        if any(r["variant"] == "ours" and r["dtype"] == "float32" for r in results["cells"]):
+            plots.family_ratios(results["cells"], results["goals"], str(out_dir / "ratios.png"))
+    elif cfg.suite != "gpu" and cfg.sweep_lengths:
+        plots.op_sweep(results["cells"], str(out_dir / "results.png"))
 
 
 if __name__ == "__main__":

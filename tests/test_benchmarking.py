@@ -442,3 +442,54 @@ def test_training_steps_take_the_updates_cotangent():
         benchmark.MemoryCase("m", 2, 2, 8, 4, True, 1, 1), "xla", "float32", "forward_backward"
     )
     assert len(specs) == 6 and specs[-1].shape == (2, 8, 2, 4)
+
+
+# --------------------------------------------------------------------------------------- pictures
+
+
+def test_pictures_are_drawn_from_results(tmp_path):
+    pytest.importorskip("matplotlib", reason="the pictures need matplotlib (the test extra has it)")
+    from gated_attention_tools import plots
+
+    rows = [
+        dict(
+            shape=f"sweep 1x{n}",
+            length=n,
+            mode=m,
+            variant=v,
+            dtype=d,
+            time_ms=n / 10,
+            ratio_to_af2=r,
+        )
+        for n in (512, 1024)
+        for m in ("forward", "forward_backward")
+        for d in ("float32", "bfloat16")
+        for v, r in (("af2", 1.0), ("auto", 0.4), ("matmul", 0.1))
+    ]
+    plots.op_sweep(rows, str(tmp_path / "op.png"))
+    memory = [
+        dict(what="triangle_start", variant=v, n_res=n, temp_mib=t * n**p, resident_mib=None)
+        for n in (256, 512)
+        for v, t, p in (("ours", 1e-3, 2), ("af2", 1e-4, 3))
+    ]
+    plots.training_memory(memory, str(tmp_path / "memory.png"))
+    cells = [
+        dict(
+            cell="m 8",
+            what="m",
+            variant="ours",
+            dtype="float32",
+            mode=mode,
+            ratio_to_af2=0.5,
+            ratio_range=[0.4, 0.6],
+        )
+        for mode in ("inference", "training")
+    ]
+    goals = [dict(what="m", mode="inference", limit=0.5)]
+    plots.family_ratios(cells, goals, str(tmp_path / "ratios.png"))
+    for name in ("op.png", "memory.png", "ratios.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no rows whose shape starts with 'sweep'"):
+        plots.op_sweep(rows[:0], str(tmp_path / "none.png"))
+    with pytest.raises(ValueError, match="no float32 'ours' cells"):
+        plots.family_ratios([], goals, str(tmp_path / "none.png"))
