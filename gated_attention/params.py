@@ -35,10 +35,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import operator
 import os
+import stat
 import zipfile
+import zlib
 from collections.abc import Mapping
 from typing import IO, Any
 
@@ -51,6 +55,8 @@ SEPARATOR = "//"  # Between a scope and a parameter name in checkpoint keys.
 TOP_LEVEL_SCOPE = "~"  # Haiku's scope for parameters created outside any module.
 _NPY_MAGIC = b"\x93NUMPY"
 _MAX_LISTED = 10  # How many available scopes an error message lists.
+_CHUNK = 1 << 20  # Bytes read at a time when checking a member's CRC-32.
+_TEMP_ATTEMPTS = 100  # Unique temporary names tried before giving up (as tempfile does).
 
 PathOrFile = str | os.PathLike | IO[bytes]
 Params = dict[str, dict[str, np.ndarray]]
@@ -71,10 +77,17 @@ def load_af2_params(
     Returns:
       {scope: {name: np.ndarray}}; with `layer`, each array is [...] instead of [layers, ...].
 
+    Every selected member is read once in full, before any array is built, so that zipfile checks
+    its CRC-32: a damaged archive fails whole instead of returning wrong numbers. This reads the
+    selected members' data once more than the arrays need (with `layer`, all of it, not one slice),
+    1 MiB at a time.
+
     Raises:
       FileNotFoundError: the path does not exist.
-      ValueError: not an .npz archive, a key without '//', a prefix that selects nothing, a layer out
-        of range or a layer for arrays without a common leading axis.
+      ValueError: not an .npz archive (a truncated file is not one), a member whose data fails its
+        CRC-32 or ends early (the message names the file and the 'scope//name' key), a key without
+        '//', a prefix that selects nothing, a layer out of range or a layer for arrays without a
+        common leading axis.
       TypeError: layer is not an int.
     """
     prefix = _check_prefix(prefix)
@@ -83,6 +96,7 @@ def load_af2_params(
     with _open_npz(path_or_file, source) as archive:
         members = _members(archive, source)
         selected = _select(members, prefix, source)
+        _check_members_intact(archive, selected, source)
         headers = {k: _read_header(archive, m, source) for k, m in selected.items()}
         if layer is not None:
             _check_layer_in_range(layer, headers, prefix, source)
@@ -99,14 +113,27 @@ def save_af2_params(
 ) -> None:
     """Writes Haiku params as an AF2-style .npz archive ('scope//name' keys, np.savez).
 
+    Saving to a path never destroys the checkpoint already there: the archive is written to a hidden
+    temporary file in the same directory ('.NAME.RANDOM.tmp'), flushed and fsynced, then renamed
+    over `path` with os.replace (atomic on POSIX filesystems) and the directory is fsynced. Any
+    error or interrupt (KeyboardInterrupt included) before the rename removes the temporary file
+    and leaves the old checkpoint byte for byte; one after it (syncing the directory) leaves the new
+    one. Only a killed process leaves its temporary file behind, never a partial `path`. The file
+    gets the permissions open() would give it: an existing checkpoint's mode is kept, a new one
+    gets 0o666 & ~umask. A symlink is followed, as open() does: the file it names is replaced.
+    Writing to a file object is the caller's business: the archive is written into it as it is.
+
     Args:
       params: {scope: {name: array}}, numpy or jax arrays (fetched to host).
       path: file path (written exactly there: no '.npz' is appended) or a binary file object.
       prefix: prepended to every scope as 'prefix/scope'; scope '~' is written as the prefix itself.
 
     Raises:
-      ValueError: a scope or name that cannot round-trip, or a dtype .npy cannot store (bfloat16:
-        cast first with cast_params(params, np.float32)).
+      ValueError: a scope or name that cannot round-trip, a dtype .npy cannot store (bfloat16:
+        cast first with cast_params(params, np.float32)), or a path that is a directory or whose
+        directory does not exist.
+      PermissionError: the checkpoint is read-only, or its directory is not writable (the
+        temporary file and the rename need it); the message names the path.
     """
     prefix = _check_prefix(prefix)
     flat = {}
@@ -122,8 +149,7 @@ def save_af2_params(
     if hasattr(path, "write"):
         np.savez(path, **flat)
     else:
-        with open(os.fspath(path), "wb") as f:
-            np.savez(f, **flat)
+        _save_npz_atomically(os.fsdecode(path), flat)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +290,94 @@ def _check_layer_in_range(layer: int, headers: dict, prefix: str | None, source:
         )
 
 
+# ---------------------------------------------------------------------------- archive writing
+
+
+def _save_npz_atomically(path: str, flat: dict[str, np.ndarray]) -> None:
+    """np.savez into a temporary file beside `path`, synced, then renamed over it."""
+    source = _describe(path)
+    target = os.path.realpath(path)  # Through a symlink, as open() goes: the link stays a link.
+    directory = os.path.dirname(target)
+    _check_save_target(path, target, source)
+    try:
+        fd, temp = _create_temp(target)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                _keep_mode(target, f.fileno())
+                np.savez(f, **flat)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, target)
+        except BaseException:
+            _remove_quietly(temp)
+            raise
+        _fsync_directory(directory)
+    except PermissionError as e:
+        raise PermissionError(
+            e.errno,
+            f"cannot save AF2 checkpoint {source}: {e.strerror or e}; saving writes a temporary "
+            f"file in {directory!r} and renames it over the checkpoint, so that directory must be "
+            "writable",
+        ) from e
+
+
+def _check_save_target(path: str, target: str, source: str) -> None:
+    if not os.path.basename(path) or os.path.isdir(target):
+        raise ValueError(
+            f"path {source} is a directory; expected a file path such as 'params_model_1.npz'"
+        )
+    directory = os.path.dirname(target)
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"path {source} lies in {directory!r}, which is not an existing directory; expected a "
+            "path in an existing directory (create it first)"
+        )
+    if os.path.exists(target) and not os.access(target, os.W_OK):
+        raise PermissionError(
+            errno.EACCES,
+            f"AF2 checkpoint {source} is read-only; saving over it needs write permission on it",
+        )
+
+
+def _create_temp(target: str) -> tuple[int, str]:
+    """Creates '.NAME.RANDOM.tmp' beside `target` with the mode open() gives (0o666 & ~umask)."""
+    directory, name = os.path.split(target)
+    for _ in range(_TEMP_ATTEMPTS):
+        temp = os.path.join(directory, f".{name}.{os.urandom(6).hex()}.tmp")
+        with contextlib.suppress(FileExistsError):
+            # Not mkstemp: its 0o600 could only be widened by reading the process-wide umask.
+            return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), temp
+    raise FileExistsError(
+        errno.EEXIST, f"no unused temporary name beside {target!r} after {_TEMP_ATTEMPTS} tries"
+    )
+
+
+def _keep_mode(target: str, fd: int) -> None:
+    """Gives the new file the mode of the checkpoint it replaces, as writing into it would keep."""
+    try:
+        mode = stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return
+    os.fchmod(fd, mode)
+
+
+def _remove_quietly(temp: str) -> None:
+    with contextlib.suppress(OSError):  # The error being raised says more than a failed cleanup.
+        os.unlink(temp)
+
+
+def _fsync_directory(directory: str) -> None:
+    """Makes the rename itself durable; some filesystems cannot sync a directory (EINVAL, EBADF)."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
 # ---------------------------------------------------------------------------- archive reading
 
 
@@ -313,6 +427,23 @@ def _members(archive: zipfile.ZipFile, source: str) -> dict[str, str]:
         _split_key(key, source)
         members[key] = member
     return members
+
+
+def _check_members_intact(archive: zipfile.ZipFile, selected: dict[str, str], source: str) -> None:
+    """Reads each member to its end, where zipfile compares its CRC-32, one chunk at a time."""
+    for key, member in selected.items():
+        try:
+            if archive.getinfo(member).header_offset < 0:  # zipfile's shift for missing bytes.
+                raise zipfile.BadZipFile("bytes are missing before its data")
+            with archive.open(member) as fp:
+                while fp.read(_CHUNK):
+                    pass
+        except (zipfile.BadZipFile, EOFError, zlib.error) as e:
+            raise ValueError(
+                f"{source} is damaged: the data of key {key!r} (member {member!r}) fails its check "
+                f"({e}); expected an intact .npz archive whose members match their CRC-32 "
+                "(re-download or re-save the checkpoint)"
+            ) from None
 
 
 def _split_key(key: str, source: str) -> tuple[str, str]:
