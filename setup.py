@@ -29,8 +29,14 @@ setup(
         ]
     ),
     python_requires=">=3.11",
+    classifiers=[
+        "Programming Language :: Python :: 3.11",
+        "Programming Language :: Python :: 3.12",
+    ],
     install_requires=[
-        # 0.10: the release tested; sharding.py reads explicit shardings (jax.typeof, jax.shard_map).
+        # Tested range (.ci/run): jax 0.10.2 on Python 3.11 (what AlphaFold 3 pins) to 0.12.0.1 on
+        # Python 3.12 (the newest served). 0.10 is the floor: sharding.py reads explicit shardings
+        # (jax.typeof, jax.shard_map); gated_attention/compat.py says so at import on an older one.
         "jax>=0.10",
         "jaxlib>=0.10",
         "dm-haiku>=0.0.13",

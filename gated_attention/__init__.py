@@ -19,6 +19,12 @@ Public API (everything else is internal):
                                          these attention modules.
 """
 
+import jax as _jax
+
+from gated_attention import compat as _compat
+
+_compat.check_jax(_jax)  # before any module touches what an older jax lacks
+
 from gated_attention import af2_package
 from gated_attention.alphafold import (
     MSAColumnAttention,

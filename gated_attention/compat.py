@@ -1,0 +1,35 @@
+"""The JAX this library needs, checked once at import: one clear error instead of a traceback from
+inside JAX when an older release lacks what the library calls.
+
+Tested: jax 0.10.2 (Python 3.11, the release AlphaFold 3 pins) and the newest the registry serves
+for Python 3.12 (0.12.0.1); setup.py states the range.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+MIN_JAX = (0, 10)
+# What the library uses from jax's top level that older releases lack (sharding.py and the op).
+REQUIRED = ("typeof", "shard_map", "set_mesh", "make_mesh")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_jax(jax_module: ModuleType) -> None:
+    """Raises ImportError naming the installed jax and what is missing, if it is too old."""
+    version = getattr(jax_module, "__version__", "unknown")
+    missing = [name for name in REQUIRED if not hasattr(jax_module, name)]
+    if missing or _release(version)[:2] < MIN_JAX:
+        raise ImportError(
+            f"gated_attention needs jax >= {'.'.join(map(str, MIN_JAX))} (it uses "
+            f"{', '.join('jax.' + n for n in REQUIRED)}); the installed jax is {version}"
+            + (f", which lacks {', '.join('jax.' + n for n in missing)}" if missing else "")
+            + ". Upgrade it: pip install -U 'jax>=0.10' 'jaxlib>=0.10'"
+        )

@@ -1,0 +1,33 @@
+"""The import-time jax check: one clear ImportError for a jax too old, nothing for the one here."""
+
+import types
+
+import jax
+import pytest
+
+from gated_attention import compat
+
+
+def test_installed_jax_passes():
+    compat.check_jax(jax)
+
+
+@pytest.mark.parametrize(
+    "version, names, match",
+    [
+        (
+            "0.4.30",
+            compat.REQUIRED,
+            r"needs jax >= 0\.10 .* the installed jax is 0\.4\.30\. Upgrade",
+        ),
+        ("0.9.2", ("typeof", "make_mesh"), r"0\.9\.2, which lacks jax\.shard_map, jax\.set_mesh"),
+        ("0.10.0rc1", ("typeof",), r"lacks jax\.shard_map"),
+    ],
+)
+def test_old_jax_is_one_clear_error(version, names, match):
+    fake = types.SimpleNamespace(__version__=version, **dict.fromkeys(names, object()))
+    with pytest.raises(ImportError, match=match):
+        compat.check_jax(fake)
+    compat.check_jax(
+        types.SimpleNamespace(__version__="0.12.0.1", **dict.fromkeys(compat.REQUIRED))
+    )
