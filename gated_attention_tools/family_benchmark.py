@@ -33,6 +33,9 @@ from gated_attention_tools import child, measure
 
 MODULES = ("msa_row", "msa_column", "msa_column_global", "triangle_start", "triangle_end")
 AF2, OURS, FLOOR = "af2", "ours", "floor"
+# AF2's whole monomer model (af2_model.py), inference: n_seq MSA clusters, 4 * n_seq extra MSA rows,
+# MODEL_TEMPLATES templates, MODEL_RECYCLES recycling iterations after the first.
+MODEL, MODEL_TEMPLATES, MODEL_RECYCLES = "model", 4, 1
 MODES = ("inference", "training")
 
 
@@ -41,7 +44,8 @@ class Cell:
     """One family cell.
 
     Attributes:
-      what: one of MODULES, or 'evoformer' (main MSA) / 'extra_evoformer' (extra MSA stack block).
+      what: one of MODULES, 'evoformer' (main MSA) / 'extra_evoformer' (extra MSA stack block), or
+        MODEL (AF2's whole monomer model with templates and the extra MSA; inference only).
       n_seq: MSA rows (extra MSA rows for msa_column_global); ignored by the triangle modules.
       n_res: residues.
       dtype: 'float32' or 'bfloat16' (activations and parameters; LayerNorm params float32).
@@ -228,6 +232,8 @@ def run_cell(
     """
     if variants is None:
         variants = (AF2, OURS, FLOOR) if "evoformer" in cell.what else (AF2, OURS)
+    if cell.what == MODEL:
+        return _model_cell(cell, rounds, steps, log, variants)
     is_training = cell.mode == "training"
     fns = {v: transformed(cell.what, v, is_training) for v in variants}
     specs = input_specs(cell)
@@ -243,6 +249,28 @@ def run_cell(
     reference = outputs.get(AF2)
     if cell.dtype != "float32" and len(variants) > 1:  # AF2 in float32 on the same (rounded) inputs
         reference = jitted[AF2](*numerics.cast_floats(args, jnp.float32))
+    return _timed_rows(cell, jitted, args, rounds, steps, log, compile_s, temp, outputs, reference)
+
+
+def _model_cell(cell: Cell, rounds: int, steps: int, log, variants) -> list:
+    """AF2's whole model, AF2's attention against ours (af2_model.problem): each variant is its
+    recycling loop of jitted forwards, so no one program's XLA temp is recorded."""
+    from gated_attention_tools import af2_model
+
+    if cell.mode != "inference" or cell.dtype != "float32" or FLOOR in variants:
+        raise ValueError(
+            f"the whole-model cell times AF2 and ours at float32 inference, got {cell}"
+        )
+    fns, params, batch = af2_model.problem(
+        cell.n_res, cell.n_seq, 4 * cell.n_seq, MODEL_TEMPLATES, MODEL_RECYCLES, cell.dtype
+    )
+    jitted = {v: fns[v] for v in variants}
+    args = (params, batch)
+    compile_s, outputs = {}, {}
+    for v, fn in jitted.items():
+        (compile_s[v],), outputs[v] = measure.time_calls(fn, args, 1)
+    temp = dict.fromkeys(variants)
+    reference = outputs.get(AF2)
     return _timed_rows(cell, jitted, args, rounds, steps, log, compile_s, temp, outputs, reference)
 
 
@@ -344,6 +372,9 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
 
     cells = []
     for what, n_seq, n_res in cfg.family_shapes:
+        if what == MODEL:  # AF2's whole model: float32 inference (its monomer default)
+            cells.append(Cell(what, n_seq, n_res, "float32", "inference"))
+            continue
         cells += [Cell(what, n_seq, n_res, d, m) for d in cfg.dtypes for m in cfg.modes]
     rows = []
     for i, cell in enumerate(cells):
