@@ -3,9 +3,11 @@
 AF2's `alphafold.model.modules` builds its attention modules by name when a block is traced:
 EvoformerIteration (monomer and multimer, main and extra MSA stacks) and the template pair stack
 look up `modules.MSARowAttentionWithPairBias`, `MSAColumnAttention`, `MSAColumnGlobalAttention`
-and `TriangleAttention` at call time. Inside `use_gated_attention()` those names are this
-library's modules, which take AF2's configs, call signatures and parameter names, so AF2's
-parameters (a checkpoint, or ones its own `init` made) apply unchanged:
+and `TriangleAttention`, and the template embedding's pointwise attention (Suppl. Alg. 17) looks up
+`modules.Attention`, at call time. Inside `use_gated_attention()` all six names, `Attention` and
+`GlobalAttention` included, are this library's modules, which take AF2's configs, call signatures
+and parameter names, so no attention of AF2's model stays AF2's and AF2's parameters (a checkpoint,
+or ones its own `init` made) apply unchanged:
 
     from alphafold.model import config, modules
     import gated_attention as ga
@@ -19,6 +21,11 @@ parameters (a checkpoint, or ones its own `init` made) apply unchanged:
                      is_training=False)
 
     fn = hk.transform(evoformer)            # traced inside the decorator: AF2 with our attention
+
+`Attention` and `GlobalAttention` are swapped for AF2Attention and AF2GlobalAttention, thin
+adapters of ours to the package's interfaces (its additive bias argument, ColabFold's fused-kernel
+hooks), so swapping only them (e.g. {"Attention": AF2Attention}) leaves AF2's own family modules
+working, on our attention. The structure module's InvariantPointAttention is not one of these.
 
 The swap lasts while the decorated function runs (which is when hk.transform and jax.jit trace it),
 so code outside it keeps AF2's modules. It changes module attributes, so do not trace AF2 with and
@@ -35,15 +42,105 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
-from gated_attention import alphafold
+import jax
 
-# AF2's class names in alphafold.model.modules, and ours that replace them.
+from gated_attention import alphafold, modules
+
+
+class AF2Attention(modules.Attention):
+    """gated_attention.Attention with alphafold-colabfold's `modules.Attention` interface.
+
+    AF2 passes its mask as an additive float bias (0, or big_neg for masked keys) and builds the
+    module as Attention(config, global_config, output_dim, name, trim); ColabFold's family modules
+    first ask it for fused kernels (packed_kernel, ln_projection_kernel) and call it when there are
+    none, which is always here. Parameters (query_w, key_w, value_w, gating_w, gating_b, output_w,
+    output_b) are AF2's, so AF2's family modules and template embedding run unchanged on it.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        global_config: Any,
+        output_dim: int,
+        name: str = "attention",
+        trim: bool = False,
+    ):
+        """Constructs the module.
+
+        Args:
+          config: AF2's attention config (num_head, gating, optional key_dim/value_dim, ...).
+          global_config: AF2's global config plus ours (config.GlobalConfig).
+          output_dim: channels of the output.
+          name: Haiku module name.
+          trim: ColabFold's hint that its packed kernel may skip masked rows; stored, no effect
+            (there is no packed kernel here, and it changes no result on AF2's plain path).
+        """
+        if not isinstance(trim, bool):
+            raise TypeError(f"trim must be a bool, got {trim!r}")
+        super().__init__(config, global_config, output_dim, name=name)
+        self.trim = trim
+
+    def packed_kernel(self, act: jax.Array) -> None:
+        """ColabFold's packed-projection kernel hook: None, so AF2's code calls the module."""
+        del act
+        return None
+
+    def ln_projection_kernel(self, act: jax.Array) -> None:
+        """ColabFold's fused LayerNorm-projection kernel hook: None (AF2's plain path)."""
+        del act
+        return None
+
+    def __call__(self, q_data, m_data, bias, nonbatched_bias=None) -> jax.Array:
+        """AF2's call: q_data [..., b, q, a] attends to m_data [..., b, k, m].
+
+        Args:
+          q_data: queries (and gate input).
+          m_data: keys and values, q_data's dtype.
+          bias: AF2's additive float bias, broadcastable (numpy rules, as AF2 adds it to its
+            logits) to [..., b, h, q, k], e.g. [b, 1, 1, k] or the template embedding's [1, 1, 1, T].
+          nonbatched_bias: None, [h, q, k] or [q, k], shared by the batch.
+
+        Returns:
+          [..., b, q, output_dim] in q_data's dtype.
+        """
+        logits_rank = q_data.ndim + 1  # [..., b, h, q, k]
+        if bias is not None and bias.ndim < logits_rank:  # AF2 broadcasts missing leading axes
+            bias = bias.reshape((1,) * (logits_rank - bias.ndim) + tuple(bias.shape))
+        return super().__call__(q_data, m_data, None, nonbatched_bias, bias=bias)
+
+
+class AF2GlobalAttention(modules.GlobalAttention):
+    """gated_attention.GlobalAttention with alphafold-colabfold's `modules.GlobalAttention` call.
+
+    The constructor and call (q_data, m_data, q_mask [..., b, q, 1]) are AF2's already; the one
+    difference is the output without gating, which AF2 returns as [..., b, 1, o] (one row for
+    every query) and ours broadcasts to [..., b, q, o]: here it is AF2's shape.
+    """
+
+    def __call__(self, q_data, m_data, q_mask) -> jax.Array:
+        """AF2's call: global attention from q_data's masked mean to m_data.
+
+        Args:
+          q_data: [..., b, q, a].
+          m_data: [..., b, k, m] with k == q.
+          q_mask: [..., b, q, 1] float 0/1 (or bool) mask of q_data's (and m_data's) positions.
+
+        Returns:
+          [..., b, q, output_dim] with config.gating, else [..., b, 1, output_dim].
+        """
+        out = super().__call__(q_data, m_data, q_mask)
+        return out if self.config.gating else out[..., :1, :]
+
+
+# AF2's class names in alphafold.model.modules, and ours that replace them: the attention family
+# and the two attention modules (the template embedding's pointwise attention is Attention).
 FAMILY = {
     "MSARowAttentionWithPairBias": alphafold.MSARowAttentionWithPairBias,
     "MSAColumnAttention": alphafold.MSAColumnAttention,
     "MSAColumnGlobalAttention": alphafold.MSAColumnGlobalAttention,
     "TriangleAttention": alphafold.TriangleAttention,
 }
+REPLACEMENTS = {**FAMILY, "Attention": AF2Attention, "GlobalAttention": AF2GlobalAttention}
 
 _LOCK = threading.RLock()
 
@@ -64,12 +161,12 @@ class _Swap(contextlib.ContextDecorator):
     """Context manager and decorator: AF2's attention classes replaced while it is active."""
 
     def __init__(self, replacements: Mapping[str, Any] | None, target: ModuleType | None):
-        replacements = dict(FAMILY if replacements is None else replacements)
-        unknown = sorted(set(replacements) - set(FAMILY))
+        replacements = dict(REPLACEMENTS if replacements is None else replacements)
+        unknown = sorted(set(replacements) - set(REPLACEMENTS))
         if unknown:
             raise ValueError(
                 f"replacements names {unknown}, which are not AF2 attention modules; expected "
-                f"keys among {sorted(FAMILY)}"
+                f"keys among {sorted(REPLACEMENTS)}"
             )
         self._replacements = replacements
         self._target = target
@@ -105,8 +202,9 @@ def use_gated_attention(
     """AF2's attention modules replaced by this library's, as a context manager or a decorator.
 
     Args:
-      replacements: AF2 class name -> module class; None: all four of FAMILY. A subset swaps only
-        those (e.g. {"TriangleAttention": ga.TriangleAttention}).
+      replacements: AF2 class name -> module class; None: all six of REPLACEMENTS (FAMILY's four,
+        Attention and GlobalAttention). A subset swaps only those (e.g. {"TriangleAttention":
+        ga.TriangleAttention}, or {"Attention": AF2Attention} under AF2's own family modules).
       target: the modules.py to patch; None: alphafold.model.modules (imported on entry).
 
     Returns:

@@ -1,21 +1,27 @@
-"""AlphaFold 2's own EvoformerIteration (the alphafold-colabfold package) with our attention swapped
-in: the same parameters give AF2's outputs (float32 relative difference <= 1e-5). The training
-step's gradients against AF2's are checked per module (tests/test_benchmarking.py's family cell)."""
+"""AlphaFold 2's own model (the alphafold-colabfold package) with our attention swapped in: the same
+parameters give AF2's outputs (float32 relative difference <= 1e-5), for an EvoformerIteration, for
+AF2's family modules on our Attention adapter, and for the whole monomer model (model_1 with
+templates, extra MSA and recycling), in which no attention module stays AF2's. The training step's
+gradients against AF2's are checked per module (tests/test_benchmarking.py's family cell)."""
 
+import collections
 import types
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
 import gated_attention as ga
 from gated_attention import af2_package
-from gated_attention_tools import family_benchmark
+from gated_attention_tools import af2_model, family_benchmark
 
 config = pytest.importorskip("alphafold.model.config", reason="needs alphafold-colabfold")
 modules = af2_package.alphafold_modules()
+mapping = pytest.importorskip("alphafold.model.mapping")
+utils = pytest.importorskip("alphafold.model.utils")
 
 S, R, C_M, C_Z = 6, 10, 32, 16  # MSA rows (AF2's subbatch_size 4: 4 + 2), residues, channels
 TOL = 1e-5
@@ -68,27 +74,217 @@ def test_evoformer_iteration_inference_matches_af2():
 
 
 def test_swap_is_scoped_and_reentrant():
-    originals = {name: getattr(modules, name) for name in af2_package.FAMILY}
+    originals = {name: getattr(modules, name) for name in af2_package.REPLACEMENTS}
     swap = af2_package.use_gated_attention()
     with swap as patched:
         assert patched is modules
-        assert modules.TriangleAttention is ga.TriangleAttention
+        assert {name: getattr(modules, name) for name in originals} == af2_package.REPLACEMENTS
+        assert modules.Attention is af2_package.AF2Attention
+        assert modules.GlobalAttention is af2_package.AF2GlobalAttention
         with af2_package.use_gated_attention({"TriangleAttention": family_benchmark.ZeroUpdate}):
             assert modules.TriangleAttention is family_benchmark.ZeroUpdate
             assert modules.MSAColumnAttention is ga.MSAColumnAttention
+            assert modules.Attention is af2_package.AF2Attention
         assert modules.TriangleAttention is ga.TriangleAttention
-    assert {name: getattr(modules, name) for name in af2_package.FAMILY} == originals
+    assert {name: getattr(modules, name) for name in af2_package.REPLACEMENTS} == originals
+    with af2_package.use_gated_attention({"Attention": af2_package.AF2Attention}):
+        assert modules.Attention is af2_package.AF2Attention
+        assert modules.TriangleAttention is originals["TriangleAttention"]
+    assert modules.Attention is originals["Attention"]
     with pytest.raises(RuntimeError), swap:  # restored when the block raises too
         raise RuntimeError
     assert modules.MSARowAttentionWithPairBias is originals["MSARowAttentionWithPairBias"]
 
 
 def test_swap_rejects_unknown_names_and_targets():
-    with pytest.raises(ValueError, match=r"replacements names \['Attention'\].*expected keys"):
-        af2_package.use_gated_attention({"Attention": ga.Attention})
+    match = r"replacements names \['InvariantPointAttention'\].*expected keys"
+    with pytest.raises(ValueError, match=match):
+        af2_package.use_gated_attention({"InvariantPointAttention": ga.Attention})
     not_af2 = types.ModuleType("not_af2")
     swap = af2_package.use_gated_attention(target=not_af2)
     with pytest.raises(AttributeError, match="not_af2 has no"), swap:
         pass
     with af2_package.use_gated_attention():  # the lock was released after the failed entry
         pass
+
+
+# --------------------------------------------------------------------------------------------------
+# The Attention and GlobalAttention adapters, under AF2's own code.
+
+
+def _both(fn, args, replacements):
+    """(ours, AF2's) outputs of fn(*args) with `replacements` swapped in and without, on the same
+    random non-zero params, and the module classes the swapped trace called."""
+    af2 = hk.transform(fn)
+    calls = collections.Counter()
+    ours = hk.transform(
+        af2_model.counting_calls(af2_package.use_gated_attention(replacements)(fn), calls)
+    )
+    params = family_benchmark.random_params(af2, args)
+    key = jax.random.PRNGKey(0)
+    assert jax.eval_shape(ours.init, key, *args) == jax.eval_shape(af2.init, key, *args)
+    return jax.jit(ours.apply)(params, key, *args), jax.jit(af2.apply)(params, key, *args), calls
+
+
+@pytest.mark.parametrize("what", ["msa_row", "triangle_end"])
+def test_af2_family_modules_run_on_our_attention_adapter(what):
+    """Only Attention swapped: AF2's own family modules ask the adapter for ColabFold's fused
+    kernels, get None, and call it with their additive mask bias and pair bias."""
+    c = _model_config()
+    evo, gc = c.embeddings_and_evoformer.evoformer, c.global_config
+
+    def fn(msa, pair, msa_mask, pair_mask):
+        if what == "msa_row":
+            m = modules.MSARowAttentionWithPairBias(evo.msa_row_attention_with_pair_bias, gc)
+            return m(msa, msa_mask, pair, is_training=False)
+        m = modules.TriangleAttention(evo.triangle_attention_ending_node, gc)
+        return m(pair, pair_mask, is_training=False)
+
+    actual, expected, calls = _both(fn, _inputs(), {"Attention": af2_package.AF2Attention})
+    assert calls[af2_package.AF2Attention] >= 1
+    assert not af2_model.af2_attention_calls(calls).get("Attention")
+    assert family_benchmark.relative_diff(actual, expected) <= TOL
+
+
+def test_template_pointwise_attention_matches_af2():
+    """The template embedding's call: queries [B, 1, c_z] attend over T templates [B, T, c_t] with
+    AF2's additive bias [1, 1, 1, T] (one template masked), through AF2's inference_subbatch."""
+    c = _model_config().embeddings_and_evoformer.template
+    gc = _model_config().global_config
+    rng = np.random.default_rng(1)
+    b, t = 36, 4  # 6 x 6 residue pairs; subbatches of 8 and a remainder
+    query = jnp.asarray(rng.normal(size=(b, 1, C_Z)), jnp.float32)
+    templates = jnp.asarray(rng.normal(size=(b, t, 64)), jnp.float32)
+    bias = utils.mask_to_bias(jnp.asarray([1.0, 1.0, 0.0, 1.0])[None, None, None, :], jnp.float32)
+
+    def fn(query, templates, bias):
+        attention = modules.Attention(c.attention, gc, query.shape[-1])
+        return mapping.inference_subbatch(attention, 8, [query, templates], [bias])
+
+    actual, expected, calls = _both(fn, (query, templates, bias), None)
+    assert calls[af2_package.AF2Attention] >= 1 and not af2_model.af2_attention_calls(calls)
+    assert actual.shape == expected.shape == (b, 1, C_Z)
+    assert family_benchmark.relative_diff(actual, expected) <= TOL
+
+
+@pytest.mark.parametrize("gating", [True, False])
+def test_global_attention_adapter_matches_af2(gating):
+    """AF2's GlobalAttention call (q_mask [b, q, 1] float); without gating AF2 returns one row,
+    [b, 1, o], and so does the adapter."""
+    gc = _model_config().global_config
+    cfg = ml_collections.ConfigDict({"num_head": 4, "gating": gating})  # AF2 reads attributes
+    q, _, mask, _ = _inputs()  # [s, r, c_m], [s, r]
+
+    def fn(q, mask):
+        return modules.GlobalAttention(cfg, gc, q.shape[-1])(q, q, mask[..., None])
+
+    actual, expected, calls = _both(fn, (q, mask), None)
+    assert calls[af2_package.AF2GlobalAttention] >= 1
+    assert actual.shape == expected.shape == ((S, R, C_M) if gating else (S, 1, C_M))
+    assert family_benchmark.relative_diff(actual, expected) <= TOL
+
+
+def test_attention_adapter_interface():
+    """ColabFold's kernel hooks answer None, trim is a stored bool, and a bias of lower rank
+    broadcasts over the leading axes as AF2's `logits + bias` does."""
+    gc = _model_config().global_config
+    cfg = {"num_head": 2, "gating": True}
+    act = jnp.asarray(np.random.default_rng(3).normal(size=(2, 3, 8)), jnp.float32)
+    bias = utils.mask_to_bias(jnp.asarray([1.0, 0.0, 1.0]), jnp.float32)  # [k]
+
+    def fn(trim):
+        attention = af2_package.AF2Attention(cfg, gc, 8, trim=trim)
+        assert attention.trim is trim
+        assert attention.packed_kernel(act) is None
+        assert attention.ln_projection_kernel(act) is None
+        return attention(act, act, bias), attention(act, act, bias[None, None, None])
+
+    t = hk.transform(lambda: fn(True))
+    params = family_benchmark.random_params(t, ())
+    low_rank, full_rank = t.apply(params, None)
+    np.testing.assert_array_equal(low_rank, full_rank)
+    with pytest.raises(TypeError, match="trim must be a bool, got 1"):
+        hk.transform(lambda: fn(1)).init(jax.random.PRNGKey(0))
+
+
+def test_template_embedding_attention_counted_only_without_the_full_swap():
+    """The whole-model check below can fail: the old default (the four family classes only) left
+    the template embedding's pointwise attention AF2's, which counting_calls sees."""
+    c = _model_config()
+    template, gc = c.embeddings_and_evoformer.template, c.global_config
+    r, t = 4, 2
+    rng = np.random.default_rng(2)
+    batch = {
+        "template_mask": jnp.ones((t,)),
+        "template_aatype": jnp.zeros((t, r), jnp.int32),
+        "template_pseudo_beta": jnp.asarray(rng.normal(size=(t, r, 3)), jnp.float32),
+        "template_pseudo_beta_mask": jnp.ones((t, r)),
+        "template_all_atom_positions": jnp.asarray(rng.normal(size=(t, r, 37, 3)), jnp.float32),
+        "template_all_atom_masks": jnp.ones((t, r, 37)),
+    }
+
+    def fn(query, batch):
+        return modules.TemplateEmbedding(template, gc)(query, batch, jnp.ones((r, r)), False)
+
+    def af2_calls(replacements):
+        calls = collections.Counter()
+        swapped = af2_package.use_gated_attention(replacements)(fn)
+        jax.eval_shape(
+            hk.transform(af2_model.counting_calls(swapped, calls)).init,
+            jax.random.PRNGKey(0),
+            jnp.zeros((r, r, C_Z)),
+            batch,
+        )
+        return af2_model.af2_attention_calls(calls)
+
+    assert set(af2_calls(af2_package.FAMILY)) == {"Attention"}
+    assert af2_calls(None) == {}
+
+
+# --------------------------------------------------------------------------------------------------
+# The whole monomer model, as a user runs it (gated_attention_tools/af2_model.py).
+
+
+@pytest.fixture(scope="module")
+def whole_model():
+    """model_1 (templates, extra MSA, one recycle) at 16 residues, 8 clusters, 8 extra rows and 2
+    templates (padded to max_templates 4: two masked), float32, 2 blocks per stack instead of
+    48 / 4 / 2 (every module of the model; the depth only repeats them): AF2's and ours on the
+    same random params, with the module classes each trace called."""
+    cfg = af2_model.model_config(n_res=16, n_seq=8, n_extra_seq=8, num_recycle=1)
+    e = cfg.model.embeddings_and_evoformer
+    e.evoformer_num_block = e.extra_msa_stack_num_block = 2
+    raw = af2_model.raw_features(n_res=16, n_seq=16, n_templates=2, seed=0)
+    batch = jax.device_put(af2_model.features(cfg, raw, seed=0))
+    ts = {v: af2_model.transformed(cfg, ours=v == af2_model.OURS) for v in ("af2", "ours")}
+    params = af2_model.random_params(ts["af2"], batch, seed=0)
+    outputs, calls = {}, {}
+    for v, t in ts.items():
+        calls[v] = collections.Counter()
+        apply = af2_model.counting_calls(t.apply, calls[v])
+        outputs[v] = af2_model.predictor(cfg, apply)(params, batch)
+    return batch, outputs, calls
+
+
+def test_whole_model_matches_af2(whole_model):
+    """Every output leaf: max|ours - AF2| / max|AF2| <= 1e-5 (float32)."""
+    batch, outputs, _ = whole_model
+    assert np.asarray(batch["template_mask"][0]).tolist() == [1, 1, 0, 0]
+    ours = jax.tree_util.tree_flatten_with_path(outputs["ours"])[0]
+    af2 = jax.tree_util.tree_flatten_with_path(outputs["af2"])[0]
+    assert [p for p, _ in ours] == [p for p, _ in af2]
+    assert len(af2) >= 14  # heads, structure, confidences, prev
+    for (path, a), (_, b) in zip(ours, af2, strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape, jax.tree_util.keystr(path)
+        assert np.isfinite(b).all(), jax.tree_util.keystr(path)
+        diff = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
+        assert diff <= TOL, (jax.tree_util.keystr(path), diff)
+
+
+def test_whole_model_calls_no_af2_attention(whole_model):
+    _, _, calls = whole_model
+    assert af2_model.af2_attention_calls(calls["ours"]) == {}
+    assert set(af2_model.af2_attention_calls(calls["af2"])) == set(af2_package.REPLACEMENTS)
+    ours = {cls for cls in calls["ours"] if cls.__module__.startswith("gated_attention")}
+    assert set(af2_package.FAMILY.values()) | {af2_package.AF2Attention} <= ours

@@ -262,7 +262,12 @@ def test_benchmark_presets_share_one_schema():
         cfg = module.get_config(preset)
         if cfg.suite == "family":
             whats = {w for w, _, _ in cfg.family_shapes}
-            assert whats <= {*family_benchmark.MODULES, "evoformer", "extra_evoformer"}
+            assert whats <= {
+                *family_benchmark.MODULES,
+                "evoformer",
+                "extra_evoformer",
+                family_benchmark.MODEL,
+            }
             assert {g[1] for g in cfg.goals} <= whats | {m[0] for m in cfg.memory_scaling}
             continue
         if cfg.suite == "gpu":
