@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from gated_attention import base, checks, numerics, sharding
+from gated_attention import base, checks, masking, numerics, sharding
 from gated_attention.chunked import DEFAULT_MEMORY_BUDGET_BYTES, ChunkedAttention
 from gated_attention.cudnn import CudnnAttention
 from gated_attention.pallas import PallasAttention
@@ -83,12 +83,20 @@ class Auto:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
 
-    def choose(self, query, key, value, biases, mask, *, compute_dtype):
+    def choose(self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN):
         """(implementation, reason) for these flattened inputs."""
         if jax.default_backend() == "gpu":
             for impl, what in ((self.pallas, "the Pallas kernel"), (self.cudnn, "cuDNN")):
                 try:
-                    impl.check(query, key, value, biases, mask, compute_dtype=compute_dtype)
+                    impl.check(
+                        query,
+                        key,
+                        value,
+                        biases,
+                        mask,
+                        compute_dtype=compute_dtype,
+                        options=options,
+                    )
                     return impl, f"GPU backend and {what} takes these inputs"
                 except NotImplementedError:
                     pass  # the next rule applies
@@ -144,13 +152,14 @@ def describe(implementation: Spec) -> str:
     return implementation.name
 
 
-def _choose(resolved, query, key, value, biases, mask, compute_dtype):
+def _choose(resolved, query, key, value, biases, mask, compute_dtype, options):
+    args = (query, key, value, biases, mask)
     if isinstance(resolved, Auto):
-        return resolved.choose(query, key, value, biases, mask, compute_dtype=compute_dtype)
+        return resolved.choose(*args, compute_dtype=compute_dtype, options=options)
     reasons = []
     for impl in resolved:
         try:
-            impl.check(query, key, value, biases, mask, compute_dtype=compute_dtype)
+            impl.check(*args, compute_dtype=compute_dtype, options=options)
         except NotImplementedError as e:
             if len(resolved) == 1:
                 raise NotImplementedError(
@@ -212,8 +221,13 @@ def _check_qkv(query, key, value) -> None:
     problems = []
     if not q[:-3] == k[:-3] == v[:-3]:
         problems.append(f"batch dimensions differ: {q[:-3]}, {k[:-3]}, {v[:-3]}")
-    if not q[-2] == k[-2] == v[-2]:
-        problems.append(f"head counts N differ: {q[-2]}, {k[-2]}, {v[-2]}")
+    if k[-2] != v[-2]:
+        problems.append(f"key and value head counts K differ: {k[-2]} != {v[-2]}")
+    elif k[-2] and q[-2] % k[-2]:
+        problems.append(
+            f"query heads N={q[-2]} must be a multiple of key/value heads K={k[-2]} "
+            "(grouped-query attention)"
+        )
     if k[-3] != v[-3]:
         problems.append(f"key and value lengths S differ: {k[-3]} != {v[-3]}")
     if q[-1] != k[-1]:
@@ -222,21 +236,87 @@ def _check_qkv(query, key, value) -> None:
         problems.append("T, S, N, H and Hv must be non-empty")
     if problems:
         raise ValueError(
-            f"query {q}, key {k} and value {v} (layout [..., T, N, H]) do not fit: "
+            f"query {q}, key {k} and value {v} (layout [..., T, N, H], [..., S, K, H]) do not fit: "
             + "; ".join(problems)
         )
 
 
+def _full_rank(name: str, x, target: tuple[int, ...]):
+    """x right-aligned to target's rank (missing leading dimensions 1), validated."""
+    shape = checks.check_right_aligned(name, x.shape, target, "[..., N, T, S]")
+    return x if tuple(x.shape) == shape else jnp.reshape(x, shape)
+
+
 def _as_biases(bias, target: tuple[int, ...]) -> tuple:
-    """bias (None, an array or a sequence of arrays) -> a tuple of validated arrays."""
+    """bias (None, an array or a sequence of arrays) -> a tuple of validated full-rank arrays."""
     if bias is None:
         return ()
     biases = tuple(bias) if isinstance(bias, (list, tuple)) else (bias,)
+    checked = []
     for i, b in enumerate(biases):
         name = "bias" if len(biases) == 1 else f"bias[{i}]"
         checks.check_float_array(name, b)
-        checks.check_broadcastable(name, b.shape, target, "[..., N, T, S]")
-    return biases
+        checked.append(_full_rank(name, b, target))
+    return tuple(checked)
+
+
+def _window(local_window_size) -> tuple[int, int] | None:
+    """jax.nn's local_window_size (None, an int or a (left, right) pair) -> None or a pair."""
+    size = local_window_size
+    if size is None:
+        return None
+    pair = (size, size) if isinstance(size, int) and not isinstance(size, bool) else size
+    ok = isinstance(pair, (tuple, list)) and len(pair) == 2
+    ok = ok and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pair)
+    if not ok:
+        raise ValueError(
+            "local_window_size must be None, an int >= 0 or a (left, right) pair of ints >= 0, "
+            f"got {size!r}"
+        )
+    return int(pair[0]), int(pair[1])
+
+
+def _precision(precision):
+    """None, a jax.lax.Precision or its name ('default', 'high', 'highest')."""
+    if precision is None or isinstance(precision, jax.lax.Precision):
+        return precision
+    if isinstance(precision, str):
+        try:
+            return jax.lax.Precision(precision)
+        except ValueError:
+            pass
+    raise ValueError(
+        "precision must be None, a jax.lax.Precision or one of ('default', 'high', 'highest'), "
+        f"got {precision!r}"
+    )
+
+
+def _options(
+    query, *, is_causal, window, q_lengths, kv_lengths, soft_cap, precision, residual, logits_dtype
+) -> base.Options:
+    """The validated jax.nn/tokamax arguments as the implementations' Options."""
+    batch_dims = tuple(query.shape[:-3])
+    checks.check_bool("is_causal", is_causal)
+    checks.check_bool("return_residual", residual)
+    window = _window(window)
+    checks.check_lengths("query_seq_lengths", q_lengths, batch_dims)
+    checks.check_lengths("key_value_seq_lengths", kv_lengths, batch_dims)
+    if soft_cap is not None:
+        checks.check_positive_number("logits_soft_cap", soft_cap)
+    acc = numerics.accumulation_dtype(query.dtype)
+    if logits_dtype is not None and jnp.dtype(logits_dtype) != acc:
+        raise ValueError(
+            f"logits_dtype must be None or {acc} (logits are computed in float32, float64 for "
+            f"float64 inputs), got {jnp.dtype(logits_dtype)}"
+        )
+    lengths = (
+        None if x is None else jnp.reshape(jnp.asarray(x, jnp.int32), batch_dims)
+        for x in (q_lengths, kv_lengths)
+    )
+    structure = masking.Structure(is_causal, window, *lengths)
+    return base.Options(
+        structure, None if soft_cap is None else float(soft_cap), _precision(precision), residual
+    )
 
 
 def _flatten_batch(x, batch_dims: tuple[int, ...]):
@@ -260,41 +340,74 @@ def dot_product_attention(
     scale: float | None = None,
     implementation: Spec = None,
     compute_dtype: str = "auto",
-) -> jax.Array:
-    """Softmax attention with additive biases and a boolean mask, over several implementations.
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    return_residual: bool = False,
+    logits_soft_cap: float | None = None,
+    precision: jax.lax.Precision | str | None = None,
+    logits_dtype: Any = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Softmax attention with additive biases and masks, over several implementations.
 
-    As jax.nn.dot_product_attention, in its layout, with these extensions: any number of leading
-    batch dimensions; a sequence of biases, each with its own broadcast dimensions (a bias whose
-    batch dimensions are 1 stays shared, never copied per row); logits and softmax in float32
-    (float64 for float64 inputs) whatever the input dtype; masked positions never leak (NaN, inf
-    or garbage in masked queries, keys and values reach no unmasked output or gradient); a fully
-    masked query row gives the uniform average of the values, never NaN (numerics.py).
+    jax.nn.dot_product_attention's arguments, with the same names, defaults and meaning (code
+    written for it runs with this import instead), tokamax's logits_soft_cap, and these
+    extensions: any number of leading batch dimensions; a sequence of biases, each with its own
+    broadcast dimensions (a bias whose batch dimensions are 1 stays shared, never copied per
+    row); value head dim Hv may differ from H; logits and softmax in float32 (float64 for float64
+    inputs) whatever the input dtype; masked positions never leak (NaN, inf or garbage in masked
+    queries, keys and values reach no unmasked output or gradient); a query with no key to attend
+    to gives the uniform average of the values, never NaN (numerics.py). The causal, window and
+    length masks are never built as [B, N, T, S] arrays (masking.py); grouped-query attention
+    never repeats keys or values.
+
+    Differences from jax.nn: the residual is float32 (jax.nn: the input dtype), and in rows with
+    no key to attend to it is -1e9 + log(S) (jax.nn: about -0.7 * float32 max); value may have its
+    own head dim; float8/integer inputs are refused.
 
     On a mesh with explicit axes each device attends for its own batch rows, heads and queries, as
     the inputs are sharded, with no communication; keys and values sharded along S are gathered
     first (sharding.shard_attention). The output has query's sharding.
 
-    Shapes: T queries, S keys, N heads, H query/key head dim, Hv value head dim.
+    Shapes: T queries, S keys, N query heads, K key/value heads (N % K == 0), H query/key head
+    dim, Hv value head dim.
 
     Args:
       query: [..., T, N, H].
-      key: [..., S, N, H].
-      value: [..., S, N, Hv].
-      bias: None, a float array or a sequence of float arrays added together; each has query's
-        rank and broadcasts to [..., N, T, S] (each dimension 1 or equal).
-      mask: None or a bool array of query's rank broadcastable to [..., N, T, S]; False = masked.
+      key: [..., S, K, H].
+      value: [..., S, K, Hv].
+      bias: None, a float array or a sequence of float arrays added together; each broadcasts
+        to [..., N, T, S] aligned on the right (each dimension 1 or equal; missing leading
+        dimensions count as 1, so [T, S] or [N, T, S] are fine).
+      mask: None or a bool array broadcastable to [..., N, T, S] likewise; False = masked.
       scale: logit scale (a Python number), default H ** -0.5.
       implementation: None or 'auto', a name from IMPLEMENTATIONS, an implementation instance,
         an `Auto`, or a priority sequence of names and instances (module docstring).
       compute_dtype: the precision policy, one of numerics.POLICIES: 'auto' computes bfloat16 and
         float16 inputs in float32 on CPU; 'input' in their own dtype; 'float32' in float32.
+      is_causal: query i attends keys j <= i (top-left aligned, as jax.nn, whatever T and S).
+      query_seq_lengths: None or int [...] (query's batch dims): queries at or beyond the length
+        attend nothing, and their output is zero (as jax.nn).
+      key_value_seq_lengths: None or int [...]: keys at or beyond the length are masked.
+      local_window_size: None, an int w (= (w, w)) or (left, right): query i attends keys in
+        [i - left, i + right]; with is_causal both apply.
+      return_residual: also return the logsumexp of each query's logits, [..., T, N] (jax.nn's
+        layout), float32 (float64 for float64 inputs), without gradient.
+      logits_soft_cap: None or c > 0: logits -> c * tanh(logits / c), applied to the scaled
+        logits plus the biases, before the masks (tokamax's definition).
+      precision: None, a jax.lax.Precision or its name, for the dots.
+      logits_dtype: None or the logits' dtype, which is float32 (float64 for float64 inputs)
+        here; anything else is refused.
 
     Returns:
-      [..., T, N, Hv] in query's dtype.
+      [..., T, N, Hv] in query's dtype; with return_residual, (that, the residual [..., T, N]).
 
     Raises:
-      TypeError: a non-boolean mask, a non-float query/key/value/bias, a bad implementation type.
-      ValueError: shapes that do not fit, an unknown implementation name or policy.
+      TypeError: a non-boolean mask, a non-float or 8-bit query/key/value/bias, non-integer
+        lengths, a bad implementation type.
+      ValueError: shapes that do not fit, an unknown implementation name or policy, a bad value
+        of any argument.
       NotImplementedError: a named implementation that cannot take these inputs here.
     """
     _check_qkv(query, key, value)
@@ -304,21 +417,45 @@ def dot_product_attention(
     biases = _as_biases(bias, target)
     if mask is not None:
         checks.check_bool_mask("mask", mask)
-        checks.check_broadcastable("mask", mask.shape, target, "[..., N, T, S]")
+        mask = _full_rank("mask", mask, target)
     checks.check_one_of("compute_dtype", compute_dtype, numerics.POLICIES)
+    options = _options(
+        query,
+        is_causal=is_causal,
+        window=local_window_size,
+        q_lengths=query_seq_lengths,
+        kv_lengths=key_value_seq_lengths,
+        soft_cap=logits_soft_cap,
+        precision=precision,
+        residual=return_residual,
+        logits_dtype=logits_dtype,
+    )
     resolved = resolve(implementation)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     compute = numerics.compute_dtype(query.dtype, compute_dtype)
 
-    def attend(query, key, value, biases, mask):  # all of the inputs, or one device's shard
+    def attend(query, key, value, biases, mask, structure):  # all inputs, or one device's shard
         batch_dims = tuple(query.shape[:-3])
         q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))
         flat_biases = tuple(_flatten_batch(b, batch_dims) for b in biases)
         m = None if mask is None else _flatten_batch(mask, batch_dims)
-        impl, reason = _choose(resolved, q, k, v, flat_biases, m, compute)
+        structure = structure.rows(lambda x: x.reshape(-1))  # [...] -> [B]
+        call_options = dataclasses.replace(options, structure=structure)
+        impl, reason = _choose(resolved, q, k, v, flat_biases, m, compute, call_options)
         _log_choice(describe(implementation), impl.name, reason, q, k, v)
-        out = impl(q, k, v, flat_biases, m, scale=scale, compute_dtype=compute)
-        return out.reshape((*batch_dims, *out.shape[1:]))
+        out = impl(
+            q, k, v, flat_biases, m, scale=scale, compute_dtype=compute, options=call_options
+        )
+        out, lse = out if options.return_residual else (out, None)
+        valid = structure.valid_queries(q.shape[1])  # [B, T]: jax.nn zeroes the rest
+        if valid is not None:
+            out = jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+        out = out.reshape((*batch_dims, *out.shape[1:]))
+        if lse is None:
+            return out
+        lse = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2))  # [B, T, N]
+        return out, lse.reshape((*batch_dims, *lse.shape[1:]))
 
-    out = sharding.shard_attention(attend, query, key, value, biases, mask)
-    return attend(query, key, value, biases, mask) if out is None else out
+    args = (query, key, value, biases, mask, options.structure)
+    out = sharding.shard_attention(attend, *args, residual=options.return_residual)
+    return attend(*args) if out is None else out

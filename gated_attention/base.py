@@ -3,16 +3,23 @@
 An implementation takes dot_product_attention's validated inputs in the public layout, with the
 batch dimensions flattened to one:
 
-  query [B, T, N, H], key [B, S, N, H], value [B, S, N, Hv]   (the compute dtype's caller dtype)
+  query [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv]   (the caller's dtype)
   biases: a tuple of float arrays [B|1, N|1, T|1, S|1]          (added; possibly empty)
   mask: None or bool [B|1, N|1, T|1, S|1]                       (True = attend)
+  options: `Options`, what jax.nn's and tokamax's further arguments ask: the causal, window and
+    length masks as a masking.Structure (never an array of mask), the logits' soft cap, the
+    dots' precision, and whether to return the residual
 
-and returns [B, T, N, Hv] in query's dtype. It computes in `compute_dtype` (numerics.py's policy,
+and returns [B, T, N, Hv] in query's dtype, or with options.return_residual the pair (that, the
+logsumexp of each query's logits [B, N, T] in the accumulation dtype). K divides N: query head n
+uses key/value head n // (N // K) (grouped-query attention, as jax.nn), which `Groups` lays out
+without ever repeating a key or value. It computes in `compute_dtype` (numerics.py's policy,
 resolved by the op), casting inside its own tiles, and makes any layout change there too, so no
 whole-array copy of query, key or value is made. Masks follow numerics.py: masked positions never
-leak, a fully masked row is the uniform average of the values. `check` raises NotImplementedError
-saying why when the implementation cannot take the inputs here; the op calls it before __call__.
-Inputs reach an implementation already validated: it asserts, it does not re-check.
+leak, a row with no key to attend to is the uniform average of the values. `check` raises
+NotImplementedError saying why when the implementation cannot take the inputs here; the op calls
+it before __call__. The default `check` refuses every option not named in `TAKES`. Inputs reach an
+implementation already validated: it asserts, it does not re-check.
 """
 
 from __future__ import annotations
@@ -20,41 +27,163 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 
-from gated_attention import mapping
+from gated_attention import mapping, masking
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """dot_product_attention's arguments beyond the arrays, for the implementations (a pytree).
+
+    Attributes:
+      structure: the causal, window and sequence-length masks (masking.py).
+      logits_soft_cap: None or a float > 0: logits -> cap * tanh(logits / cap), applied to the
+        scaled logits plus the biases, before any mask (tokamax's definition).
+      precision: None or a jax.lax.Precision for the dots.
+      return_residual: also return the logsumexp of the logits, [B, N, T].
+    """
+
+    structure: masking.Structure = masking.NONE
+    logits_soft_cap: float | None = None
+    precision: Any = None
+    return_residual: bool = False
+
+    def asked(self, query, key) -> dict[str, str]:
+        """What these options and shapes ask beyond plain attention: capability -> description."""
+        asked = {}
+        if key.shape[2] != query.shape[2]:
+            asked["grouped"] = (
+                f"grouped-query attention ({query.shape[2]} over {key.shape[2]} heads)"
+            )
+        s = self.structure
+        for name, wanted in (
+            ("is_causal", s.is_causal),
+            ("local_window_size", s.window is not None),
+            ("query_seq_lengths", s.q_lengths is not None),
+            ("key_value_seq_lengths", s.kv_lengths is not None),
+            ("logits_soft_cap", self.logits_soft_cap is not None),
+            ("precision", self.precision is not None),
+            ("return_residual", self.return_residual),
+        ):
+            if wanted:
+                asked[name] = name
+        return asked
+
+
+jax.tree_util.register_dataclass(
+    Options,
+    data_fields=["structure"],
+    meta_fields=["logits_soft_cap", "precision", "return_residual"],
+)
+
+PLAIN = Options()
+
+ALL_OPTIONS = frozenset(
+    (
+        "grouped",
+        "is_causal",
+        "local_window_size",
+        "query_seq_lengths",
+        "key_value_seq_lengths",
+        "logits_soft_cap",
+        "precision",
+        "return_residual",
+    )
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Implementation(abc.ABC):
-    """Base of the attention implementations (xla.XlaAttention, chunked.ChunkedAttention, ...)."""
+    """Base of the attention implementations (xla.XlaAttention, chunked.ChunkedAttention, ...).
+
+    Attributes:
+      TAKES: the options of `Options.asked` it implements (the default `check` refuses others).
+    """
 
     name: ClassVar[str]
+    TAKES: ClassVar[frozenset[str]] = frozenset()
 
-    def check(self, query, key, value, biases, mask, *, compute_dtype) -> None:
+    def check(self, query, key, value, biases, mask, *, compute_dtype, options=PLAIN) -> None:
         """Raises NotImplementedError (with the reason) if these inputs cannot run here.
 
-        Arguments as for __call__ (arrays or jax.ShapeDtypeStructs). The default takes anything.
+        Arguments as for __call__ (arrays or jax.ShapeDtypeStructs). The default takes any
+        arrays and the options in TAKES.
         """
-        del query, key, value, biases, mask, compute_dtype
+        del value, biases, mask, compute_dtype
+        refused = [
+            what for name, what in options.asked(query, key).items() if name not in self.TAKES
+        ]
+        if refused:
+            raise NotImplementedError(f"{self.name} does not implement " + ", ".join(refused))
 
     @abc.abstractmethod
     def __call__(
-        self, query, key, value, biases: tuple, mask, *, scale: float, compute_dtype
-    ) -> jax.Array:
-        """Attention over validated inputs (module docstring): [B, T, N, Hv] in query's dtype."""
+        self, query, key, value, biases: tuple, mask, *, scale: float, compute_dtype, options=PLAIN
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """Attention over validated inputs (module docstring): [B, T, N, Hv] in query's dtype,
+        and with options.return_residual the logsumexp [B, N, T]."""
 
 
-def in_row_tiles(
-    fn: Callable[..., jax.Array], rows: int, args: Sequence[jax.Array | None]
-) -> jax.Array:
+class Groups(NamedTuple):
+    """N query heads over K key/value heads, G = N // K query heads per key/value head.
+
+    Head-major arrays of the query side ([B, N, T, ...]: queries, outputs, biases, masks and
+    their gradients) get a group axis when G > 1, [B, K, G, T, ...] (a free reshape: query head
+    n = k * G + g), while the key side keeps [B, K, S, ...]: the einsums below contract each kv
+    head with its G query heads, and no key or value is ever repeated. With G == 1 nothing
+    changes shape (the 4-D einsums ran faster on XLA:CPU than 5-D ones with a unit group axis).
+    """
+
+    kv_heads: int
+    size: int
+
+    @classmethod
+    def of(cls, query, key) -> Groups:
+        """From query [B, T, N, H] and key [B, S, K, H] (public layout)."""
+        return cls(key.shape[2], query.shape[2] // key.shape[2])
+
+    def split(self, x, axis: int = 1):
+        """A query-side array's head axis (N or 1) -> (K, G) or (1, 1); unchanged if G == 1."""
+        if self.size == 1 or x is None:
+            return x
+        heads = (self.kv_heads, self.size) if x.shape[axis] != 1 else (1, 1)
+        return x.reshape((*x.shape[:axis], *heads, *x.shape[axis + 1 :]))
+
+    def merge(self, x, axis: int = 1):
+        """The inverse of split: (K|1, G|1) -> N|1."""
+        if self.size == 1 or x is None:
+            return x
+        return x.reshape((*x.shape[:axis], -1, *x.shape[axis + 2 :]))
+
+    def reduce(self, live, axis: int = 1):
+        """A per-query-head bool [B|1, N|1, ...] -> per kv head: any over the group."""
+        if self.size == 1 or live is None or live.shape[axis] == 1:
+            return live
+        return self.split(live, axis).any(axis=axis + 1)
+
+    @property
+    def qk(self) -> str:  # query side x key side -> logits
+        return "bnqh,bnkh->bnqk" if self.size == 1 else "bngqh,bnkh->bngqk"
+
+    @property
+    def pv(self) -> str:  # logits x key side -> query side
+        return "bnqk,bnkh->bnqh" if self.size == 1 else "bngqk,bnkh->bngqh"
+
+    @property
+    def kv(self) -> str:  # logits x query side -> key side (summed over the group)
+        return "bnqk,bnqh->bnkh" if self.size == 1 else "bngqk,bngqh->bnkh"
+
+
+def in_row_tiles(fn: Callable[..., Any], rows: int, args: Sequence[jax.Array | None]) -> Any:
     """fn(*args) run on tiles of `rows` rows of the leading axis, each recomputed in the backward.
 
     args are arrays whose leading dimension is the batch B (cut into tiles) or 1 (shared by every
-    tile, never broadcast), or None. Under differentiation each tile keeps only its inputs
-    (jax.checkpoint), so forward+backward memory is bounded by a tile too. rows >= B: one call.
+    tile, never broadcast), or None. fn returns an array or a pytree of arrays, each with the
+    batch first. Under differentiation each tile keeps only its inputs (jax.checkpoint), so
+    forward+backward memory is bounded by a tile too. rows >= B: one call.
     """
     batch = max(x.shape[0] for x in args if x is not None)
     if rows >= batch:

@@ -45,9 +45,15 @@ def check_one_of(name: str, value: Any, options: tuple) -> None:
 
 
 def check_float_array(name: str, x: Any) -> None:
+    """A float16/bfloat16/float32/float64 array; integer and 8-bit (quantized) dtypes refused."""
     dtype = jnp.result_type(x)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
+    if jnp.finfo(dtype).bits < 16:
+        raise TypeError(
+            f"{name} must be a floating-point array of at least 16 bits, got dtype {dtype} "
+            "(quantized inputs are not supported: dequantize them first)"
+        )
 
 
 def check_bool_mask(name: str, x: Any) -> None:
@@ -68,4 +74,33 @@ def check_broadcastable(name: str, shape: tuple, target: tuple, target_desc: str
         raise ValueError(
             f"{name} of shape {shape} must have rank {len(target)} and broadcast to {target_desc} "
             f"= {target} (each dimension 1 or equal)"
+        )
+
+
+def check_right_aligned(name: str, shape: tuple, target: tuple, target_desc: str) -> tuple:
+    """shape broadcasts to target right-aligned (rank <= target's, missing leading dimensions
+    count as 1, each dimension 1 or equal); returns shape with those leading 1s."""
+    shape = tuple(shape)
+    full = (1,) * (len(target) - len(shape)) + shape
+    if len(shape) > len(target) or any(d not in (1, t) for d, t in zip(full, target, strict=True)):
+        raise ValueError(
+            f"{name} of shape {shape} must broadcast to {target_desc} = {target}: aligned on the "
+            f"right, rank <= {len(target)}, each dimension 1 or equal (missing leading dimensions "
+            "count as 1)"
+        )
+    return full
+
+
+def check_lengths(name: str, x: Any, batch_dims: tuple) -> None:
+    """None, or an integer array of shape batch_dims ((1,) also for unbatched inputs, jax.nn's)."""
+    if x is None:
+        return
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} must be None or an integer array, got dtype {dtype}")
+    shape = tuple(jnp.shape(x))
+    if shape != tuple(batch_dims) and not (batch_dims == () and shape == (1,)):
+        raise ValueError(
+            f"{name} must have the batch shape of query, query.shape[:-3] = {tuple(batch_dims)}, "
+            f"got shape {shape}"
         )

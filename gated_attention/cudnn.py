@@ -9,8 +9,12 @@ this library's contract (numerics.py):
 * masked positions are zeroed first (numerics.zero_masked_inputs), so they never leak;
 * fully masked rows: cuDNN's result there is not specified, so rows with no key to attend to are set
   to the uniform average over the keys, exactly what the dense implementation gives;
+* jax.nn's own arguments carry the structured masks (is_causal, the sequence lengths, the window:
+  cuDNN takes a left window only, or any window when causal), grouped-query attention and the
+  residual (which cuDNN returns in the input dtype; it is cast to float32);
 * what it cannot take (not GPU, float32/float64, head dims not a multiple of 8 or above 128, value
-  head dim different from the key head dim) raises NotImplementedError from `check`.
+  head dim different from the key head dim, a soft cap, a precision, a window reaching right of a
+  non-causal query) raises NotImplementedError from `check`.
 
 `CudnnAttention(jax_nn_implementation='xla')` runs the same adaptation through jax.nn's XLA path on
 any backend: how the adaptation is tested on machines without a GPU.
@@ -19,6 +23,7 @@ any backend: how the adaptation is tested on machines without a GPU.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +44,23 @@ class CudnnAttention(base.Implementation):
     """
 
     name = "cudnn"
+    TAKES = frozenset(
+        (
+            "grouped",
+            "is_causal",
+            "local_window_size",
+            "query_seq_lengths",
+            "key_value_seq_lengths",
+            "return_residual",
+        )
+    )
     jax_nn_implementation: str = "cudnn"
 
     def __post_init__(self):
         checks.check_one_of("jax_nn_implementation", self.jax_nn_implementation, ("cudnn", "xla"))
 
-    def check(self, query, key, value, biases, mask, *, compute_dtype):
-        del key, biases, mask
+    def check(self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN):
+        super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
         if value.shape[-1] != query.shape[-1]:
             raise NotImplementedError(
                 "jax.nn.dot_product_attention needs equal key and value head dims, got "
@@ -53,6 +68,12 @@ class CudnnAttention(base.Implementation):
             )
         if self.jax_nn_implementation != "cudnn":
             return
+        structure = options.structure
+        if structure.window is not None and structure.window[1] and not structure.is_causal:
+            raise NotImplementedError(
+                f"cuDNN's sliding window reaches no key right of the query unless causal, got "
+                f"local_window_size={structure.window}"
+            )
         backend = jax.default_backend()
         if backend != "gpu":
             raise NotImplementedError(
@@ -67,7 +88,9 @@ class CudnnAttention(base.Implementation):
                 f"{head_dim}"
             )
 
-    def __call__(self, query, key, value, biases, mask, *, scale, compute_dtype):
+    def __call__(
+        self, query, key, value, biases, mask, *, scale, compute_dtype, options=base.PLAIN
+    ):
         q_len, kv_len = query.shape[1], key.shape[1]
         full = lambda x: jnp.broadcast_to(x, (*x.shape[:2], q_len, kv_len))  # cuDNN: [*, *, T, S]
         q, k, v = (x.astype(compute_dtype) for x in (query, key, value))
@@ -76,12 +99,26 @@ class CudnnAttention(base.Implementation):
             bias = b if bias is None else bias + b
         if bias is not None:
             bias = full(bias.astype(compute_dtype))
+        structure = options.structure
+        live_q, live_k = structure.live(mask, q_len, kv_len)  # [B|1, N|1, T], [B|1, N|1, S]
         out = jax.nn.dot_product_attention(
-            *numerics.zero_masked_inputs(q, k, v, mask, head_major=False),
+            *numerics.zero_dead_inputs(q, k, v, live_q, live_k, head_major=False),
             bias,
             None if mask is None else full(mask),
             scale=scale,
+            is_causal=structure.is_causal,
+            query_seq_lengths=structure.q_lengths,
+            key_value_seq_lengths=structure.kv_lengths,
+            local_window_size=structure.window,
             implementation=self.jax_nn_implementation,
-        )  # [B, T, N, Hv]
-        out = numerics.uniform_where_fully_masked(out, v, mask, head_major=False)
-        return out.astype(query.dtype)
+            return_residual=options.return_residual,
+        )  # [B, T, N, Hv] (and [B, T, N])
+        out, lse = out if options.return_residual else (out, None)
+        out = numerics.uniform_where_no_key(out, v, live_q, head_major=False).astype(query.dtype)
+        if lse is None:
+            return out
+        acc = numerics.accumulation_dtype(compute_dtype)
+        lse = jnp.swapaxes(lse, 1, 2).astype(acc)  # [B, N, T]
+        if live_q is not None:  # as the other implementations: MASK_VALUE + log(S)
+            lse = jnp.where(live_q, lse, jnp.asarray(numerics.MASK_VALUE + math.log(kv_len), acc))
+        return out, lse

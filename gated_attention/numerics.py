@@ -26,6 +26,9 @@ implementation's to take inside its own tiles:
      the values over all keys, AlphaFold 2's result (every logit replaced by the same value).
 A value that one row attends to and another masks still meets the masking row's zero weight in
 the weighted sum, so a NaN there reaches both rows (as in jax.nn.dot_product_attention).
+The causal, window and length masks (masking.py) follow the same three steps: the live queries
+and keys of step 1 come from masking.Structure.live (exact, with the mask's prefix counts), the
+select of step 2 from its per-tile block, and step 3 uses the live queries.
 """
 
 from __future__ import annotations
@@ -96,11 +99,34 @@ def zero_masked_inputs(query, key, value, mask, *, head_major: bool):
     """
     if mask is None:
         return query, key, value
-    live_queries = jnp.any(mask, axis=3)  # [B|1, N|1, T|1]
-    live_keys = jnp.any(mask, axis=2)  # [B|1, N|1, S|1]
-    if not head_major:
-        live_queries, live_keys = (jnp.swapaxes(x, 1, 2) for x in (live_queries, live_keys))
-    zero = lambda x, live: jnp.where(live[..., None], x, jnp.zeros((), x.dtype))
+    live = jnp.any(mask, axis=3), jnp.any(mask, axis=2)  # [B|1, N|1, T|1], [B|1, N|1, S|1]
+    return zero_dead_inputs(query, key, value, *live, head_major=head_major)
+
+
+def zero_dead_inputs(query, key, value, live_queries, live_keys, *, head_major: bool):
+    """zero_masked_inputs from the live positions (masking.Structure.live).
+
+    Args:
+      query: [B, T, N, H] (head_major=False) or [B, N, T, H] (head_major=True).
+      key: [B, S, K, H] or [B, K, S, H], K dividing N (grouped-query attention).
+      value: [B, S, K, Hv] or [B, K, S, Hv].
+      live_queries: None or bool [B|1, N|1, T|1]: queries with a key to attend to.
+      live_keys: None or bool [B|1, N|1, S|1]: keys some query of that head attends to (a
+        key/value head is live where any of its query heads is).
+      head_major: the layout of query, key and value.
+    """
+    heads_axis = 1 if head_major else 2
+    heads, kv_heads = query.shape[heads_axis], key.shape[heads_axis]
+    if live_keys is not None and live_keys.shape[1] != 1 and kv_heads != heads:
+        live_keys = live_keys.reshape((live_keys.shape[0], kv_heads, -1, live_keys.shape[2]))
+        live_keys = live_keys.any(axis=2)  # [B|1, K, S|1]
+
+    def zero(x, live):
+        if live is None:
+            return x
+        live = live if head_major else jnp.swapaxes(live, 1, 2)
+        return jnp.where(live[..., None], x, jnp.zeros((), x.dtype))
+
     return zero(query, live_queries), zero(key, live_keys), zero(value, live_keys)
 
 
@@ -108,14 +134,23 @@ def mask_logits(logits, mask):
     """logits [B, N, T, S] (accumulation dtype) with MASK_VALUE at the masked entries.
 
     A key-only mask (T dimension 1) is added, a mask with a T dimension selected (module
-    docstring). mask: None or bool [B|1, N|1, T|1, S|1].
+    docstring). mask: None or bool [B|1, N|1, T|1, S|1] (or, grouped, [B|1, K|1, G|1, T|1, S|1]
+    with logits [B, K, G, T, S]).
     """
     if mask is None:
         return logits
     masked = jnp.asarray(MASK_VALUE, logits.dtype)
-    if mask.shape[2] == 1:
+    if mask.shape[-2] == 1:
         return logits + jnp.where(mask, jnp.zeros((), logits.dtype), masked)
     return jnp.where(mask, logits, masked)
+
+
+def soft_cap(logits, cap: float | None):
+    """cap * tanh(logits / cap) (tokamax's logits_soft_cap), or logits where cap is None."""
+    if cap is None:
+        return logits
+    cap = jnp.asarray(cap, logits.dtype)
+    return cap * jnp.tanh(logits / cap)
 
 
 def uniform_where_fully_masked(out, value, mask, *, head_major: bool = True):
@@ -132,15 +167,39 @@ def uniform_where_fully_masked(out, value, mask, *, head_major: bool = True):
     """
     if mask is None:
         return out
-    has_key = jnp.any(mask, axis=-1, keepdims=True)  # [B|1, N|1, T|1, 1]
+    return uniform_where_no_key(out, value, jnp.any(mask, axis=-1), head_major=head_major)
+
+
+def uniform_where_no_key(out, value, has_key, *, head_major: bool = True):
+    """uniform_where_fully_masked from the live queries (masking.Structure.live).
+
+    Args:
+      out: [B, N, T, Hv] (head_major) or [B, T, N, Hv].
+      value: [B, K, S, Hv] or [B, S, K, Hv], as given, K dividing N: query head n gets the mean
+        of value head n // (N // K).
+      has_key: None or bool [B|1, N|1, T|1]: rows with a key to attend to.
+      head_major: the layout of out and value.
+    """
+    if has_key is None:
+        return out
     acc = accumulation_dtype(value.dtype)
+    heads_axis = 1 if head_major else 2
     if head_major:
         # The sum over keys as a product with ones (exact in any dtype): it shares the head-major
         # value of the weighted average, where a mean made XLA:CPU copy value again.
-        ones = jnp.ones((*value.shape[:2], 1, value.shape[2]), value.dtype)  # [B, N, 1, S]
+        ones = jnp.ones((*value.shape[:2], 1, value.shape[2]), value.dtype)  # [B, K, 1, S]
         total = jnp.einsum("bnqk,bnkh->bnqh", ones, value, preferred_element_type=acc)
+        has_key = has_key[..., None]  # [B|1, N|1, T|1, 1]
     else:
-        has_key = jnp.swapaxes(has_key, 1, 2)  # [B|1, T|1, N|1, 1]
-        total = jnp.sum(value, axis=1, keepdims=True, dtype=acc)  # [B, 1, N, Hv]
-    uniform = total / jnp.asarray(value.shape[-2 if head_major else 1], acc)
-    return jnp.where(has_key, out, uniform.astype(out.dtype))
+        total = jnp.sum(value, axis=1, keepdims=True, dtype=acc)  # [B, 1, K, Hv]
+        has_key = jnp.swapaxes(has_key, 1, 2)[..., None]  # [B|1, T|1, N|1, 1]
+    uniform = (total / jnp.asarray(value.shape[-2 if head_major else 1], acc)).astype(out.dtype)
+    heads, kv_heads = out.shape[heads_axis], value.shape[heads_axis]
+    if kv_heads == heads:
+        return jnp.where(has_key, out, uniform)
+    split = lambda x, n: x.reshape((*x.shape[:heads_axis], n, -1, *x.shape[heads_axis + 1 :]))
+    has_key = has_key if has_key.shape[heads_axis] == 1 else split(has_key, kv_heads)
+    if has_key.ndim == out.ndim:
+        has_key = jnp.expand_dims(has_key, heads_axis + 1)
+    uniform = jnp.expand_dims(uniform, heads_axis + 1)  # [.., K, 1, ..]
+    return jnp.where(has_key, split(out, kv_heads), uniform).reshape(out.shape)

@@ -105,8 +105,10 @@ class PallasAttention(base.Implementation):
         checks.check_bool("allow_tf32", self.allow_tf32)
         checks.check_bool("interpret", self.interpret)
 
-    def check(self, query, key, value, biases, mask, *, compute_dtype):
-        del key, biases, mask
+    def check(self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN):
+        # TAKES is empty: the kernels take no grouped-query attention, causal/window/length
+        # masks, soft cap, precision or residual (base.Implementation.check refuses them).
+        super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
         if not self.interpret and jax.default_backend() != "gpu":
             raise NotImplementedError(
                 f"the Pallas kernel runs on GPU only, the backend is {jax.default_backend()!r} "
@@ -123,7 +125,10 @@ class PallasAttention(base.Implementation):
                 f"and {dims[1]} (value)"
             )
 
-    def __call__(self, query, key, value, biases, mask, *, scale, compute_dtype):
+    def __call__(
+        self, query, key, value, biases, mask, *, scale, compute_dtype, options=base.PLAIN
+    ):
+        del options  # check() refuses every option
         live = None
         if mask is not None:  # int8 for Triton; live queries/keys per row and head (numerics)
             live = (

@@ -26,6 +26,7 @@ device computes every row. Use Explicit axes (the default of `jax.make_mesh`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -115,21 +116,37 @@ def shard_attention(
     value: Any,
     biases: Sequence[Any],
     mask: Any,
+    structure: Any = None,
+    *,
+    residual: bool = False,
 ) -> Any:
-    """Runs attend(query, key, value, biases, mask) on each device's own rows, heads and queries.
+    """Runs attend(query, key, value, biases, mask, structure) on each device's own rows, heads
+    and queries.
 
     The arrays are dot_product_attention's validated inputs: query [*batch, T, N, H], key/value
-    likewise with S; each bias and the mask [*batch|1, N|1, T|1, S|1]. The mesh axes sharding query's batch, head and position dimensions become manual:
-    every input is brought to query's layout over them (keys and values replicated along S and
-    the channels, biases and mask along their size-1 and S dimensions) and the output comes back
-    with query's sharding. Every other explicit axis any input uses is made manual too, with every
-    input replicated along it, so that no contraction inside runs over a sharded dimension.
+    [*batch, S, K, H]; each bias and the mask [*batch|1, N|1, T|1, S|1]; structure a
+    masking.Structure with lengths [*batch] (or None). The mesh axes sharding query's batch, head
+    and position dimensions become manual: every input is brought to query's layout over them
+    (keys and values replicated along S and the channels, and along heads when K == 1; biases and
+    mask along their size-1 and S dimensions; lengths along the batch) and the output comes back
+    with query's sharding. With queries split along T, each device's structure carries the
+    position of its first query (q_offset). Every other explicit axis any input uses is made
+    manual too, with every input replicated along it, so that no contraction inside runs over a
+    sharded dimension.
+
+    Args:
+      residual: attend returns (output, residual [*batch, T, N]) rather than the output.
 
     Returns:
-      attend's output [*batch, T, N, Hv], or None when no input is sharded
-      over an explicit mesh axis (the caller then calls attend itself).
+      attend's output [*batch, T, N, Hv] (and residual), or None when no input is sharded over an
+      explicit mesh axis (the caller then calls attend itself).
+
+    Raises:
+      NotImplementedError: query heads split over more devices than the K > 1 key/value heads
+        can follow.
     """
-    mesh, manual = _mesh_and_axes([query, key, value, *biases, mask])
+    lengths = [] if structure is None else [structure.q_lengths, structure.kv_lengths]
+    mesh, manual = _mesh_and_axes([query, key, value, *biases, mask, *lengths])
     if mesh is None:
         return None
     rank = len(query.shape)
@@ -137,6 +154,13 @@ def shard_attention(
     _, q_axes = explicit_axes(query)
     batch_axes = q_axes[: rank - 3]
     t_axes, n_axes = q_axes[seq], q_axes[head]
+    kv_heads = key.shape[head]
+    head_shards = math.prod(mesh.shape[a] for a in n_axes)
+    if kv_heads > 1 and kv_heads % head_shards:
+        raise NotImplementedError(
+            f"query heads split over {head_shards} devices ({n_axes}) need a number of key/value "
+            f"heads they divide, got K={kv_heads}"
+        )
 
     def qkv_axes(x, is_query):
         axes = [*batch_axes, (), (), ()]
@@ -149,30 +173,46 @@ def shard_attention(
         axes = [*batch_axes, n_axes, t_axes, ()]
         return [a if x.shape[d] != 1 else () for d, a in enumerate(axes)]
 
+    def length_axes(x):  # [*batch] (or [1] for unbatched inputs)
+        return [a if x.shape[d] != 1 else () for d, a in enumerate(batch_axes[: len(x.shape)])]
+
+    present = [x for x in (mask, *lengths) if x is not None]
     wanted = [qkv_axes(query, True), qkv_axes(key, False), qkv_axes(value, False)]
     wanted += [pair_axes(b) for b in biases]
-    if mask is not None:
-        wanted.append(pair_axes(mask))
+    wanted += [pair_axes(mask)] if mask is not None else []
+    wanted += [length_axes(x) for x in lengths if x is not None]
     inputs = [
         _conform(x, mesh, w)
-        for x, w in zip(
-            [query, key, value, *biases, *([] if mask is None else [mask])], wanted, strict=True
-        )
+        for x, w in zip([query, key, value, *biases, *present], wanted, strict=True)
     ]
     specs = [_spec(w) for w in wanted]
     num_biases = len(biases)
+    local_q_len = query.shape[seq] // math.prod(mesh.shape[a] for a in t_axes)
 
     def attend_local(query, key, value, *rest):
-        biases, mask = rest[:num_biases], (rest[num_biases] if len(rest) > num_biases else None)
-        return attend(query, key, value, tuple(biases), mask)
+        biases, rest = rest[:num_biases], list(rest[num_biases:])
+        local_mask = rest.pop(0) if mask is not None else None
+        local = structure
+        if structure is not None:
+            q_len, kv_len = (rest.pop(0) if x is not None else None for x in lengths)
+            offset = None
+            if t_axes and (structure.is_causal or structure.window or q_len is not None):
+                offset = jax.lax.axis_index(tuple(t_axes)) * local_q_len
+            local = dataclasses.replace(
+                structure, q_lengths=q_len, kv_lengths=kv_len, q_offset=offset
+            )
+        return attend(query, key, value, tuple(biases), local_mask, local)
 
     out_axes = [*batch_axes, (), (), ()]
     out_axes[seq], out_axes[head] = t_axes, n_axes
+    out_specs = _spec(out_axes)
+    if residual:
+        out_specs = (out_specs, _spec([*batch_axes, t_axes, n_axes]))
     return jax.shard_map(
         attend_local,
         mesh=mesh,
         in_specs=tuple(specs),
-        out_specs=_spec(out_axes),
+        out_specs=out_specs,
         axis_names=manual,
         check_vma=False,  # the implementations (loops, custom_vjp) are not typed for varying axes
     )(*inputs)

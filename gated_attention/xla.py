@@ -3,18 +3,22 @@
 `dense` is the formula, written head-major ([B, N, T, H]) on purpose: on CPU, XLA fuses
 'bnqh,bnkh->bnqk', the bias and mask adds and the softmax into one loop nest, where AlphaFold 2's
 'bqhc' layout costs 3-11x (DESIGN.md). Nothing sits between the logits and the softmax that could
-split that fusion.
+split that fusion, unless asked for (a soft cap, the causal/window/length masks, built from iotas).
+Grouped-query attention contracts each key/value head with its group of query heads
+(base.Groups): no key or value is repeated.
 
 `XlaAttention` runs `dense` on tiles of batch rows whose float32 logits take about `tile_bytes`,
 with the layout change and the compute-dtype cast inside each tile: on CPU, buffers of tens of MiB
 are mapped fresh on every call and page faults then dominate (DESIGN.md), and no head-major copy of
 the whole query, key and value is made. Each tile is recomputed in the backward pass
-(jax.checkpoint), so forward+backward memory is bounded by the tiles too.
+(jax.checkpoint), so forward+backward memory is bounded by the tiles too; the structured masks
+(masking.py) are built per tile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,60 +35,92 @@ class XlaAttention(base.Implementation):
     """
 
     name = "xla"
+    TAKES = base.ALL_OPTIONS
     tile_bytes: int = 2 * 2**20
 
     def __post_init__(self):
         checks.check_int("tile_bytes", self.tile_bytes)
 
-    def __call__(self, query, key, value, biases, mask, *, scale, compute_dtype):
+    def __call__(
+        self, query, key, value, biases, mask, *, scale, compute_dtype, options=base.PLAIN
+    ):
         batch, q_len, heads, _ = query.shape
         rows = max(1, self.tile_bytes // (4 * heads * q_len * key.shape[1]))
         if rows < batch:  # a bias shared by the tiles sums its gradient over them: in float32
             acc = numerics.accumulation_dtype(compute_dtype)
             biases = tuple(b.astype(acc) if b.shape[0] == 1 else b for b in biases)
+        structure = options.structure
+        lengths = [structure.q_lengths, structure.kv_lengths]
 
-        def tile(query, key, value, mask, *biases):  # [b, T, N, H] -> [b, T, N, Hv]
+        def tile(query, key, value, mask, q_lengths, kv_lengths, *biases):  # [b, T, N, H] -> ..
+            tile_options = dataclasses.replace(
+                options,
+                structure=dataclasses.replace(
+                    structure, q_lengths=q_lengths, kv_lengths=kv_lengths
+                ),
+            )
             q, k, v = (jnp.swapaxes(x, 1, 2).astype(compute_dtype) for x in (query, key, value))
-            out = dense(q, k, v, biases, mask, scale=scale)
-            return jnp.swapaxes(out, 1, 2).astype(query.dtype)
+            out, lse = dense(q, k, v, biases, mask, scale=scale, options=tile_options)
+            out = jnp.swapaxes(out, 1, 2).astype(query.dtype)  # [b, T, N, Hv]
+            return (out, lse) if options.return_residual else out
 
-        return base.in_row_tiles(tile, rows, [query, key, value, mask, *biases])
+        return base.in_row_tiles(tile, rows, [query, key, value, mask, *lengths, *biases])
 
 
-def dense(query, key, value, biases=(), mask=None, *, scale: float) -> jax.Array:
+def dense(
+    query, key, value, biases=(), mask=None, *, scale: float, options: base.Options = base.PLAIN
+) -> tuple[jax.Array, jax.Array]:
     """Dense softmax attention in head-major layout: the specification.
 
     Args:
       query: [B, N, T, H].
-      key: [B, N, S, H].
-      value: [B, N, S, Hv].
+      key: [B, K, S, H], K dividing N (query head n uses key head n // (N // K)).
+      value: [B, K, S, Hv].
       biases: a tuple of float arrays (added; possibly empty), each broadcastable (dims 1 or equal)
         to [B, N, T, S].
       mask: None or a bool array broadcastable to [B, N, T, S]; False entries are masked out
         (numerics.py: masked positions never leak; fully masked rows are uniform averages).
       scale: multiplies the logits.
+      options: the structured masks (lengths [B]), soft cap and precision (base.Options).
 
     Returns:
-      [B, N, T, Hv] in query's dtype.
+      ([B, N, T, Hv] in query's dtype, the logsumexp of the logits [B, N, T] in the accumulation
+      dtype; MASK_VALUE + log(S) in rows with no key to attend to).
     """
     acc = numerics.accumulation_dtype(query.dtype)
-    q, k, v = numerics.zero_masked_inputs(query, key, value, mask, head_major=True)
+    structure, precision = options.structure, options.precision
+    q_len, kv_len = query.shape[2], key.shape[2]
+    groups = base.Groups(key.shape[1], query.shape[1] // key.shape[1])
+    live_q, live_k = structure.live(mask, q_len, kv_len)  # [B|1, N|1, T], [B|1, N|1, S]
+    q, k, v = numerics.zero_dead_inputs(query, key, value, live_q, live_k, head_major=True)
     # In float32/64 the scale multiplies the [.., T, H] queries, not the [.., T, S] logits (a
     # low-precision query would be rounded again, so there the logits are scaled).
     scale_query = query.dtype == acc
-    q = q * jnp.asarray(scale, acc) if scale_query else q
-    logits = jnp.einsum("bnqh,bnkh->bnqk", q, k, preferred_element_type=acc)  # [B, N, T, S]
+    q = groups.split(q * jnp.asarray(scale, acc) if scale_query else q)  # [B, K, (G,) T, H]
+    logits = jnp.einsum(
+        groups.qk, q, k, preferred_element_type=acc, precision=precision
+    )  # [B, N, T, S] or [B, K, G, T, S]
     if not scale_query:
         logits = logits * jnp.asarray(scale, acc)
     for b in biases:
-        logits = logits + b.astype(acc)
-    logits = numerics.mask_logits(logits, mask)
+        logits = logits + groups.split(b).astype(acc)
+    logits = numerics.soft_cap(logits, options.logits_soft_cap)
+    logits = numerics.mask_logits(logits, groups.split(mask))
+    block = structure.block(0, q_len, 0, kv_len)  # [B|1, 1, T|1, S|1]
+    if block is not None:
+        block = block if groups.size == 1 else block[:, :, None]
+        logits = jnp.where(block, logits, jnp.asarray(numerics.MASK_VALUE, acc))
     # Softmax with the normalization deferred past the second matmul: dividing [.., T, Hv] instead
     # of [.., T, S] is cheaper. The shift is a constant per row (no gradient).
-    shift = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # [B, N, T, 1]
-    unnormalized = jnp.exp(logits - shift)  # [B, N, T, S]
+    shift = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))  # [.., T, 1]
+    unnormalized = jnp.exp(logits - shift)  # [.., T, S]
     out = jnp.einsum(
-        "bnqk,bnkh->bnqh", unnormalized.astype(v.dtype), v, preferred_element_type=acc
-    )  # [B, N, T, Hv]
-    out = out / jnp.sum(unnormalized, axis=-1, keepdims=True)
-    return numerics.uniform_where_fully_masked(out.astype(query.dtype), value, mask)
+        groups.pv, unnormalized.astype(v.dtype), v, preferred_element_type=acc, precision=precision
+    )  # [B, N, T, Hv] or [B, K, G, T, Hv]
+    row_sum = jnp.sum(unnormalized, axis=-1, keepdims=True)
+    out = groups.merge(out / row_sum)
+    out = numerics.uniform_where_no_key(out.astype(query.dtype), value, live_q)
+    lse = groups.merge(jax.lax.stop_gradient(shift + jnp.log(row_sum))[..., 0])  # [B, N, T]
+    if live_q is not None:
+        lse = jnp.where(live_q, lse, jnp.asarray(numerics.MASK_VALUE + math.log(kv_len), acc))
+    return out, lse

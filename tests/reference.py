@@ -95,20 +95,23 @@ def dot_product_attention(
     mask: Array | None = None,
     scale: float | None = None,
     *,
+    soft_cap: float | None = None,
     xp: Any = np,
 ) -> Array:
     """Multi-head scaled dot-product attention in jax.nn's layout, float64.
 
-    logits = scale * q.k (+ bias); masked logits are replaced by -1e9; softmax over keys;
-    weighted average of the values.
+    logits = scale * q.k (+ bias), then soft_cap * tanh(logits / soft_cap) if soft_cap; masked
+    logits are replaced by -1e9; softmax over keys; weighted average of the values. Key/value
+    heads K < N are shared by groups of N // K query heads (query head n uses kv head n // (N//K)).
 
     Args:
       query: [..., T, N, H].
-      key: [..., S, N, H].
-      value: [..., S, N, Hv].
+      key: [..., S, K, H], K dividing N.
+      value: [..., S, K, Hv].
       bias: None or float array broadcastable to [..., N, T, S], added to the scaled logits.
       mask: None or bool (or 0/1) array broadcastable to [..., N, T, S]; False means "do not attend".
       scale: logit scale; defaults to H**-0.5.
+      soft_cap: None or the logits' soft cap (tokamax's logits_soft_cap).
       xp: array namespace (numpy or jax.numpy).
 
     Returns:
@@ -117,9 +120,13 @@ def dot_product_attention(
     query, key, value = _f64(query, xp), _f64(key, xp), _f64(value, xp)
     if scale is None:
         scale = query.shape[-1] ** -0.5
+    group = query.shape[-2] // key.shape[-2]
+    key, value = xp.repeat(key, group, axis=-2), xp.repeat(value, group, axis=-2)
     logits = scale * xp.einsum("...tnh,...snh->...nts", query, key)  # [..., N, T, S]
     if bias is not None:
         logits = logits + _f64(bias, xp)
+    if soft_cap is not None:
+        logits = soft_cap * xp.tanh(logits / soft_cap)
     if mask is not None:
         logits = xp.where(_bool(mask, xp), logits, MASK_VALUE)
     weights = softmax(logits, axis=-1, xp=xp)

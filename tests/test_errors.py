@@ -209,10 +209,15 @@ def test_params_that_do_not_fit_name_the_parameter():
 
 
 OP_ERRORS = {
-    "heads differ": (
+    "kv heads differ": (
         dict(key=jnp.ones((B, K, 3, 4))),
         ValueError,
-        r"head counts N differ: 2, 3, 2",
+        r"key and value head counts K differ: 3 != 2",
+    ),
+    "query heads not a multiple": (
+        dict(key=jnp.ones((B, K, 3, 4)), value=jnp.ones((B, K, 3, 4))),
+        ValueError,
+        r"query heads N=2 must be a multiple of key/value heads K=3 \(grouped-query attention\)",
     ),
     "lengths differ": (
         dict(value=jnp.ones((B, 5, 2, 4))),
@@ -243,12 +248,79 @@ OP_ERRORS = {
     "mask shape": (
         dict(mask=jnp.ones((B, 1, 1, Q), bool)),
         ValueError,
-        r"mask of shape \(2, 1, 1, 5\) must have rank 4 and broadcast to \[\.\.\., N, T, S\] = \(2, 2, 5, 6\)",
+        r"mask of shape \(2, 1, 1, 5\) must broadcast to \[\.\.\., N, T, S\] = \(2, 2, 5, 6\): "
+        r"aligned on the right, rank <= 4, each dimension 1 or equal",
+    ),
+    "lower-rank mask shape": (
+        dict(mask=jnp.ones((Q, Q), bool)),
+        ValueError,
+        r"mask of shape \(5, 5\) must broadcast to \[\.\.\., N, T, S\] = \(2, 2, 5, 6\)",
     ),
     "bias rank": (
-        dict(bias=jnp.ones((2, Q, K))),
+        dict(bias=jnp.ones((1, B, 2, Q, K))),
         ValueError,
-        r"bias of shape \(2, 5, 6\) must have rank 4",
+        r"bias of shape \(1, 2, 2, 5, 6\) must broadcast to .* rank <= 4",
+    ),
+    "lower-rank bias shape": (
+        dict(bias=jnp.ones((3, Q, K))),
+        ValueError,
+        r"bias of shape \(3, 5, 6\) must broadcast to \[\.\.\., N, T, S\] = \(2, 2, 5, 6\)",
+    ),
+    "float8 query": (
+        dict(query=jnp.ones((B, Q, 2, 4), jnp.float8_e4m3fn)),
+        TypeError,
+        r"query must be a floating-point array of at least 16 bits, got dtype float8_e4m3fn "
+        r"\(quantized inputs are not supported",
+    ),
+    "int8 key": (
+        dict(key=jnp.ones((B, K, 2, 4), jnp.int8)),
+        TypeError,
+        r"key must be a floating-point array, got dtype int8",
+    ),
+    "is_causal": (dict(is_causal="yes"), ValueError, r"is_causal must be a bool, got 'yes'"),
+    "window negative": (
+        dict(local_window_size=-1),
+        ValueError,
+        r"local_window_size must be None, an int >= 0 or a \(left, right\) pair of ints >= 0, "
+        r"got -1",
+    ),
+    "window triple": (
+        dict(local_window_size=(1, 2, 3)),
+        ValueError,
+        r"local_window_size must be .*got \(1, 2, 3\)",
+    ),
+    "query lengths shape": (
+        dict(query_seq_lengths=jnp.ones((3,), jnp.int32)),
+        ValueError,
+        r"query_seq_lengths must have the batch shape of query, query.shape\[:-3\] = \(2,\), got "
+        r"shape \(3,\)",
+    ),
+    "kv lengths dtype": (
+        dict(key_value_seq_lengths=jnp.ones((B,))),
+        TypeError,
+        r"key_value_seq_lengths must be None or an integer array, got dtype float64",
+    ),
+    "return_residual": (
+        dict(return_residual=1),
+        ValueError,
+        r"return_residual must be a bool, got 1",
+    ),
+    "soft cap": (
+        dict(logits_soft_cap=0.0),
+        ValueError,
+        r"logits_soft_cap must be a positive number, got 0.0",
+    ),
+    "precision": (
+        dict(precision="fast"),
+        ValueError,
+        r"precision must be None, a jax.lax.Precision or one of \('default', 'high', 'highest'\), "
+        r"got 'fast'",
+    ),
+    "logits_dtype": (
+        dict(logits_dtype=jnp.bfloat16),
+        ValueError,
+        r"logits_dtype must be None or float64 \(logits are computed in float32, float64 for "
+        r"float64 inputs\), got bfloat16",
     ),
     "int query": (
         dict(query=jnp.ones((B, Q, 2, 4), jnp.int32)),
