@@ -2,8 +2,8 @@
 
 The benchmarks time every cell in a process of its own, under one malloc policy for all its
 variants (measure.ALLOCATOR_POLICIES): a process's history moves glibc's mmap threshold, and with it
-the time of XLA:CPU's programs by up to 2x (AF2's MSA row attention: 1,127 ms in one benchmark child,
-577-725 ms in a standalone script, issue 19), so a child's figures hold only under a fixed policy.
+the time of XLA:CPU's programs (measure.py says how), so a child's figures hold only under a fixed
+policy.
 
 `python -m gated_attention_tools.child '<json>'` is the child: it calls the function with the
 kwargs, lets its printed lines through, and prints the JSON-serializable result last, after RESULT.
