@@ -124,7 +124,7 @@ _RESIDENT_KEYS = ("resident_mib", "baseline_mib", "peak_mib", "output_mib")
 
 # glibc malloc's tuning, one policy for every variant of a timed cell. XLA:CPU's large temp buffers
 # come from mmap (fresh pages, faulted in and zeroed on every call) or from the heap, by a threshold
-# that glibc moves with the process's history: the same program then runs at different speeds in one
+# that glibc moves with the process's history: the same program then runs at different speeds from one
 # process to the next. 'steady' fixes the threshold above any buffer and never trims the heap, so
 # a buffer's pages are reused from call to call, as a GPU/TPU's preallocated pool reuses them;
 # 'default' leaves glibc's dynamic threshold, what a CPU user meets without tuning.
