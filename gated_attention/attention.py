@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from gated_attention import base, checks, masking, numerics, sharding
+from gated_attention import base, checks, masking, numerics, platforms, sharding
 from gated_attention.chunked import DEFAULT_MEMORY_BUDGET_BYTES, ChunkedAttention
 from gated_attention.cudnn import CudnnAttention
 from gated_attention.pallas import PallasAttention
@@ -83,9 +84,13 @@ class Auto:
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
 
-    def choose(self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN):
-        """(implementation, reason) for these flattened inputs."""
-        if jax.default_backend() == "gpu":
+    def choose(
+        self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
+    ):
+        """(implementation, reason) for these flattened inputs, compiled for `platform` (a
+        platforms.KINDS name; None: the host's)."""
+        platform = platforms.host() if platform is None else platform
+        if platform == "gpu":
             for impl, what in ((self.pallas, "the Pallas kernel"), (self.cudnn, "cuDNN")):
                 try:
                     impl.check(
@@ -96,8 +101,9 @@ class Auto:
                         mask,
                         compute_dtype=compute_dtype,
                         options=options,
+                        platform=platform,
                     )
-                    return impl, f"GPU backend and {what} takes these inputs"
+                    return impl, f"GPU and {what} takes these inputs"
                 except NotImplementedError:
                     pass  # the next rule applies
         _, q_len, heads, _ = query.shape
@@ -152,14 +158,15 @@ def describe(implementation: Spec) -> str:
     return implementation.name
 
 
-def _choose(resolved, query, key, value, biases, mask, compute_dtype, options):
+def _choose(resolved, query, key, value, biases, mask, compute_dtype, options, platform):
     args = (query, key, value, biases, mask)
+    kwargs = dict(compute_dtype=compute_dtype, options=options, platform=platform)
     if isinstance(resolved, Auto):
-        return resolved.choose(*args, compute_dtype=compute_dtype, options=options)
+        return resolved.choose(*args, **kwargs)
     reasons = []
     for impl in resolved:
         try:
-            impl.check(*args, compute_dtype=compute_dtype, options=options)
+            impl.check(*args, **kwargs)
         except NotImplementedError as e:
             if len(resolved) == 1:
                 raise NotImplementedError(
@@ -174,6 +181,23 @@ def _choose(resolved, query, key, value, biases, mask, compute_dtype, options):
     )
 
 
+def _choose_per_platform(resolved, kinds, query, policy, flat_args, options):
+    """{kind: (implementation, reason, compute dtype)} for every kind the program may be compiled
+    for. A kind where nothing takes the inputs is left out, unless it is the first (the inputs'
+    or the host's), whose NotImplementedError is raised: the call cannot run where it is."""
+    plans = {}
+    for i, kind in enumerate(kinds):
+        compute = numerics.compute_dtype(query.dtype, policy, backend=kind)
+        try:
+            impl, reason = _choose(resolved, *flat_args, compute, options, kind)
+        except NotImplementedError:
+            if i == 0:
+                raise
+            continue
+        plans[kind] = (impl, reason, compute)
+    return plans
+
+
 _choice_log: list[list[dict[str, Any]]] = []
 
 
@@ -182,7 +206,9 @@ def record_implementation_choices() -> Iterator[list[dict[str, Any]]]:
     """Collects the implementation chosen by every dot_product_attention traced inside the block.
 
     Yields:
-      A list that receives one dict per call: requested, chosen, reason and the flattened
+      A list that receives one dict per call: requested, chosen, reason, platform (the kind
+      they are for: the inputs' own, or the host's), by_platform ({kind: {chosen, reason}} for
+      every kind the program may be compiled for, platforms.py) and the flattened
       [B, T|S, N, H] shapes of query, key and value.
     """
     record: list[dict[str, Any]] = []
@@ -193,19 +219,32 @@ def record_implementation_choices() -> Iterator[list[dict[str, Any]]]:
         _choice_log.remove(record)
 
 
-def _log_choice(requested: str, chosen: str, reason: str, query, key, value) -> None:
+def _log_choice(requested: str, plans: dict, query, key, value) -> None:
+    (kind, (impl, reason, _)), *others = plans.items()
+    elsewhere = "".join(f"; on {k}: {p[0].name}" for k, p in others)
     logging.log_first_n(
         logging.INFO,
-        "dot_product_attention: %s -> %s (%s), query %s",
+        "dot_product_attention: %s -> %s on %s (%s)%s, query %s",
         20,
         requested,
-        chosen,
+        impl.name,
+        kind,
         reason,
+        elsewhere,
         tuple(query.shape),
     )
     shapes = dict(query=tuple(query.shape), key=tuple(key.shape), value=tuple(value.shape))
+    by_platform = {k: dict(chosen=p[0].name, reason=p[1]) for k, p in plans.items()}
+    entry = dict(
+        requested=requested,
+        chosen=impl.name,
+        reason=reason,
+        platform=kind,
+        by_platform=by_platform,
+        **shapes,
+    )
     for record in _choice_log:
-        record.append(dict(requested=requested, chosen=chosen, reason=reason, **shapes))
+        record.append(dict(entry))
 
 
 def _check_qkv(query, key, value) -> None:
@@ -432,7 +471,7 @@ def dot_product_attention(
     )
     resolved = resolve(implementation)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    compute = numerics.compute_dtype(query.dtype, compute_dtype)
+    kinds = platforms.candidates((query, key, value, biases, mask))
 
     def attend(query, key, value, biases, mask, structure):  # all inputs, or one device's shard
         batch_dims = tuple(query.shape[:-3])
@@ -441,11 +480,15 @@ def dot_product_attention(
         m = None if mask is None else _flatten_batch(mask, batch_dims)
         structure = structure.rows(lambda x: x.reshape(-1))  # [...] -> [B]
         call_options = dataclasses.replace(options, structure=structure)
-        impl, reason = _choose(resolved, q, k, v, flat_biases, m, compute, call_options)
-        _log_choice(describe(implementation), impl.name, reason, q, k, v)
-        out = impl(
-            q, k, v, flat_biases, m, scale=scale, compute_dtype=compute, options=call_options
-        )
+        flat = (q, k, v, flat_biases, m)
+        plans = _choose_per_platform(resolved, kinds, q, compute_dtype, flat, call_options)
+        _log_choice(describe(implementation), plans, q, k, v)
+        run = functools.cache(
+            lambda impl, compute: (
+                lambda *a: impl(*a, scale=scale, compute_dtype=compute, options=call_options)
+            )
+        )  # one callable per distinct choice, so kinds that agree share a branch
+        out = platforms.dispatch({kind: run(p[0], p[2]) for kind, p in plans.items()}, *flat)
         out, lse = out if options.return_residual else (out, None)
         valid = structure.valid_queries(q.shape[1])  # [B, T]: jax.nn zeroes the rest
         if valid is not None:

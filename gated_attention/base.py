@@ -106,13 +106,17 @@ class Implementation(abc.ABC):
     name: ClassVar[str]
     TAKES: ClassVar[frozenset[str]] = frozenset()
 
-    def check(self, query, key, value, biases, mask, *, compute_dtype, options=PLAIN) -> None:
+    def check(
+        self, query, key, value, biases, mask, *, compute_dtype, options=PLAIN, platform=None
+    ) -> None:
         """Raises NotImplementedError (with the reason) if these inputs cannot run here.
 
-        Arguments as for __call__ (arrays or jax.ShapeDtypeStructs). The default takes any
-        arrays and the options in TAKES.
+        Arguments as for __call__ (arrays or jax.ShapeDtypeStructs), and `platform`: the kind of
+        platform the program is compiled for ('cpu', 'gpu', 'tpu'; None: the host's,
+        jax.default_backend()), which is not always the host's (platforms.py). The default
+        takes any arrays on any platform and the options in TAKES.
         """
-        del value, biases, mask, compute_dtype
+        del value, biases, mask, compute_dtype, platform
         refused = [
             what for name, what in options.asked(query, key).items() if name not in self.TAKES
         ]

@@ -28,7 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from gated_attention import base, checks, numerics
+from gated_attention import base, checks, numerics, platforms
 
 CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 MAX_HEAD_DIM = 128  # 256 on Hopper and later; 128 holds on every GPU cuDNN flash attention runs on
@@ -59,7 +59,9 @@ class CudnnAttention(base.Implementation):
     def __post_init__(self):
         checks.check_one_of("jax_nn_implementation", self.jax_nn_implementation, ("cudnn", "xla"))
 
-    def check(self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN):
+    def check(
+        self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
+    ):
         super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
         if value.shape[-1] != query.shape[-1]:
             raise NotImplementedError(
@@ -74,10 +76,10 @@ class CudnnAttention(base.Implementation):
                 f"cuDNN's sliding window reaches no key right of the query unless causal, got "
                 f"local_window_size={structure.window}"
             )
-        backend = jax.default_backend()
-        if backend != "gpu":
+        platform = platforms.host() if platform is None else platform
+        if platform != "gpu":
             raise NotImplementedError(
-                f"cuDNN attention runs on GPU only, the backend is {backend!r}"
+                f"cuDNN attention runs on GPU only, the program is for {platform!r}"
             )
         dtype, head_dim = jnp.dtype(compute_dtype), query.shape[-1]
         if dtype not in CUDNN_DTYPES:

@@ -105,13 +105,16 @@ class PallasAttention(base.Implementation):
         checks.check_bool("allow_tf32", self.allow_tf32)
         checks.check_bool("interpret", self.interpret)
 
-    def check(self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN):
+    def check(
+        self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
+    ):
         # TAKES is empty: the kernels take no grouped-query attention, causal/window/length
         # masks, soft cap, precision or residual (base.Implementation.check refuses them).
         super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
-        if not self.interpret and jax.default_backend() != "gpu":
+        platform = jax.default_backend() if platform is None else platform
+        if not self.interpret and platform != "gpu":
             raise NotImplementedError(
-                f"the Pallas kernel runs on GPU only, the backend is {jax.default_backend()!r} "
+                f"the Pallas kernel runs on GPU only, the program is for {platform!r} "
                 "(PallasAttention(interpret=True) runs it in Pallas's interpreter anywhere)"
             )
         if jnp.dtype(compute_dtype) not in DTYPES:

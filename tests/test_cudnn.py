@@ -40,8 +40,8 @@ def _spec(shape, dtype=jnp.bfloat16):
 Q, KV = _spec((B, T, N, H)), _spec((B, S, N, H))
 
 
-def _check(q, k, v, dtype=jnp.bfloat16):
-    ga.CudnnAttention().check(q, k, v, (), None, compute_dtype=dtype)
+def _check(q, k, v, dtype=jnp.bfloat16, platform="gpu"):
+    ga.CudnnAttention().check(q, k, v, (), None, compute_dtype=dtype, platform=platform)
 
 
 @pytest.mark.parametrize(
@@ -56,17 +56,16 @@ def _check(q, k, v, dtype=jnp.bfloat16):
         (Q, KV, _spec((B, S, N, 8)), None, "equal key and value head dims, got 16 and 8"),
     ],
 )
-def test_check_says_why_not_on_gpu(monkeypatch, q, k, v, dtype, match):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+def test_check_says_why_not_on_gpu(q, k, v, dtype, match):
     _check(Q, KV, KV)  # bfloat16, H = 16: takes it
     with pytest.raises(NotImplementedError, match=match):
         _check(q, k, v, q.dtype if dtype is None else dtype)
 
 
-def test_check_refuses_other_backends(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    with pytest.raises(NotImplementedError, match="GPU only, the backend is 'cpu'"):
-        _check(Q, KV, KV)
+def test_check_refuses_other_backends():
+    for platform in ("cpu", "tpu"):
+        with pytest.raises(NotImplementedError, match=f"GPU only, the program is for '{platform}'"):
+            _check(Q, KV, KV, platform=platform)
     # Through jax.nn's XLA path any backend and dtype goes; only Hv != H is refused.
     ga.CudnnAttention(jax_nn_implementation="xla").check(
         Q, KV, KV, (), None, compute_dtype=jnp.float32
@@ -88,16 +87,16 @@ class _PallasDeclines(ga.PallasAttention):
         raise NotImplementedError("declined for this test")
 
 
-def test_auto_picks_cudnn_on_gpu_for_half_precision_after_pallas(monkeypatch):
-    def chosen(dtype, auto=None):
+def test_auto_picks_cudnn_on_gpu_for_half_precision_after_pallas():
+    def chosen(dtype, auto=None, platform="gpu"):
         q, kv = _spec((B, T, N, H), dtype), _spec((B, S, N, H), dtype)
-        impl, reason = (auto or ga.Auto()).choose(q, kv, kv, (), None, compute_dtype=dtype)
+        impl, reason = (auto or ga.Auto()).choose(
+            q, kv, kv, (), None, compute_dtype=dtype, platform=platform
+        )
         assert reason
         return impl.name
 
-    if jax.default_backend() != "gpu":
-        assert chosen(jnp.bfloat16) == "xla"
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert chosen(jnp.bfloat16, platform="cpu") == "xla"
     assert chosen(jnp.bfloat16) == "pallas"  # the fused kernel first
     no_pallas = ga.Auto(pallas=_PallasDeclines())
     assert chosen(jnp.bfloat16, no_pallas) == "cudnn"

@@ -1,0 +1,84 @@
+"""The platform a program is compiled for, and choices made per platform.
+
+JAX picks the platform late: a program traced on a CPU host may be compiled for a GPU or a TPU
+(ahead-of-time `.lower()` with a device's or a topology's shardings), and nothing inside the trace
+says which. So the op decides for every platform the program could be compiled for here and
+stages the decisions with lax.platform_dependent, whose untaken branches XLA never lowers: a
+program compiled for an H100 from a CPU host chooses exactly as on the H100.
+
+Platform kinds are 'cpu', 'gpu' (CUDA or ROCm) and 'tpu', as jax.default_backend() names them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable, Mapping
+
+import jax
+
+KINDS = ("cpu", "gpu", "tpu")
+_LOWERING_NAMES = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
+
+
+def kind(platform: str) -> str:
+    """'cpu', 'gpu' or 'tpu' for a JAX platform or backend name ('cuda', 'rocm', 'gpu', ...)."""
+    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+def host() -> str:
+    """The kind of the default backend: where un-annotated programs run."""
+    return kind(jax.default_backend())
+
+
+def of_arrays(arrays) -> str | None:
+    """The kind of the devices holding these concrete arrays, if they agree; None when any is a
+    tracer or not a jax.Array (under jit the devices are not known while tracing)."""
+    kinds = set()
+    for x in jax.tree.leaves(arrays):
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return None
+        kinds.update(kind(d.platform) for d in x.devices())
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+@functools.cache
+def compilable() -> tuple[str, ...]:
+    """Kinds this process can compile for: the host's, a GPU where JAX's CUDA or ROCm plugin is
+    registered, a TPU where libtpu is installed (deviceless compiles need exactly these)."""
+    from jax._src import xla_bridge  # the registered backends; no public API lists them
+
+    registered = set(getattr(xla_bridge, "_backend_factories", {}))
+    found = [host()]
+    if registered & {"cuda", "rocm"}:
+        found.append("gpu")
+    if importlib.util.find_spec("libtpu") is not None:
+        found.append("tpu")
+    return tuple(k for k in KINDS if k in found)
+
+
+def candidates(arrays) -> tuple[str, ...]:
+    """The kinds a call on these inputs may be compiled for, the likeliest first: the arrays' own
+    when they are concrete, else the host's and then every other kind compilable here."""
+    known = of_arrays(arrays)
+    if known is not None:
+        return (known,)
+    first = host()
+    return (first, *(k for k in compilable() if k != first))
+
+
+def dispatch(branches: Mapping[str, Callable], *args):
+    """branches[kind](*args) for the kind the program is compiled for.
+
+    One branch (or the same callable for every kind) is simply called; otherwise the branches are
+    staged with lax.platform_dependent, the host's branch (where there is one) the default for
+    any other platform.
+    """
+    fns = list(dict.fromkeys(branches.values()))
+    if len(fns) == 1:
+        return fns[0](*args)
+    default = branches.get(host())  # None: lowering for a kind without a branch fails in JAX
+    per_platform = {
+        name: fn for k, fn in branches.items() if k != host() for name in _LOWERING_NAMES[k]
+    }
+    return jax.lax.platform_dependent(*args, default=default, **per_platform)
