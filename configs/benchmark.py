@@ -6,6 +6,7 @@
   python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
   python scripts/benchmark.py --config=configs/benchmark.py:gpu     # on a GPU: the op vs kernels
   python scripts/benchmark.py --config=configs/benchmark.py:family  # AF2's modules and Evoformer
+  python scripts/benchmark.py --config=configs/benchmark.py:device_memory  # compiled for H100/v5e
 
 Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask[, module]).
 """
@@ -82,7 +83,17 @@ FAMILY_MEMORY_SCALING = tuple(
 ) + tuple(("msa_row", 128, n, ("ours", "af2")) for n in (256, 384, 512, 1024))
 FAMILY_RESIDENT_MAX_N_RES = dict(ours=1024, af2=512)
 
-PRESETS = ("full", "quick", "smoke", "gpu", "gpu_smoke", "family", "family_smoke")
+PRESETS = (
+    "full",
+    "quick",
+    "smoke",
+    "gpu",
+    "gpu_smoke",
+    "family",
+    "family_smoke",
+    "device_memory",
+    "device_memory_smoke",
+)
 
 
 def get_config(preset="full"):
@@ -92,6 +103,8 @@ def get_config(preset="full"):
         return _gpu_config(preset)
     if preset in ("family", "family_smoke"):
         return _family_config(preset)
+    if preset in ("device_memory", "device_memory_smoke"):
+        return _device_memory_config(preset)
     if preset == "smoke":  # seconds: tiny shapes, for the tests of the script itself
         cfg = get_config("full")
         cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
@@ -181,4 +194,30 @@ def _family_config(preset):
         cfg.memory_scaling = (("triangle_start", 1, 8, ("ours", "af2")),)
         cfg.resident_max_n_res = dict(ours=8)
         cfg.output_dir = "/tmp/gated_attention_family_smoke"
+    return cfg
+
+
+def _device_memory_config(preset):
+    """Device memory per target (device_memory.py): compiles for an H100 and a TPU v5e, runs
+    nothing; needs the targets extra (pip install -e '.[targets,bench]')."""
+    cfg = ml_collections.ConfigDict()
+    cfg.suite = "device_memory"
+    cfg.targets = ("h100", "v5e")
+    cfg.whats = ("triangle_start", "msa_row", "msa_column", "msa_column_global", "evoformer")
+    cfg.crops = (256, 512, 1024, 2048, 3072, 4096, 6144, 8192)
+    cfg.msa_rows = 512
+    cfg.extra_msa_rows = 1024
+    cfg.dtypes = ("bfloat16", "float32")
+    cfg.modes = ("training", "inference")
+    # Our implementations compiled by name as well as 'auto', per platform kind.
+    cfg.implementations = ml_collections.ConfigDict(dict(gpu=("chunked",), tpu=("chunked",)))
+    cfg.output_dir = "benchmark_results/device_memory"
+    if preset == "device_memory_smoke":  # seconds: checks the suite runs
+        cfg.targets = ("v5e",)
+        cfg.whats = ("triangle_start",)
+        cfg.crops = (16, 32)
+        cfg.msa_rows, cfg.extra_msa_rows = 4, 8
+        cfg.dtypes, cfg.modes = ("bfloat16",), ("training",)
+        cfg.implementations = ml_collections.ConfigDict(dict(gpu=(), tpu=()))
+        cfg.output_dir = "/tmp/gated_attention_device_memory_smoke"
     return cfg

@@ -79,11 +79,15 @@ def _channels(what: str, c) -> tuple[int, int]:
     return (c_e if what in ("msa_column_global", "extra_evoformer") else c_m), c_z
 
 
-def _body(what: str, is_training: bool) -> Callable[..., Any]:
+def _body(what: str, is_training: bool, implementation: str | None = None) -> Callable[..., Any]:
     """fn(msa, pair, msa_mask, pair_mask) -> the module's update or the block's output, built from
-    the package's classes as the caller's modules.py names them when traced."""
+    the package's classes as the caller's modules.py names them when traced; `implementation`
+    (our modules' global_config.attention_implementation; None: 'auto') where ours are in."""
     c = model_config()
     evo, gc = c.embeddings_and_evoformer.evoformer, c.global_config
+    if implementation is not None:
+        with gc.unlocked():
+            gc.attention_implementation = implementation
     modules = af2_package.alphafold_modules()
 
     def fn(msa, pair, msa_mask, pair_mask):
@@ -120,9 +124,12 @@ class ZeroUpdate(hk.Module):
         return jnp.zeros_like(act)
 
 
-def transformed(what: str, variant: str, is_training: bool) -> hk.Transformed:
-    """The cell's function for a variant: AF2's classes, ours swapped in, or attention removed."""
-    body = _body(what, is_training)
+def transformed(
+    what: str, variant: str, is_training: bool, implementation: str | None = None
+) -> hk.Transformed:
+    """The cell's function for a variant: AF2's classes, ours swapped in (running
+    `implementation`, None: 'auto'), or attention removed."""
+    body = _body(what, is_training, implementation)
     if variant == OURS:
         body = af2_package.use_gated_attention()(body)
     elif variant == FLOOR:
@@ -315,12 +322,20 @@ def _timed_rows(cell, jitted, args, rounds, steps, log, compile_s, temp, outputs
 # Memory: a training step's XLA temp bytes (on shapes) and resident memory (fresh process).
 
 
-def memory_problem(what: str, variant: str, n_seq: int, n_res: int, dtype: str, mode: str):
-    """(fn, specs) of a cell for measure.resident_memory: fn takes the parameters' leaves and the
-    inputs (with the update's cotangent in training) as flat positional arguments (the child makes
-    every input ones)."""
+def memory_problem(
+    what: str,
+    variant: str,
+    n_seq: int,
+    n_res: int,
+    dtype: str,
+    mode: str,
+    implementation: str | None = None,
+):
+    """(fn, specs) of a cell for measure.resident_memory and deviceless compiles: fn takes the
+    parameters' leaves and the inputs (with the update's cotangent in training) as flat
+    positional arguments (the child makes every input ones)."""
     cell = Cell(what, n_seq, n_res, dtype, mode)
-    t = transformed(what, variant, mode == "training")
+    t = transformed(what, variant, mode == "training", implementation)
     specs = input_specs(cell)
     shapes = jax.eval_shape(t.init, jax.random.PRNGKey(0), *specs)
     if mode == "training":

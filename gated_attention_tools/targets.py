@@ -1,0 +1,193 @@
+"""Compiling for GPUs and TPUs on a machine that has neither: XLA's real compilers, deviceless.
+
+A target is a GPU (a GpuTargetConfigProto in target_configs/, compiled by JAX's CUDA plugin, ptxas
+included) or a TPU topology (compiled by libtpu). `spec(shape, dtype, target)` places an abstract
+argument on the target's device, so `jax.jit(f).lower(*specs).compile()` compiles for it, and the
+library's dispatch (gated_attention/platforms.py) chooses as it would on that device. Nothing runs:
+compiles give device memory (memory_analysis), registers, spills and shared memory / VMEM, never
+time.
+
+Needs the `targets` extra (`pip install -e '.[targets]'`: JAX's CUDA plugin and PJRT at the
+installed jax's version, nvidia-cuda-nvcc-cu12 for ptxas, libtpu) and JAX_PLATFORMS=cpu set
+before jax starts (without it the CUDA plugin fails its driver check and never registers).
+`missing(target)` says what is absent. Compile each case in a child process (`in_child`): libtpu
+has crashed on some programs, and a crash must fail one case, not the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from gated_attention_tools import child
+
+CONFIG_DIR = Path(__file__).with_name("target_configs")
+# Set in every child: the CUDA plugin then skips its driver check, libtpu its metadata queries.
+CHILD_ENV = {
+    "JAX_PLATFORMS": "cpu",
+    "TPU_SKIP_MDS_QUERY": "1",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "TPU_ACCELERATOR_TYPE": "v5litepod-1",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One compile target.
+
+    Attributes:
+      name: the key in TARGETS.
+      kind: 'gpu' or 'tpu' (gated_attention.platforms kinds).
+      memory_bytes: the device's memory (HBM), for "does it fit".
+      arch: the GPU's ptxas architecture ('sm_90a'), or '' for a TPU.
+      config: a GPU target config file name in CONFIG_DIR.
+      topology: a TPU topology name for get_topology_desc, with its keyword arguments.
+      shared_memory_bytes: a GPU's opt-in shared memory per block; a TPU's default scoped VMEM.
+    """
+
+    name: str
+    kind: str
+    memory_bytes: int
+    shared_memory_bytes: int
+    arch: str = ""
+    config: str = ""
+    topology: str = ""
+    topology_kwargs: tuple = ()
+
+
+GIB = 2**30
+TARGETS = {
+    t.name: t
+    for t in (
+        Target("h100", "gpu", 80 * GIB, 232_448, arch="sm_90a", config="h100_sxm.txtpb"),
+        Target("a100", "gpu", 80 * GIB, 166_912, arch="sm_80", config="a100_sxm_80.txtpb"),
+        Target(
+            "v5e",
+            "tpu",
+            16 * GIB,
+            16 * 2**20,
+            topology="v5e:1x1",
+            topology_kwargs=(("chips_per_host_bounds", (1, 1, 1)),),
+        ),
+        Target("v5p", "tpu", 95 * GIB, 16 * 2**20, topology="v5p:1x1x1"),
+        Target(
+            "v6e",
+            "tpu",
+            32 * GIB,
+            32 * 2**20,
+            topology="v6e:1x1",
+            topology_kwargs=(("chips_per_host_bounds", (1, 1, 1)),),
+        ),
+    )
+}
+
+
+def target(name: str) -> Target:
+    if name not in TARGETS:
+        raise ValueError(f"target must be one of {tuple(TARGETS)}, got {name!r}")
+    return TARGETS[name]
+
+
+def missing(name: str) -> str | None:
+    """Why this process cannot compile for the target, or None if it can."""
+    t = target(name)
+    hint = "install the targets extra: pip install -e '.[targets]'"
+    if t.kind == "tpu":
+        if importlib.util.find_spec("libtpu") is None:
+            return f"libtpu is not installed ({hint})"
+        return None
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        return f"JAX's CUDA plugin is not installed ({hint})"
+    if os.environ.get("JAX_PLATFORMS") != "cpu":
+        return "JAX_PLATFORMS=cpu must be set before jax starts for a deviceless GPU compile"
+    if ptxas() is None:
+        return f"ptxas (nvidia-cuda-nvcc-cu12) is not installed ({hint})"
+    return None
+
+
+def ptxas() -> str | None:
+    """The path of ptxas from the nvidia-cuda-nvcc-cu12 wheel, or None."""
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "ptxas"
+    return str(path) if path.exists() else None
+
+
+@functools.cache
+def device(name: str):
+    """The target's (abstract) device: arrays placed on it compile for the target."""
+    from jax.experimental import topologies
+
+    t = target(name)
+    reason = missing(name)
+    if reason:
+        raise RuntimeError(f"cannot compile for {name}: {reason}")
+    if t.kind == "gpu":
+        config = (CONFIG_DIR / t.config).read_text()
+        topo = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
+    else:
+        topo = topologies.get_topology_desc(
+            topology_name=t.topology, platform="tpu", **dict(t.topology_kwargs)
+        )
+    return topo.devices[0]
+
+
+def spec(shape, dtype, name: str):
+    """An abstract argument of this shape and dtype on the target's device."""
+    import jax
+
+    return jax.ShapeDtypeStruct(
+        tuple(shape), dtype, sharding=jax.sharding.SingleDeviceSharding(device(name))
+    )
+
+
+def on_target(tree, name: str):
+    """Every array or ShapeDtypeStruct leaf of `tree` as an abstract argument on the target."""
+    import jax
+
+    return jax.tree.map(lambda x: spec(x.shape, x.dtype, name), tree)
+
+
+def compile(fn, *args, target: str, dump_to: str | None = None, static: dict | None = None):  # noqa: A001
+    """jax.jit(fn) compiled for the target at these abstract args (moved onto its device);
+    `dump_to` a directory for XLA's dumps (the .ptx files of a GPU compile)."""
+    import jax
+
+    args = on_target(args, target)
+    lowered = jax.jit(functools.partial(fn, **(static or {}))).lower(*args)
+    options = {"xla_dump_to": dump_to} if dump_to else None
+    return lowered.compile(options) if options else lowered.compile()
+
+
+def memory(compiled) -> dict[str, int]:
+    """Device memory of a compiled program, bytes: arguments, outputs, temporaries, aliased, and
+    peak (arguments + outputs + temporaries - aliased: what must fit at once)."""
+    m = compiled.memory_analysis()
+    out = dict(
+        argument=int(m.argument_size_in_bytes),
+        output=int(m.output_size_in_bytes),
+        temp=int(m.temp_size_in_bytes),
+        alias=int(m.alias_size_in_bytes),
+    )
+    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+    return out
+
+
+def in_child(function: str, kwargs: dict[str, Any], log=lambda line: None) -> Any:
+    """function(**kwargs) ('module:function') in a fresh process set up for deviceless compiles
+    (CHILD_ENV), so that a compiler crash fails only this call (RuntimeError)."""
+    saved = {k: os.environ.get(k) for k in CHILD_ENV}
+    os.environ.update(CHILD_ENV)  # child.call passes this process's environment on
+    try:
+        return child.call(function, kwargs, log)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
