@@ -1,7 +1,8 @@
 """Installs gated_attention and its tooling, gated_attention_tools (the experiment schema, run and
-benchmark logic behind scripts/ and tests/): `pip install -e .[test]` for the tests, `.[bench]` for
-the benchmark (AF2's package as the baseline, plots), `.[gpu-bench]` (with JAX's CUDA build) for the
-GPU benchmark's other kernels."""
+benchmark logic behind scripts/ and tests/): `pip install -e .[test,targets]` for the tests, `.[bench]`
+for the benchmark (AF2's package as the baseline, plots), `.[targets]` for compiling for GPUs and
+TPUs on a machine without them, `.[gpu-bench]` (with JAX's CUDA build) for the GPU benchmark's other
+kernels."""
 
 import re
 from pathlib import Path
@@ -44,6 +45,7 @@ setup(
         "absl-py>=1.0",
         "ml_collections>=0.1.1",
     ],
+    package_data={"gated_attention_tools": ["target_configs/*.txtpb"]},
     extras_require={
         # ruff pinned: its format output changes between releases. AF2 as users install it
         # (alphafold-colabfold, whose modules.py imports colabfold-kernels): the tests run its
@@ -56,6 +58,13 @@ setup(
             "matplotlib>=3.7",  # the benchmark's pictures are tested
             "alphafold-colabfold==2.3.27",
             "colabfold-kernels==0.9.0",
+        ],
+        # Deviceless compiles for GPUs and TPUs (gated_attention_tools/targets.py): JAX's CUDA
+        # plugin and PJRT at the installed jax's version (jax's cuda12-local extra pins them, with
+        # no CUDA libraries), ptxas, and the libtpu that jax's tpu extra pins. Linux x86-64 wheels.
+        "targets": [
+            "jax[cuda12-local,tpu]; sys_platform == 'linux' and platform_machine == 'x86_64'",
+            "nvidia-cuda-nvcc-cu12; sys_platform == 'linux' and platform_machine == 'x86_64'",
         ],
         "bench": ["matplotlib>=3.7", "alphafold-colabfold==2.3.27", "colabfold-kernels==0.9.0"],
         # The GPU benchmark's other kernels: AF2 as alphafold-colabfold runs it on GPU (with

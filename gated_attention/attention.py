@@ -207,8 +207,8 @@ def record_implementation_choices() -> Iterator[list[dict[str, Any]]]:
 
     Yields:
       A list that receives one dict per call: requested, chosen, reason, platform (the kind
-      they are for: the inputs' own, or the host's), by_platform ({kind: {chosen, reason}} for
-      every kind the program may be compiled for, platforms.py) and the flattened
+      they are for: the inputs' own, or the host's), by_platform ({kind: {chosen, reason,
+      compute_dtype}} for every kind the program may be compiled for, platforms.py) and the flattened
       [B, T|S, N, H] shapes of query, key and value.
     """
     record: list[dict[str, Any]] = []
@@ -234,7 +234,9 @@ def _log_choice(requested: str, plans: dict, query, key, value) -> None:
         tuple(query.shape),
     )
     shapes = dict(query=tuple(query.shape), key=tuple(key.shape), value=tuple(value.shape))
-    by_platform = {k: dict(chosen=p[0].name, reason=p[1]) for k, p in plans.items()}
+    by_platform = {
+        k: dict(chosen=p[0].name, reason=p[1], compute_dtype=p[2].name) for k, p in plans.items()
+    }
     entry = dict(
         requested=requested,
         chosen=impl.name,

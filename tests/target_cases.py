@@ -1,0 +1,52 @@
+"""Programs compiled for GPU and TPU targets in child processes (targets.in_child), for
+tests/test_targets.py: each returns plain data the test asserts on."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import gated_attention as ga
+from gated_attention import platforms
+from gated_attention_tools import targets
+
+
+def auto_choice(target: str, dtype: str) -> dict:
+    """The op's gradient under 'auto' (shared bias, key mask) compiled for `target` and for the
+    host: what was chosen for each kind, and the kernels in each compiled program."""
+    dt = jnp.dtype(dtype)
+    qkv = jax.ShapeDtypeStruct((2, 96, 4, 32), dt)
+    bias = jax.ShapeDtypeStruct((1, 4, 96, 96), dt)
+    mask = jax.ShapeDtypeStruct((2, 1, 1, 96), jnp.bool_)
+
+    def step(q, k, v, bias, mask, cotangent):
+        fwd = lambda q, k, v, bias: ga.dot_product_attention(q, k, v, bias, mask)
+        _, vjp = jax.vjp(fwd, q, k, v, bias)
+        return vjp(cotangent)
+
+    args = (qkv, qkv, qkv, bias, mask, qkv)
+    with ga.record_implementation_choices() as record:
+        on_target = targets.compile(step, *args, target=target)
+    on_host = jax.jit(step).lower(*args).compile()
+
+    def kernels(compiled):
+        text = compiled.as_text()
+        return dict(triton="__gpu$xla.gpu.triton" in text, mosaic="tpu_custom_call" in text)
+
+    return dict(
+        by_platform=record[0]["by_platform"],
+        compilable=list(platforms.compilable()),
+        target=kernels(on_target),
+        host=kernels(on_host),
+        memory=targets.memory(on_target),
+    )
+
+
+def triangle_memory(target: str, n_res: int) -> dict:
+    """TriangleAttention's bfloat16 training step compiled for `target`, AF2's and ours (one
+    process: the package and the compilers start once)."""
+    from gated_attention_tools import device_memory
+
+    cell = dict(target=target, what="triangle_start", n_res=n_res, n_seq=1, dtype="bfloat16")
+    cell |= dict(mode="training")
+    return {v: device_memory.compile_cell(**cell, variant=v) for v in ("af2", "ours")}

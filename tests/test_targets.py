@@ -1,0 +1,58 @@
+"""Compiles for GPU and TPU targets with XLA's real compilers, on this CPU machine (targets.py):
+'auto' chooses by the target the program is compiled for, not the host, and the device memory of
+a training step there. Each compile runs in a child process; the tests skip, saying what to
+install, where the targets extra is missing."""
+
+from __future__ import annotations
+
+import pytest
+
+from gated_attention_tools import targets
+
+
+def _need(name: str) -> None:
+    reason = targets.missing(name)
+    if reason:
+        pytest.skip(f"cannot compile for {name}: {reason}")
+
+
+@pytest.mark.parametrize(
+    "target, dtype, chosen, kernel, compute",
+    [
+        ("h100", "bfloat16", "pallas", "triton", "bfloat16"),
+        ("a100", "float32", "pallas", "triton", "float32"),
+        ("v5e", "bfloat16", "xla", None, "bfloat16"),
+    ],
+)
+def test_auto_chooses_for_the_target_not_the_host(target, dtype, chosen, kernel, compute):
+    _need(target)
+    got = targets.in_child("tests.target_cases:auto_choice", dict(target=target, dtype=dtype))
+    kind = targets.target(target).kind
+    assert kind in got["compilable"], got["compilable"]
+    assert got["by_platform"][kind]["chosen"] == chosen, got["by_platform"]
+    assert got["by_platform"][kind]["compute_dtype"] == compute
+    # The host (CPU) computes half precision in float32 and never takes a GPU kernel.
+    host = got["by_platform"]["cpu"]
+    assert (host["chosen"], host["compute_dtype"]) == ("xla", "float32"), host
+    for name in ("triton", "mosaic"):
+        assert got["target"][name] == (name == kernel), (name, got["target"])
+        assert not got["host"][name]
+    assert 0 < got["memory"]["peak"] < 2**24
+
+
+N_RES = 192
+
+
+def test_triangle_training_step_memory_on_the_target(target="v5e"):
+    """TriangleAttention's training step (model_1, cotangent an argument) compiled for a TPU v5e:
+    AF2's temporaries grow with N^3 (its logits), ours stay within a few times the pair. (Per
+    target and crop: the device_memory benchmark preset.)"""
+    _need(target)
+    got = targets.in_child(
+        "tests.target_cases:triangle_memory", dict(target=target, n_res=N_RES), print
+    )
+    af2, ours = got["af2"], got["ours"]
+    pair = ours["pair_bytes"]
+    assert pair == N_RES * N_RES * 128 * 2
+    assert ours["memory"]["temp"] <= 4 * pair, ours
+    assert af2["memory"]["temp"] >= 8 * ours["memory"]["temp"], (af2, ours)
