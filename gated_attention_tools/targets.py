@@ -93,7 +93,8 @@ def target(name: str) -> Target:
 
 
 def missing(name: str) -> str | None:
-    """Why this process cannot compile for the target, or None if it can."""
+    """What is not installed for compiling for the target, or None (a GPU compile also needs
+    JAX_PLATFORMS=cpu before jax starts, which in_child's processes have)."""
     t = target(name)
     hint = "install the targets extra: pip install -e '.[targets]'"
     if t.kind == "tpu":
@@ -102,8 +103,6 @@ def missing(name: str) -> str | None:
         return None
     if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
         return f"JAX's CUDA plugin is not installed ({hint})"
-    if os.environ.get("JAX_PLATFORMS") != "cpu":
-        return "JAX_PLATFORMS=cpu must be set before jax starts for a deviceless GPU compile"
     if ptxas() is None:
         return f"ptxas (nvidia-cuda-nvcc-cu12) is not installed ({hint})"
     return None
@@ -125,6 +124,8 @@ def device(name: str):
 
     t = target(name)
     reason = missing(name)
+    if reason is None and t.kind == "gpu" and os.environ.get("JAX_PLATFORMS") != "cpu":
+        reason = "JAX_PLATFORMS=cpu must be set before jax starts (in_child does)"
     if reason:
         raise RuntimeError(f"cannot compile for {name}: {reason}")
     if t.kind == "gpu":
