@@ -32,6 +32,9 @@ CHILD_ENV = {
     "TPU_SKIP_MDS_QUERY": "1",
     "TPU_WORKER_HOSTNAMES": "localhost",
     "TPU_ACCELERATOR_TYPE": "v5litepod-1",
+    # Several processes may compile for a TPU at once (test workers): libtpu otherwise takes
+    # /tmp/libtpu_lockfile and a second process fails.
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
 }
 
 

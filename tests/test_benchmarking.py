@@ -13,7 +13,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gated_attention_tools import benchmark, family_benchmark, gpu_benchmark, measure
+from gated_attention_tools import (
+    benchmark,
+    device_memory,
+    family_benchmark,
+    gpu_benchmark,
+    measure,
+    targets,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -256,7 +263,7 @@ def test_benchmark_presets_share_one_schema():
     for preset in module.PRESETS:  # one schema per suite
         cfg = module.get_config(preset)
         keys.setdefault(cfg.suite, set()).add(frozenset(cfg.keys()))
-    assert sorted(keys) == ["family", "gpu", "modules"], keys
+    assert sorted(keys) == ["device_memory", "family", "gpu", "modules"], keys
     assert all(len(k) == 1 for k in keys.values()), keys
     for preset in module.PRESETS:
         cfg = module.get_config(preset)
@@ -269,6 +276,10 @@ def test_benchmark_presets_share_one_schema():
                 family_benchmark.MODEL,
             }
             assert {g[1] for g in cfg.goals} <= whats | {m[0] for m in cfg.memory_scaling}
+            continue
+        if cfg.suite == "device_memory":
+            assert set(cfg.whats) <= set(device_memory.WHATS)
+            assert all(targets.target(t) for t in cfg.targets)
             continue
         if cfg.suite == "gpu":
             assert all(gpu_benchmark.OpShape(*s).batch >= 1 for s in cfg.op_shapes)
@@ -498,3 +509,32 @@ def test_pictures_are_drawn_from_results(tmp_path):
         plots.op_sweep(rows[:0], str(tmp_path / "none.png"))
     with pytest.raises(ValueError, match="no float32 'ours' cells"):
         plots.family_ratios([], goals, str(tmp_path / "none.png"))
+
+
+def test_device_memory_tables_say_the_longest_crop_that_fits():
+    def row(variant, n_res, fits, temp=2**30):
+        memory = dict(argument=0, output=0, temp=temp, alias=0, peak=temp)
+        cell = dict(target="h100", what="triangle_start", dtype="bfloat16", mode="training")
+        return dict(
+            cell,
+            variant=variant,
+            n_res=n_res,
+            n_seq=1,
+            fits=fits,
+            memory=memory,
+            pair_bytes=2**29,
+            chosen=["pallas"] if variant != "af2" else [],
+        )
+
+    rows = [row("af2", 256, True), row("af2", 512, True), row("af2", 1024, False)]
+    rows += [row("ours", 256, True), row("ours", 512, True)]
+    assert device_memory.longest(rows, variant="af2") == 512
+    assert device_memory.longest(rows, variant="ours", target="v5e") is None
+    results = dict(versions=dict(jax="x"), msa_rows=512, extra_msa_rows=1024, rows=rows)
+    table = device_memory.markdown(results)
+    # AF2 ran out of memory at 1,024; ours never did, so its longest is a lower bound.
+    assert "| h100 | triangle_start | bfloat16 | training | 512 | >= 512 |" in table
+    assert (
+        "| h100 | triangle_start | ours | 512 | bfloat16 | training | pallas | 1.00 | 1.00 | 2.00 |"
+        in table
+    )
