@@ -147,7 +147,7 @@ def _pair_bias(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget_mib:
     args = [pair_act, *(x[None] for x in norm), weights[None]]  # size 1: shared by the tiles
     batched = [True, False, False, False]
     shared = lambda pair, scale, offset, w: bias(pair, (scale[0], offset[0]), w[0])
-    out = mapping.subbatch(jax.checkpoint(shared), args, subbatch_size=rows, batched=batched)
+    out = mapping.subbatch(shared, args, subbatch_size=rows, batched=batched, remat=True)
     return jnp.moveaxis(out, -1, 0)  # [h, q, k]
 
 

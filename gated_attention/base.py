@@ -193,4 +193,4 @@ def in_row_tiles(fn: Callable[..., Any], rows: int, args: Sequence[jax.Array | N
     if rows >= batch:
         return fn(*args)
     batched = [x is not None and x.shape[0] == batch for x in args]
-    return mapping.subbatch(jax.checkpoint(fn), args, subbatch_size=rows, batched=batched)
+    return mapping.subbatch(fn, args, subbatch_size=rows, batched=batched, remat=True)

@@ -7,12 +7,13 @@ attention op, with a bias shared over the batch (size 1) passed whole:
     out = subbatch(dot_product_attention, [query, key, value, bias, None], subbatch_size=4)
     # query/key/value [B, T|S, N, H] are cut into [4, ...] pieces; bias [1, N, T, S] is shared.
 
-The full subbatches run as one compiled loop body (jax.lax.map over a [n, size, ...] reshape) and
-a remainder, if any, as one more call: batch 10 with subbatch_size 4 runs 4, 4 and then 2. Each
-piece computes exactly what fn computes on those rows, so results match the single call within
-1 ulp (bitwise for the attention op on CPU in float32, in the tests). It works under jax.jit and
-jax.grad; note that the gradient of the loop keeps every subbatch's residuals, so subbatching
-bounds the memory of inference (as in AF2), not of training.
+The full subbatches run as one compiled loop body (a fori_loop that slices each subbatch and
+writes its output in place) and a remainder, if any, as one more call: batch 10 with
+subbatch_size 4 runs 4, 4 and then 2. Each piece computes exactly what fn computes on those rows,
+so results match the single call within 1 ulp (bitwise for the attention op on CPU in float32, in
+the tests). It works under jax.jit and jax.grad; the gradient keeps every subbatch's residuals
+unless `remat` says otherwise (remat=True: nothing is kept, each subbatch is recomputed, and a
+training step's memory is bounded by a subbatch too).
 
 On a mesh with explicit axes, a batch split over devices is subbatched on each device: every
 device runs its own rows, subbatch_size at a time, and no row crosses devices (sharding.py).
@@ -25,6 +26,7 @@ from numbers import Real
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,6 +40,7 @@ def subbatch(
     subbatch_size: int | None,
     axis: int = 0,
     batched: Sequence[bool] | None = None,
+    remat: Callable[..., bool] | bool = False,
 ) -> Any:
     """Calls fn(*args) on subbatches along `axis` and concatenates the outputs along `axis`.
 
@@ -52,6 +55,11 @@ def subbatch(
       axis: the batch axis of every batched arg and every output leaf (negative counts from the
         end of each array).
       batched: optional explicit flag per arg; True args are cut, False args are passed whole.
+      remat: False: differentiation keeps each subbatch's residuals (as jax.lax.map would); True:
+        each subbatch keeps nothing and is recomputed in the backward pass; a jax.checkpoint
+        policy: each keeps what the policy saves. With True, the memory of a training step is
+        bounded by one subbatch too (the subbatch is cut inside the recomputed call, so its slice
+        is not kept either).
 
     Returns:
       fn's output for the whole batch: each leaf [..., batch, ...] with batch at `axis`.
@@ -70,8 +78,11 @@ def subbatch(
     cut = [i for i, flag in enumerate(flags) if flag]
     batch = np.shape(args[cut[0]])[_axis(axis, args[cut[0]], cut[0])] if cut else 1
     shards = sharding.batch_shards([args[i] for i in cut], axis)
+    if remat is True:
+        remat = jax.checkpoint_policies.nothing_saveable
+    remat = None if remat is False else remat
     if size is None or size >= batch // shards:
-        return fn(*args)
+        return fn(*args) if remat is None else jax.checkpoint(fn, policy=remat)(*args)
     where = {i: _axis(axis, args[i], i) for i in cut}  # the batch axis of each cut arg
 
     def checked(*pieces):  # fn, with its outputs checked for the batch along `axis`
@@ -81,7 +92,7 @@ def subbatch(
         return out
 
     if shards == 1:
-        return _loop(checked, args, where, size, lambda ndim: _leaf_axis(axis, ndim))
+        return _loop(checked, args, where, size, lambda ndim: _leaf_axis(axis, ndim), remat)
 
     # On a mesh with explicit axes the batch may be split over devices: each device then runs its
     # own rows, subbatch_size at a time, and the loop never cuts across devices (sharding.py). The
@@ -92,29 +103,57 @@ def subbatch(
 
     split = [_split(x, where[i], shards) if i in where else x for i, x in enumerate(args)]
     inner = {i: w + 1 for i, w in where.items()}
-    out = _loop(per_shard, split, inner, size, lambda ndim: _leaf_axis(axis, ndim - 1) + 1)
+    out = _loop(per_shard, split, inner, size, lambda ndim: _leaf_axis(axis, ndim - 1) + 1, remat)
     return jax.tree.map(lambda x: _merge(x, _leaf_axis(axis, x.ndim - 1)), out)
 
 
-def _loop(fn, args, where: dict[int, int], size: int, out_axis) -> Any:
-    """fn on subbatches of `size` along where[i] of each cut arg i, outputs concatenated along
-    out_axis(leaf rank): the full subbatches as one compiled loop body, a remainder as one call."""
+def _loop(fn, args, where: dict[int, int], size: int, out_axis, remat) -> Any:
+    """fn on subbatches of `size` along where[i] of each cut arg i, outputs in place along
+    out_axis(leaf rank) of one output buffer: the full subbatches as one compiled loop body, a
+    remainder as one call.
+
+    Each subbatch is sliced inside its (rematerialized) call and written into the output with
+    dynamic_update_slice, so neither the slices nor the outputs are stacked: the gradient keeps
+    only what `remat` saves per subbatch, and the output buffer is the result, never copied."""
     first = next(iter(where))
     length = np.shape(args[first])[where[first]]
     num_full, remainder = divmod(length, size)
 
-    def call(start, rows):
-        pieces = list(args)
-        for i, w in where.items():
-            pieces[i] = jax.lax.dynamic_slice_in_dim(args[i], start, rows, axis=w)
-        return fn(*pieces)
+    def tile(start, rows: int):
+        def call(start, *full):
+            pieces = list(full)
+            for i, w in where.items():
+                pieces[i] = jax.lax.dynamic_slice_in_dim(full[i], start, rows, axis=w)
+            return fn(*pieces)
 
-    # Each full subbatch is sliced from the args as they are: stacking them first made XLA copy.
-    stacked = jax.lax.map(lambda t: call(t * size, size), jnp.arange(num_full))
-    out = jax.tree.map(lambda x: _untile(x, out_axis(x.ndim - 1)), stacked)
+        if remat is not None:
+            call = jax.checkpoint(call, policy=remat)
+        return call(start, *args)
+
+    # fn traced once for the full subbatches: the loop body evaluates that trace, whose output
+    # shapes also size the output buffer.
+    body, shapes = jax.make_jaxpr(lambda start: tile(start, size), return_shape=True)(0)
+    full_tile = lambda start: jax.tree.unflatten(
+        jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(body)(start)
+    )
+
+    def put(out, start, piece):
+        update = lambda o, x: jax.lax.dynamic_update_slice_in_dim(o, x, start, out_axis(x.ndim))
+        return jax.tree.map(update, out, piece)
+
+    def full(s):  # the output leaf for the whole batch, sharded as the subbatch's output
+        shape = list(s.shape)
+        shape[out_axis(len(shape))] = length
+        mesh = sharding.explicit_axes(s)[0]
+        if mesh is None:
+            return jnp.zeros(shape, s.dtype)
+        return jax.lax.full(shape, 0, s.dtype, sharding=s.sharding)
+
+    out = jax.tree.map(full, shapes)
+    step = lambda t, out: put(out, t * size, full_tile(t * size))
+    out = jax.lax.fori_loop(0, num_full, step, out)
     if remainder:
-        tail = call(num_full * size, remainder)
-        out = jax.tree.map(lambda x, y: jnp.concatenate([x, y], axis=out_axis(x.ndim)), out, tail)
+        out = put(out, num_full * size, tile(num_full * size, remainder))
     return out
 
 
@@ -197,14 +236,6 @@ def _merge(x: jax.Array, axis: int) -> jax.Array:
     """[..., shards, rows, ...] (shards at `axis`) -> [..., shards * rows, ...], inverting _split."""
     shape = np.shape(x)
     return x.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2 :])
-
-
-def _untile(stacked: jax.Array, axis: int) -> jax.Array:
-    """[num_full, ..., size, ...] -> [..., num_full * size, ...]: the loop's stacked output leaf
-    with its subbatches in place (axis: where size is, once the loop's dimension goes)."""
-    moved = jnp.moveaxis(stacked, 0, axis)  # [..., num_full, size, ...]
-    shape = moved.shape
-    return moved.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2 :])
 
 
 def _check_outputs(tree: Any, axis: int, size: int) -> None:

@@ -146,8 +146,10 @@ class _AttentionModule(hk.Module):
         if rows is None:
             return forward(*args)
         batched = [x is not None and x.shape[axis] == batch for x in args]
-        forward = jax.checkpoint(forward, policy=remat_saveable(self.global_config.remat_policy))
-        return mapping.subbatch(forward, args, subbatch_size=rows, batched=batched, axis=axis)
+        remat = remat_saveable(self.global_config.remat_policy)
+        return mapping.subbatch(
+            forward, args, subbatch_size=rows, batched=batched, axis=axis, remat=remat
+        )
 
 
 # The module's own tiling for speed on CPU, where a tile whose logits stay near TILE_BYTES stays
