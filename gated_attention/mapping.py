@@ -145,9 +145,8 @@ def _loop(fn, args, where: dict[int, int], size: int, out_axis, remat) -> Any:
         shape = list(s.shape)
         shape[out_axis(len(shape))] = length
         mesh = sharding.explicit_axes(s)[0]
-        if mesh is None:
-            return jnp.zeros(shape, s.dtype)
-        return jax.lax.full(shape, 0, s.dtype, sharding=s.sharding)
+        zeros = jnp.zeros(shape, s.dtype)
+        return zeros if mesh is None else jax.sharding.reshard(zeros, s.sharding)
 
     out = jax.tree.map(full, shapes)
     step = lambda t, out: put(out, t * size, full_tile(t * size))

@@ -163,7 +163,19 @@ def compile(fn, *args, target: str, dump_to: str | None = None, static: dict | N
     import jax
 
     args = on_target(args, target)
-    lowered = jax.jit(functools.partial(fn, **(static or {}))).lower(*args)
+    jitted = jax.jit(functools.partial(fn, **(static or {})))
+    if TARGETS[target].kind == "gpu":
+        # jax >= 0.12 lowers Pallas's Triton calls for the abstract mesh's device (its kind names
+        # the compute capability); the deviceless compile has no other device to ask.
+        d = device(target)
+        gpu = jax.sharding.AbstractDevice(
+            device_kind=d.device_kind, num_cores=d.core_count, platform="cuda"
+        )
+        mesh = jax.sharding.AbstractMesh((1,), ("device",), abstract_device=gpu)
+        with jax.sharding.use_abstract_mesh(mesh):
+            lowered = jitted.trace(*args).lower()
+    else:
+        lowered = jitted.lower(*args)
     options = {"xla_dump_to": dump_to} if dump_to else None
     return lowered.compile(options) if options else lowered.compile()
 
