@@ -183,18 +183,20 @@ def _choose(resolved, query, key, value, biases, mask, compute_dtype, options, p
 
 def _choose_per_platform(resolved, kinds, query, policy, flat_args, options):
     """{kind: (implementation, reason, compute dtype)} for every kind the program may be compiled
-    for. A kind where nothing takes the inputs is left out, unless it is the first (the inputs'
-    or the host's), whose NotImplementedError is raised: the call cannot run where it is."""
-    plans = {}
-    for i, kind in enumerate(kinds):
+    for where something takes the inputs. When nothing does anywhere, the first kind's (the
+    inputs' or the host's) NotImplementedError is raised; a kind left out has no branch, so
+    compiling for it fails in lowering (a named GPU kernel compiled for the CPU host)."""
+    plans, errors = {}, []
+    for kind in kinds:
         compute = numerics.compute_dtype(query.dtype, policy, backend=kind)
         try:
             impl, reason = _choose(resolved, *flat_args, compute, options, kind)
-        except NotImplementedError:
-            if i == 0:
-                raise
+        except NotImplementedError as e:
+            errors.append(e)
             continue
         plans[kind] = (impl, reason, compute)
+    if not plans:
+        raise errors[0]
     return plans
 
 

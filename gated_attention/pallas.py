@@ -18,8 +18,9 @@ Backward, two kernels, no atomics, so the gradients are deterministic:
 Numerics follow numerics.py: logits, softmax and accumulation in float32; masked logits are
 selected to MASK_VALUE (a fully masked row is then uniform); queries with no key and keys no query
 sees are zeroed as they are loaded (so masked garbage never leaks), and fully masked rows get the
-uniform average of the values as given. float32 dots run in full float32 (IEEE), not TF32, unless
-`allow_tf32`. Head dims up to 128 are padded inside the tiles to a power of two of at least 16
+uniform average of the values as given. float32 dots follow JAX's matmul precision as XLA's do on
+a GPU (dot_precision): TF32 tensor-core MMAs by default, three TF32 passes at 'high', IEEE at
+'highest'. Head dims up to 128 are padded inside the tiles to a power of two of at least 16
 (Triton's smallest dot); sequence lengths need not be multiples of the blocks (masked loads).
 
 `interpret=True` runs the same kernels in Pallas's interpreter on any backend: how they are tested
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +72,42 @@ def _pow2_tile(n: int) -> int:
     return max(MIN_TILE, 1 << max(0, n - 1).bit_length())
 
 
+# jax_default_matmul_precision's names -> the three levels of lax.Precision.
+_PRECISION_NAMES = {
+    "default": "default",
+    "fastest": "default",
+    "bfloat16": "default",
+    "high": "high",
+    "tensorfloat32": "high",
+    "bfloat16_3x": "high",
+    "highest": "highest",
+    "float32": "highest",
+}
+
+
+def dot_precision(precision, compute_dtype, interpret: bool):
+    """The float32 dots' precision, as XLA's own float32 dots on a GPU follow JAX's: the call's
+    `precision`, else jax_default_matmul_precision, else DEFAULT. DEFAULT is one TF32 pass on the
+    tensor cores (about 1e-3 relative error, what AF2's einsums get on a GPU), HIGH three TF32
+    passes (near float32), HIGHEST IEEE float32 (scalar FMAs: slow). Half precision: None. In the
+    interpreter (on CPU, where there is no TF32) every level computes in float32."""
+    if jnp.dtype(compute_dtype) != jnp.float32:
+        return None
+    if precision is None:
+        precision = jax.config.jax_default_matmul_precision
+    if isinstance(precision, tuple):
+        precision = max(precision, key=lambda p: p.value)
+    if isinstance(precision, lax.Precision):
+        level = precision.name.lower()
+    else:
+        level = _PRECISION_NAMES.get(str(precision).lower(), "highest") if precision else "default"
+    if level == "highest" or interpret:
+        return lax.Precision.HIGHEST
+    if level == "high":
+        return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return lax.Precision.DEFAULT
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasAttention(base.Implementation):
     """Fused attention in Pallas/Triton with per-bias broadcast and a deterministic bias gradient.
@@ -81,7 +119,6 @@ class PallasAttention(base.Implementation):
       num_stages: Triton software-pipelining stages.
       bias_grad_programs: about how many programs the dq/bias-gradient kernel should have when a
         bias is shared over the batch; batch rows are grouped so that it does.
-      allow_tf32: let float32 dots use TF32 on GPU (faster, about 1e-3 relative error).
       interpret: run the kernels in Pallas's interpreter (any backend; slow, for tests).
     """
 
@@ -91,8 +128,9 @@ class PallasAttention(base.Implementation):
     num_warps: int | None = None
     num_stages: int = 2
     bias_grad_programs: int = 512
-    allow_tf32: bool = False
     interpret: bool = False
+
+    TAKES = frozenset({"precision"})
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -102,14 +140,13 @@ class PallasAttention(base.Implementation):
         checks.check_int("num_warps", self.num_warps, optional=True)
         checks.check_int("num_stages", self.num_stages)
         checks.check_int("bias_grad_programs", self.bias_grad_programs)
-        checks.check_bool("allow_tf32", self.allow_tf32)
         checks.check_bool("interpret", self.interpret)
 
     def check(
         self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
     ):
-        # TAKES is empty: the kernels take no grouped-query attention, causal/window/length
-        # masks, soft cap, precision or residual (base.Implementation.check refuses them).
+        # TAKES has only precision: the kernels take no grouped-query attention, causal/window/
+        # length masks, soft cap or residual (base.Implementation.check refuses them).
         super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
         platform = jax.default_backend() if platform is None else platform
         if not self.interpret and platform != "gpu":
@@ -131,7 +168,6 @@ class PallasAttention(base.Implementation):
     def __call__(
         self, query, key, value, biases, mask, *, scale, compute_dtype, options=base.PLAIN
     ):
-        del options  # check() refuses every option
         live = None
         if mask is not None:  # int8 for Triton; live queries/keys per row and head (numerics)
             live = (
@@ -139,7 +175,8 @@ class PallasAttention(base.Implementation):
                 jnp.any(mask, axis=3).astype(jnp.int8),  # [B|1, N|1, T|1]
                 jnp.any(mask, axis=2).astype(jnp.int8),  # [B|1, N|1, S|1]
             )
-        plan = _Plan.make(self, query, key, value, biases, scale, compute_dtype)
+        precision = dot_precision(options.precision, compute_dtype, self.interpret)
+        plan = _Plan.make(self, query, key, value, biases, scale, compute_dtype, precision)
         out = _attention(plan, query, key, value, tuple(biases), live)
         return numerics.uniform_where_fully_masked(out, value, mask, head_major=False)
 
@@ -157,11 +194,13 @@ class _Plan:
     groups: int  # batch-row groups of the dq/bias-gradient kernel
     num_warps: int
     num_stages: int
-    precision: lax.Precision | None
+    precision: Any
     interpret: bool
 
     @classmethod
-    def make(cls, impl: PallasAttention, query, key, value, biases, scale, compute_dtype):
+    def make(
+        cls, impl: PallasAttention, query, key, value, biases, scale, compute_dtype, precision
+    ):
         batch, q_len, heads, head_dim = query.shape
         k_len, value_dim = key.shape[1], value.shape[-1]
         block_q = min(impl.block_q, _pow2_tile(q_len))
@@ -170,7 +209,6 @@ class _Plan:
             programs_per_row = heads * -(-q_len // block_q)
             groups = min(batch, max(1, -(-impl.bias_grad_programs // programs_per_row)))
         padded = max(_pow2_tile(head_dim), _pow2_tile(value_dim))
-        f32 = jnp.dtype(compute_dtype) == jnp.float32
         return cls(
             scale=float(scale),
             compute_dtype=jnp.dtype(compute_dtype).name,
@@ -181,7 +219,7 @@ class _Plan:
             groups=groups,
             num_warps=impl.num_warps or (8 if padded > 64 else 4),
             num_stages=impl.num_stages,
-            precision=lax.Precision.HIGHEST if f32 and not impl.allow_tf32 else None,
+            precision=precision,
             interpret=impl.interpret,
         )
 

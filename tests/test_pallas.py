@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import gated_attention as ga
+from gated_attention import pallas
 from tests import implementation_harness as harness
 from tests.helpers import rand
 from tests.implementation_harness import ImplementationTests
@@ -144,15 +146,36 @@ def test_check_says_why(specs, compute_dtype, match):
         INTERPRETED.check(q, k, v, (bias,), mask, compute_dtype=compute_dtype)
 
 
-def test_auto_takes_it_on_gpu(monkeypatch):
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+def test_auto_takes_it_on_gpu():
     q, k, v, bias, mask = _specs()
-    impl, reason = ga.Auto().choose(q, k, v, (bias,), mask, compute_dtype=jnp.float32)
+    impl, reason = ga.Auto().choose(
+        q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu"
+    )
     assert impl.name == "pallas" and "Pallas kernel takes these inputs" in reason
+    impl, _ = ga.Auto().choose(q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="cpu")
+    assert impl.name == "xla"
     # What the kernel cannot take goes on down the rules (float64: not cuDNN either).
     q64, k64, v64, *_ = _specs(jnp.float64)
-    impl, _ = ga.Auto().choose(q64, k64, v64, (), None, compute_dtype=jnp.float64)
+    impl, _ = ga.Auto().choose(q64, k64, v64, (), None, compute_dtype=jnp.float64, platform="gpu")
     assert impl.name == "xla"
+
+
+def test_float32_dots_follow_jax_matmul_precision():
+    """As XLA's float32 dots on a GPU: TF32 by default, three TF32 passes at 'high', IEEE at
+    'highest'; the call's precision first, then jax_default_matmul_precision. Half precision
+    takes none, and the interpreter (CPU, no TF32) computes every level in float32."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    dot_precision = pallas.dot_precision
+    assert dot_precision(None, f32, False) == lax.Precision.DEFAULT
+    assert dot_precision(lax.Precision.HIGH, f32, False) == lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    assert dot_precision(lax.Precision.HIGHEST, f32, False) == lax.Precision.HIGHEST
+    assert dot_precision(lax.Precision.DEFAULT, f32, True) == lax.Precision.HIGHEST
+    assert dot_precision(lax.Precision.HIGHEST, bf16, False) is None
+    with jax.default_matmul_precision("float32"):
+        assert dot_precision(None, f32, False) == lax.Precision.HIGHEST
+        assert dot_precision(lax.Precision.DEFAULT, f32, False) == lax.Precision.DEFAULT
+    with jax.default_matmul_precision("tensorfloat32"):
+        assert dot_precision(None, f32, False) == lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 @pytest.mark.parametrize(

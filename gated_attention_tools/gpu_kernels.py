@@ -1,0 +1,252 @@
+"""What ptxas makes of the Pallas kernels for a GPU target, compiled deviceless (targets.py).
+
+For one case (dtype, head dims, bias and mask forms, lengths, precision) `kernel_stats` compiles
+the op's forward and its gradient with PallasAttention for the target, dumps the PTX, runs
+`ptxas -v` on each kernel and reads back per kernel: registers per thread, spill stores and loads,
+the launch's dynamic shared memory, and whether its dots are tensor-core MMA instructions
+(`mma.sync` / `wgmma`). Nothing runs on a GPU: these say what compiles and how, never how fast.
+
+  python -m gated_attention_tools.gpu_kernels --target h100 --out benchmark_results/gpu_kernels/h100.json
+
+compiles the whole case matrix (each case in a child process) and writes the figures with a
+markdown summary beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import itertools
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gated_attention_tools import targets
+
+KERNELS = ("gated_attention_forward", "gated_attention_dkdv", "gated_attention_dq_dbias")
+DTYPES = ("float32", "bfloat16", "float16")
+HEAD_DIMS = (8, 16, 32, 64, 128)
+BIASES = ("shared", "per_row", "both", "none")
+MASKS = ("key", "full", "none")
+PRECISIONS = ("default", "high", "highest")  # float32 only; half precision ignores it
+_MMA = re.compile(r"\b(mma\.sync|wgmma\.mma_async)\b")
+
+
+def case_name(case: dict[str, Any]) -> str:
+    precision = f" {case['precision']}" if case["dtype"] == "float32" else ""
+    return (
+        f"{case['dtype']}{precision} H{case['head_dim']} bias={case['bias']} "
+        f"mask={case['mask']} T={case['q_len']} S={case['k_len']}"
+    )
+
+
+def kernel_stats(
+    target: str,
+    dtype: str,
+    head_dim: int,
+    bias: str,
+    mask: str,
+    precision: str = "default",
+    batch: int = 2,
+    q_len: int = 200,
+    k_len: int = 136,
+    heads: int = 2,
+    tuning: dict | None = None,
+) -> dict[str, Any]:
+    """Compiles the case for the target and returns {kernel name: figures} (a child's function)."""
+    import jax
+    import jax.numpy as jnp
+
+    import gated_attention as ga
+
+    dt = jnp.dtype(dtype)
+    qkv = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dt)
+    kv = jax.ShapeDtypeStruct((batch, k_len, heads, head_dim), dt)
+    shapes = dict(
+        shared=[(1, heads, q_len, k_len)],
+        per_row=[(batch, heads, q_len, k_len)],
+        both=[(1, heads, q_len, k_len), (batch, heads, q_len, k_len)],
+        none=[],
+    )[bias]
+    biases = [jax.ShapeDtypeStruct(s, dt) for s in shapes]
+    mask_shape = dict(key=(batch, 1, 1, k_len), full=(batch, heads, q_len, k_len), none=None)[mask]
+    mask_spec = None if mask_shape is None else jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
+    impl = ga.PallasAttention(**(tuning or {}))
+    lax_precision = dict(default=None, high="high", highest="highest")[precision]
+
+    def step(q, k, v, biases, mask, cotangent):
+        def attend(q, k, v, biases):
+            return ga.dot_product_attention(
+                q,
+                k,
+                v,
+                list(biases) or None,
+                mask,
+                implementation=impl,
+                compute_dtype="input",
+                precision=lax_precision,
+            )
+
+        out, vjp = jax.vjp(attend, q, k, v, tuple(biases))
+        return out, vjp(cotangent)
+
+    spec = targets.target(target)
+    with tempfile.TemporaryDirectory() as dump:
+        start = time.perf_counter()
+        targets.compile(
+            step, qkv, kv, kv, tuple(biases), mask_spec, qkv, target=target, dump_to=dump
+        )
+        compile_s = time.perf_counter() - start
+        kernels = _ptx_kernels(dump, spec.arch)
+        launches = _launches(dump)
+    for name, launch in launches.items():
+        if name in kernels:
+            kernels[name].update(launch)
+    return dict(kernels=kernels, compile_s=round(compile_s, 1))
+
+
+def _ptx_kernels(dump: str, arch: str) -> dict[str, dict[str, Any]]:
+    """{kernel: registers, spill bytes, MMA} from ptxas -v on every dumped .ptx of ours."""
+    kernels = {}
+    for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
+        text = Path(path).read_text()
+        names = [k for k in KERNELS if f".entry {k}" in text or f".entry {k}(" in text]
+        if not names:
+            continue
+        run = subprocess.run(
+            [targets.ptxas(), f"-arch={arch}", "-v", path, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        info = run.stderr
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+        registers = re.search(r"Used (\d+) registers", info)
+        kernels[names[0]] = dict(
+            registers=int(registers.group(1)),
+            spill_store_bytes=int(spills.group(1)) if spills else 0,
+            spill_load_bytes=int(spills.group(2)) if spills else 0,
+            mma=bool(_MMA.search(text)),
+            scalar_fma=text.count("fma.rn.f32"),
+        )
+    return kernels
+
+
+def _launches(dump: str) -> dict[str, dict[str, Any]]:
+    """{kernel: dynamic shared memory, threads} from XLA's thunk sequence."""
+    found = {}
+    for path in glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt")):
+        for line in Path(path).read_text().splitlines():
+            m = re.search(
+                r"(gated_attention_\w+) grid: .* threads: \[(\d+).*shared_memory: (\d+)", line
+            )
+            if m:
+                found[m.group(1)] = dict(
+                    threads=int(m.group(2)), shared_memory_bytes=int(m.group(3))
+                )
+    return found
+
+
+def matrix() -> list[dict[str, Any]]:
+    """Every case PallasAttention.check accepts, by dtype x head dim x bias x mask (float32 at
+    each precision), at lengths that are not multiples of the tiles."""
+    cases = []
+    for dtype, head_dim, bias, mask in itertools.product(DTYPES, HEAD_DIMS, BIASES, MASKS):
+        for precision in PRECISIONS if dtype == "float32" else ("default",):
+            cases.append(
+                dict(dtype=dtype, head_dim=head_dim, bias=bias, mask=mask, precision=precision)
+            )
+    return cases
+
+
+def verdict(target: str, case: dict[str, Any], stats: dict[str, Any]) -> list[str]:
+    """What is wrong with a case's kernels (empty: nothing): spills, shared memory over the
+    target's limit, a missing kernel, no MMA where the precision asks for the tensor cores."""
+    limit = targets.target(target).shared_memory_bytes
+    wants_mma = case["dtype"] != "float32" or case["precision"] != "highest"
+    problems = []
+    for name in KERNELS:
+        k = stats["kernels"].get(name)
+        if k is None:
+            problems.append(f"{name}: not found")
+            continue
+        if k["spill_store_bytes"] or k["spill_load_bytes"]:
+            problems.append(f"{name}: spills {k['spill_store_bytes']} B")
+        if k.get("shared_memory_bytes", 0) > limit:
+            problems.append(f"{name}: shared memory {k['shared_memory_bytes']} > {limit}")
+        if wants_mma and not k["mma"]:
+            problems.append(f"{name}: no MMA")
+    return problems
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--target",
+        default="h100",
+        choices=[t for t, s in targets.TARGETS.items() if s.kind == "gpu"],
+    )
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--limit", type=int, default=0, help="first N cases only (0: all)")
+    args = parser.parse_args()
+    cases = matrix()[: args.limit or None]
+    rows = []
+    for i, case in enumerate(cases):
+        try:
+            stats = targets.in_child(
+                "gated_attention_tools.gpu_kernels:kernel_stats", dict(target=args.target, **case)
+            )
+            problems = verdict(args.target, case, stats)
+        except RuntimeError as e:
+            stats, problems = {}, [f"compile failed: {str(e).strip().splitlines()[-1][:200]}"]
+        rows.append(dict(case=case, **stats, problems=problems))
+        print(
+            f"[{i + 1}/{len(cases)}] {case_name(dict(case, q_len=200, k_len=136))}: "
+            f"{'; '.join(problems) or 'ok'}",
+            flush=True,
+        )
+    import jax
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = dict(target=args.target, jax=jax.__version__, ptxas=_ptxas_version(), rows=rows)
+    out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(markdown(result))
+
+
+def _ptxas_version() -> str:
+    run = subprocess.run([targets.ptxas(), "--version"], capture_output=True, text=True)
+    return run.stdout.strip().splitlines()[-1]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    bad = [r for r in rows if r["problems"]]
+    lines = [
+        f"# Pallas kernels compiled for {result['target']} (jax {result['jax']}, {result['ptxas']})",
+        "",
+        f"{len(rows)} cases, {len(rows) - len(bad)} with no problem (0 spills, shared memory in "
+        "the limit, MMA in every non-IEEE kernel).",
+        "",
+        "| case | kernel | registers | spill stores (B) | shared memory (B) | MMA | problems |",
+        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    for r in rows:
+        name = case_name(dict(r["case"], q_len=200, k_len=136))
+        for kernel in KERNELS:
+            k = r.get("kernels", {}).get(kernel, {})
+            lines.append(
+                f"| {name} | {kernel} | {k.get('registers', '')} | {k.get('spill_store_bytes', '')} "
+                f"| {k.get('shared_memory_bytes', '')} | {k.get('mma', '')} | "
+                f"{'; '.join(p for p in r['problems'] if p.startswith(kernel) or 'compile' in p)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
