@@ -248,12 +248,14 @@ def test_template_embedding_attention_counted_only_without_the_full_swap():
 @pytest.fixture(scope="module")
 def whole_model():
     """model_1 (templates, extra MSA, one recycle) at 16 residues, 8 clusters, 8 extra rows and 2
-    templates (padded to max_templates 4: two masked), float32, 2 blocks per stack instead of
-    48 / 4 / 2 (every module of the model; the depth only repeats them): AF2's and ours on the
-    same random params, with the module classes each trace called."""
+    templates (padded to max_templates 4: two masked), float32, 1 block per stack instead of
+    48 / 4 and 1 structure-module layer instead of 8 (every module of the model; the depth only
+    repeats them): AF2's and ours on the same random params, with the module classes each trace
+    called."""
     cfg = af2_model.model_config(n_res=16, n_seq=8, n_extra_seq=8, num_recycle=1)
     e = cfg.model.embeddings_and_evoformer
-    e.evoformer_num_block = e.extra_msa_stack_num_block = 2
+    e.evoformer_num_block = e.extra_msa_stack_num_block = 1
+    cfg.model.heads.structure_module.num_layer = 1  # its layers repeat one module: compile time
     raw = af2_model.raw_features(n_res=16, n_seq=16, n_templates=2, seed=0)
     batch = jax.device_put(af2_model.features(cfg, raw, seed=0))
     ts = {v: af2_model.transformed(cfg, ours=v == af2_model.OURS) for v in ("af2", "ours")}

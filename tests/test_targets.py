@@ -45,14 +45,11 @@ N_RES = 192
 
 def test_triangle_training_step_memory_on_the_target(target="v5e"):
     """TriangleAttention's training step (model_1, cotangent an argument) compiled for a TPU v5e:
-    AF2's temporaries grow with N^3 (its logits), ours stay within a few times the pair. (Per
-    target and crop: the device_memory benchmark preset.)"""
+    temporaries within a few times the pair (AF2's grow with N^3: the device_memory preset
+    compiles both, per target and crop, and its results say by how much)."""
     _need(target)
-    got = targets.in_child(
-        "tests.target_cases:triangle_memory", dict(target=target, n_res=N_RES), print
-    )
-    af2, ours = got["af2"], got["ours"]
+    ours = targets.in_child("tests.target_cases:triangle_memory", dict(target=target, n_res=N_RES))
     pair = ours["pair_bytes"]
     assert pair == N_RES * N_RES * 128 * 2
-    assert ours["memory"]["temp"] <= 4 * pair, ours
-    assert af2["memory"]["temp"] >= 8 * ours["memory"]["temp"], (af2, ours)
+    assert ours["chosen"] == ["xla"], ours
+    assert 0 < ours["memory"]["temp"] <= 4 * pair, ours
