@@ -72,6 +72,52 @@ def _pow2_tile(n: int) -> int:
     return max(MIN_TILE, 1 << max(0, n - 1).bit_length())
 
 
+# (block_q, block_k, num_warps, num_stages) by (dtype kind, float32 dot precision level, head dim
+# padded to a power of two >= 16): the largest tiles that compiled for both an A100 (sm_80) and an
+# H100 (sm_90) with 0 spill bytes in all three kernels, shared memory within the A100's 166,912
+# bytes and MMA instructions in every non-IEEE kernel, in the heaviest case (a shared and a per-row
+# bias, a full mask; deviceless compiles, ptxas 12.9; benchmark_results/gpu_kernels/ has the
+# per-kernel figures and the command). Half precision ignores the level.
+TILES = {
+    ("float32", "default", 16): (64, 64, 4, 2),
+    ("float32", "default", 32): (32, 32, 4, 2),
+    ("float32", "default", 64): (32, 32, 4, 1),
+    ("float32", "default", 128): (16, 16, 4, 1),
+    ("float32", "high", 16): (64, 32, 4, 2),
+    ("float32", "high", 32): (32, 16, 4, 1),
+    ("float32", "high", 64): (32, 16, 4, 1),
+    ("float32", "highest", 16): (64, 64, 8, 2),
+    ("half", "default", 16): (64, 64, 4, 2),
+    ("half", "default", 32): (64, 64, 4, 2),
+    ("half", "default", 64): (64, 32, 4, 2),
+    ("half", "default", 128): (32, 32, 4, 1),
+}
+# Anything else: the smallest tiles, which compile everywhere (may spill: see the results).
+FALLBACK_TILES = (16, 16, 4, 1)
+SHARED_MEMORY_LIMIT = 166_912  # an A100's opt-in shared memory per block, the smaller target's
+
+
+def _dtype_kind(dtype) -> str:
+    return "float32" if jnp.dtype(dtype) == jnp.float32 else "half"
+
+
+def _precision_level(precision) -> str:
+    if precision is None or precision == lax.Precision.DEFAULT:
+        return "default"
+    return "highest" if precision == lax.Precision.HIGHEST else "high"
+
+
+def shared_memory_estimate(block_q, block_k, stages, head_dim, dtype, biases, masked) -> int:
+    """An upper estimate of a kernel's shared memory, bytes: per pipeline stage the streamed
+    key/value (or query/output-gradient) tiles and the bias and mask tiles, plus the resident
+    tiles, with a 10 % margin (checked against ptxas: benchmark_results/gpu_kernels/)."""
+    item = jnp.dtype(dtype).itemsize
+    padded, rows = _pow2_tile(head_dim), max(block_q, block_k)
+    tile_bytes = block_q * block_k * (sum(jnp.dtype(b.dtype).itemsize for b in biases) + masked)
+    streamed = 2 * rows * padded * item + tile_bytes
+    return int(1.1 * (stages * streamed + 2 * rows * padded * item))
+
+
 # jax_default_matmul_precision's names -> the three levels of lax.Precision.
 _PRECISION_NAMES = {
     "default": "default",
@@ -113,20 +159,21 @@ class PallasAttention(base.Implementation):
     """Fused attention in Pallas/Triton with per-bias broadcast and a deterministic bias gradient.
 
     Attributes:
-      block_q: queries per tile (a power of two >= 16; shorter sequences take a smaller tile).
+      block_q: queries per tile (a power of two >= 16; shorter sequences take a smaller tile;
+        None: from TILES, by dtype, precision and head dim).
       block_k: keys per tile (likewise).
-      num_warps: Triton warps per program (None: 4, or 8 for padded head dims above 64).
-      num_stages: Triton software-pipelining stages.
+      num_warps: Triton warps per program (None: from TILES).
+      num_stages: Triton software-pipelining stages (None: from TILES).
       bias_grad_programs: about how many programs the dq/bias-gradient kernel should have when a
         bias is shared over the batch; batch rows are grouped so that it does.
       interpret: run the kernels in Pallas's interpreter (any backend; slow, for tests).
     """
 
     name = "pallas"
-    block_q: int = 64
-    block_k: int = 64
+    block_q: int | None = None
+    block_k: int | None = None
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int | None = None
     bias_grad_programs: int = 512
     interpret: bool = False
 
@@ -134,11 +181,11 @@ class PallasAttention(base.Implementation):
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
-            value = checks.check_int(name, getattr(self, name), minimum=MIN_TILE)
-            if value & (value - 1):
+            value = checks.check_int(name, getattr(self, name), minimum=MIN_TILE, optional=True)
+            if value is not None and value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= {MIN_TILE}, got {value}")
         checks.check_int("num_warps", self.num_warps, optional=True)
-        checks.check_int("num_stages", self.num_stages)
+        checks.check_int("num_stages", self.num_stages, optional=True)
         checks.check_int("bias_grad_programs", self.bias_grad_programs)
         checks.check_bool("interpret", self.interpret)
 
@@ -164,6 +211,24 @@ class PallasAttention(base.Implementation):
                 f"the Pallas kernel takes head dims <= {MAX_HEAD_DIM}, got {dims[0]} (query/key) "
                 f"and {dims[1]} (value)"
             )
+        precision = dot_precision(options.precision, compute_dtype, self.interpret)
+        block_q, block_k, _, stages = self.tiles(compute_dtype, precision, max(dims))
+        need = shared_memory_estimate(
+            block_q, block_k, stages, max(dims), compute_dtype, biases, mask is not None
+        )
+        if need > SHARED_MEMORY_LIMIT:
+            raise NotImplementedError(
+                f"tiles {block_q} x {block_k} with {stages} stages need about {need:,} bytes of "
+                f"shared memory at head dim {max(dims)} ({jnp.dtype(compute_dtype)}), over the "
+                f"{SHARED_MEMORY_LIMIT:,} an A100 block has: take smaller tiles"
+            )
+
+    def tiles(self, compute_dtype, precision, head_dim: int) -> tuple[int, int, int, int]:
+        """(block_q, block_k, num_warps, num_stages): the fields where given, else TILES'."""
+        key = (_dtype_kind(compute_dtype), _precision_level(precision), _pow2_tile(head_dim))
+        table = TILES.get(key, FALLBACK_TILES)
+        given = (self.block_q, self.block_k, self.num_warps, self.num_stages)
+        return tuple(g if g is not None else t for g, t in zip(given, table, strict=True))
 
     def __call__(
         self, query, key, value, biases, mask, *, scale, compute_dtype, options=base.PLAIN
@@ -203,22 +268,23 @@ class _Plan:
     ):
         batch, q_len, heads, head_dim = query.shape
         k_len, value_dim = key.shape[1], value.shape[-1]
-        block_q = min(impl.block_q, _pow2_tile(q_len))
+        padded = max(_pow2_tile(head_dim), _pow2_tile(value_dim))
+        tile_q, tile_k, num_warps, num_stages = impl.tiles(compute_dtype, precision, padded)
+        block_q = min(tile_q, _pow2_tile(q_len))
         groups = batch
         if any(b.shape[0] == 1 for b in biases) and batch > 1:
             programs_per_row = heads * -(-q_len // block_q)
             groups = min(batch, max(1, -(-impl.bias_grad_programs // programs_per_row)))
-        padded = max(_pow2_tile(head_dim), _pow2_tile(value_dim))
         return cls(
             scale=float(scale),
             compute_dtype=jnp.dtype(compute_dtype).name,
             block_q=block_q,
-            block_k=min(impl.block_k, _pow2_tile(k_len)),
+            block_k=min(tile_k, _pow2_tile(k_len)),
             head_dim=head_dim,
             value_dim=value_dim,
             groups=groups,
-            num_warps=impl.num_warps or (8 if padded > 64 else 4),
-            num_stages=impl.num_stages,
+            num_warps=num_warps,
+            num_stages=num_stages,
             precision=precision,
             interpret=impl.interpret,
         )

@@ -152,11 +152,11 @@ def _launches(dump: str) -> dict[str, dict[str, Any]]:
     return found
 
 
-def matrix() -> list[dict[str, Any]]:
+def matrix(biases=BIASES, masks=MASKS) -> list[dict[str, Any]]:
     """Every case PallasAttention.check accepts, by dtype x head dim x bias x mask (float32 at
     each precision), at lengths that are not multiples of the tiles."""
     cases = []
-    for dtype, head_dim, bias, mask in itertools.product(DTYPES, HEAD_DIMS, BIASES, MASKS):
+    for dtype, head_dim, bias, mask in itertools.product(DTYPES, HEAD_DIMS, biases, masks):
         for precision in PRECISIONS if dtype == "float32" else ("default",):
             cases.append(
                 dict(dtype=dtype, head_dim=head_dim, bias=bias, mask=mask, precision=precision)
@@ -193,8 +193,10 @@ def main() -> None:
     )
     parser.add_argument("--out", required=True)
     parser.add_argument("--limit", type=int, default=0, help="first N cases only (0: all)")
+    parser.add_argument("--biases", default=",".join(BIASES), help="bias forms, comma-separated")
+    parser.add_argument("--masks", default=",".join(MASKS), help="mask forms, comma-separated")
     args = parser.parse_args()
-    cases = matrix()[: args.limit or None]
+    cases = matrix(args.biases.split(","), args.masks.split(","))[: args.limit or None]
     rows = []
     for i, case in enumerate(cases):
         try:

@@ -48,3 +48,10 @@ def triangle_memory(target: str, n_res: int) -> dict:
 
     cell = dict(target=target, what="triangle_start", n_res=n_res, n_seq=1, dtype="bfloat16")
     return device_memory.compile_cell(**cell, mode="training", variant="ours")
+
+
+def kernel_cases(target: str, cases: list[dict]) -> list[dict]:
+    """gpu_kernels.kernel_stats for several cases in one process (the compilers start once)."""
+    from gated_attention_tools import gpu_kernels
+
+    return [gpu_kernels.kernel_stats(target, **case) for case in cases]

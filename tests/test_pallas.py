@@ -182,7 +182,7 @@ def test_float32_dots_follow_jax_matmul_precision():
     "kwargs, match",
     [
         (dict(block_q=24), "block_q must be a power of two >= 16, got 24"),
-        (dict(block_k=8), "block_k must be an int >= 16, got 8"),
+        (dict(block_k=8), "block_k must be None or an int >= 16, got 8"),
         (dict(bias_grad_programs=0), "bias_grad_programs must be an int >= 1, got 0"),
         (dict(interpret="yes"), "interpret must be a bool, got 'yes'"),
     ],
@@ -190,3 +190,23 @@ def test_float32_dots_follow_jax_matmul_precision():
 def test_bad_tuning_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ga.PallasAttention(**kwargs)
+
+
+def test_tiles_come_from_the_table_and_oversized_ones_are_refused():
+    """Tiles not given come from TILES (by dtype, precision and head dim); tiles whose shared
+    memory would pass an A100's are refused by check (so 'auto' moves on), never a compile error."""
+    impl = ga.PallasAttention()
+    assert (
+        impl.tiles(jnp.float32, lax.Precision.DEFAULT, 128)
+        == pallas.TILES[("float32", "default", 128)]
+    )
+    assert ga.PallasAttention(block_q=32).tiles(jnp.bfloat16, None, 64)[0] == 32
+    q, k, v, bias, mask = _specs(jnp.float32, head_dim=128)
+    impl.check(q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu")
+    big = ga.PallasAttention(block_q=128, block_k=128, num_stages=2)
+    with pytest.raises(NotImplementedError, match="shared memory at head dim 128"):
+        big.check(q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu")
+    impl, _ = ga.Auto(pallas=big).choose(
+        q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu"
+    )
+    assert impl.name == "xla"
