@@ -42,12 +42,23 @@ def auto_choice(target: str, dtype: str) -> dict:
     )
 
 
-def triangle_memory(target: str, n_res: int) -> dict:
-    """Our TriangleAttention's bfloat16 training step compiled for `target`."""
-    from gated_attention_tools import device_memory
+def triangle_op_memory(target: str, n_res: int) -> dict:
+    """The op's gradient at a triangle's shapes ([N, N, 4, 32] bfloat16, a shared [1, 4, N, N]
+    bias, a key mask, the cotangent an argument) under 'auto', compiled for `target`."""
+    dt = jnp.bfloat16
+    qkv = jax.ShapeDtypeStruct((n_res, n_res, 4, 32), dt)
+    bias = jax.ShapeDtypeStruct((1, 4, n_res, n_res), dt)
+    mask = jax.ShapeDtypeStruct((n_res, 1, 1, n_res), jnp.bool_)
 
-    cell = dict(target=target, what="triangle_start", n_res=n_res, n_seq=1, dtype="bfloat16")
-    return device_memory.compile_cell(**cell, mode="training", variant="ours")
+    def step(q, k, v, bias, mask, cotangent):
+        fwd = lambda q, k, v, bias: ga.dot_product_attention(q, k, v, bias, mask)
+        _, vjp = jax.vjp(fwd, q, k, v, bias)
+        return vjp(cotangent)
+
+    with ga.record_implementation_choices() as record:
+        compiled = targets.compile(step, qkv, qkv, qkv, bias, mask, qkv, target=target)
+    kind = targets.target(target).kind
+    return dict(chosen=record[0]["by_platform"][kind]["chosen"], memory=targets.memory(compiled))
 
 
 def kernel_cases(target: str, cases: list[dict]) -> list[dict]:

@@ -548,13 +548,22 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("option", list(REFUSALS))
+@pytest.mark.parametrize("option", [o for o in REFUSALS if o != "precision"])
 def test_pallas_refuses_what_its_kernels_do_not_implement(option):
     kv_heads, kwargs, match = REFUSALS[option]
     q, kv = _spec((2, 16, 4, 16)), _spec((2, 16, kv_heads, 16))
     impl = ga.PallasAttention(interpret=True)
     with pytest.raises(NotImplementedError, match="pallas does not implement " + match):
         impl.check(q, kv, kv, (), None, compute_dtype=jnp.bfloat16, options=_options(**kwargs))
+
+
+def test_pallas_takes_precision():
+    """The kernels' float32 dots follow the precision (pallas.dot_precision); check takes it."""
+    _, kwargs, _ = REFUSALS["precision"]
+    q = _spec((2, 16, 4, 16))
+    ga.PallasAttention(interpret=True).check(
+        q, q, q, (), None, compute_dtype=jnp.float32, options=_options(**kwargs)
+    )
 
 
 def test_cudnn_takes_jax_nns_arguments_and_refuses_the_rest():

@@ -40,16 +40,20 @@ def test_auto_chooses_for_the_target_not_the_host(target, dtype, chosen, kernel,
     assert 0 < got["memory"]["peak"] < 2**24
 
 
-N_RES = 192
+N_RES = 256
 
 
-def test_triangle_training_step_memory_on_the_target(target="v5e"):
-    """TriangleAttention's training step (model_1, cotangent an argument) compiled for a TPU v5e:
-    temporaries within a few times the pair (AF2's grow with N^3: the device_memory preset
-    compiles both, per target and crop, and its results say by how much)."""
+def test_triangle_gradient_memory_on_the_target(target="v5e"):
+    """The op's gradient at a 256^2 triangle (bfloat16, shared bias, cotangent an argument)
+    compiled for a TPU v5e: its temporaries stay a small fraction of the float32 logits of one
+    dense pass ([N, 4, N, N], what AF2 and jax.nn's XLA path hold), which are never built. (Per
+    module, target and crop, against AF2's: the device_memory preset.)"""
     _need(target)
-    ours = targets.in_child("tests.target_cases:triangle_memory", dict(target=target, n_res=N_RES))
-    pair = ours["pair_bytes"]
-    assert pair == N_RES * N_RES * 128 * 2
-    assert ours["chosen"] == ["xla"], ours
-    assert 0 < ours["memory"]["temp"] <= 4 * pair, ours
+    got = targets.in_child(
+        "tests.target_cases:triangle_op_memory", dict(target=target, n_res=N_RES)
+    )
+    logits = N_RES * 4 * N_RES * N_RES * 4
+    assert got["chosen"] in ("xla", "chunked"), got
+    memory = got["memory"]
+    assert memory["argument"] >= 4 * N_RES**2 * 4 * 32 * 2, memory  # q, k, v, the cotangent
+    assert memory["temp"] <= logits // 8, (memory, logits)
