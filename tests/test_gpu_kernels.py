@@ -32,6 +32,13 @@ def test_kernels_compile_without_spills_and_use_the_tensor_cores(target):
         pytest.skip(f"cannot compile for {target}: {reason}")
     cases = [dict(case, precision="default") for case in CASES[target]]
     results = targets.in_child("tests.target_cases:kernel_cases", dict(target=target, cases=cases))
+    if not any(stats["ptx_files"] for stats in results):
+        import jax
+
+        pytest.skip(
+            f"jax {jax.__version__}'s deviceless GPU compile dumps no PTX files to read (seen "
+            "with 0.12.0.1); these checks run on jax 0.10.2"
+        )
     for case, stats in zip(cases, results, strict=True):
         assert set(stats["kernels"]) == set(gpu_kernels.KERNELS), (case, stats)
         assert gpu_kernels.verdict(target, case, stats) == [], (case, stats["kernels"])
