@@ -17,7 +17,13 @@ def rand(rng, shape, dtype, scale=1.0):
     Rounded in NumPy (ml_dtypes for bfloat16) and then transferred: no XLA program per shape.
     """
     x = np.asarray(scale * rng.normal(size=shape)).astype(jnp.dtype(dtype))
-    return jnp.asarray(x), x.astype(np.float64)
+    return to_device(x), x.astype(np.float64)
+
+
+def to_device(x):
+    """A NumPy array (or a pytree of them) as jax arrays, by jax.device_put: jnp.asarray would
+    compile a copy program per shape and dtype (jax 0.10), ~20 ms each."""
+    return jax.device_put(x)
 
 
 def cast_tree(tree, dtype):

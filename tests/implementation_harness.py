@@ -30,7 +30,7 @@ import pytest
 
 import gated_attention as ga
 from tests import reference
-from tests.helpers import DTYPES, as_f64, assert_close, rand
+from tests.helpers import DTYPES, as_f64, assert_close, rand, to_device
 
 # The problem: B, T, S, N, H, Hv, all distinct (Hv = H for implementations that need equal head
 # dims). B = 5 rows make tiles of 2 rows and a remainder; T and S are not multiples of 2 and 3.
@@ -93,7 +93,7 @@ def problem(shape, dtype, form: str, seed: int = 0, *, mask=None) -> tuple[Case,
         mask = rng.random(dims(mask_spec, shape)) > 0.3
     mask = None if mask is None else np.asarray(mask, bool)
     return (
-        Case(q, k, v, bias, None if mask is None else jnp.asarray(mask), cot),
+        Case(q, k, v, bias, None if mask is None else to_device(mask), cot),
         Case(q64, k64, v64, bias64, mask, cot64),
     )
 
@@ -168,7 +168,7 @@ def _reference_run(cases, scales):
 def reference_run(cases64, *, scale=None):
     """The float64 reference's [(out, (dq, dk, dv, dbias))] of float64 cases, as NumPy (scale as
     for `run`)."""
-    cases64 = tuple(jax.tree.map(lambda x: jnp.asarray(x), c) for c in cases64)
+    cases64 = tuple(to_device(c) for c in cases64)
     return as_f64(jax.device_get(_reference_run(cases64, scales=_per_case(scale, cases64))))
 
 
@@ -250,7 +250,7 @@ def calling_convention_cases(shape, dtype):
         bias, bias64 = [p[0] for p in pairs], [p[1] for p in pairs]
         if len(pairs) == 1:
             bias, bias64 = bias[0], bias64[0]
-        m = None if mask is None else jnp.asarray(mask)
+        m = None if mask is None else to_device(mask)
         return Case(q, k, v, bias, m, cot), Case(q64, k64, v64, bias64, mask, cot64)
 
     cases = {
@@ -302,7 +302,7 @@ def with_garbage(case: Case, shape, garbage: float) -> Case:
     def fill(x, live):
         x = np.asarray(x)
         with np.errstate(over="ignore"):  # 1e12 is inf in float16
-            return jnp.asarray(np.where(live[..., None], x, np.asarray(garbage).astype(x.dtype)))
+            return to_device(np.where(live[..., None], x, np.asarray(garbage).astype(x.dtype)))
 
     return case._replace(
         q=fill(case.q, live_rows), k=fill(case.k, live_keys), v=fill(case.v, live_keys)
@@ -445,7 +445,7 @@ class ImplementationTests:
         mask = np.random.default_rng(12).random((b, n, t, s)) > 0.3
         mask[0, :, 1] = False
         mask[1] = False
-        case = probs.cases[form]._replace(mask=jnp.asarray(mask))
+        case = probs.cases[form]._replace(mask=to_device(mask))
         case64 = probs.cases64[form]._replace(mask=mask)
         result = self.run(probs, probs.replaced(**{form: case}))[form]
         out, (dq, dk, _, dbias) = as_f64(result)
@@ -472,7 +472,7 @@ class ImplementationTests:
         attends to: (a) under a key mask, with one batch row fully masked; (b) under a query-key
         mask. Rows with a key and the gradients of unmasked inputs are the clean run's."""
         clean = {
-            form: probs.cases[form]._replace(mask=jnp.asarray(mask))
+            form: probs.cases[form]._replace(mask=to_device(mask))
             for form, mask in garbage_masks(self.shape).items()
         }
         clean_results = self.run(probs, probs.replaced(**clean))
@@ -494,10 +494,10 @@ class ImplementationTests:
         key = int(np.flatnonzero(attended)[0])
         rows = ~mask[0, 0, :, key] & mask[0, 0].any(axis=1)  # [T]: mask it, have a key
         assert rows.any()
-        clean = probs.cases[form]._replace(mask=jnp.asarray(mask))
+        clean = probs.cases[form]._replace(mask=to_device(mask))
         k = np.array(clean.k)
         k[0, key] = np.nan
-        dirty = clean._replace(k=jnp.asarray(k))
+        dirty = clean._replace(k=to_device(k))
         out = as_f64(self.run(probs, probs.replaced(**{form: dirty}))[form][0])
         clean_out = as_f64(self.run(probs, probs.replaced(**{form: clean}))[form][0])
         assert np.isfinite(out[0, rows]).all(), "rows that mask the key are not finite"

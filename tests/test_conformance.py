@@ -129,6 +129,8 @@ RUNS = [
     ("chunked", "bfloat16", CORE),
     ("cudnn adapter", "float32", tuple(n for n in CORE if SCENARIOS[n].jax_nn)),
 ]
+# Their float32 runs (of every scenario) also check masked garbage beyond the lengths.
+GARBAGE_RUNS = ("xla", "chunked")
 
 
 class Case(NamedTuple):
@@ -246,9 +248,18 @@ def program(impl_name: str, names: tuple[str, ...]):
 
 
 @functools.cache
-def expected_program(names: tuple[str, ...]):
-    """float64: jax.nn where it takes the scenario, else the reference."""
-    return _program([(_jax_nn if SCENARIOS[n].jax_nn else _reference)(n) for n in names])
+def _expected_program():
+    """float64, every scenario: jax.nn where it takes the scenario, else the reference."""
+    return _program([(_jax_nn if SCENARIOS[n].jax_nn else _reference)(n) for n in NAMES])
+
+
+def expected(names: tuple[str, ...], cases64: list[Case]) -> list:
+    """The float64 expected results of `names`' float64 cases: one program for every subset (the
+    scenarios not asked for are fed their float32 inputs' copies, and dropped)."""
+    given = dict(zip(names, cases64, strict=True))
+    full = [given[n] if n in given else case(n, "float32")[1] for n in NAMES]
+    results = _expected_program()(full)
+    return [results[NAMES.index(n)] for n in names]
 
 
 def _failures(names, results, expected, dtype, cases) -> list[str]:
@@ -284,10 +295,17 @@ def _failures(names, results, expected, dtype, cases) -> list[str]:
     ("impl_name", "dtype", "names"), RUNS, ids=[f"{i}-{d}" for i, d, _ in RUNS]
 )
 def test_matches_jax_nn_or_the_reference(impl_name, dtype, names):
+    """Every scenario of `names` against jax.nn or the reference; for 'xla' and 'chunked' in
+    float32 also masked garbage beyond the lengths (garbage_failures), fed to the same compiled
+    program (one test: pytest-xdist's workers would each compile it)."""
     pairs = [case(n, dtype) for n in names]
-    results = program(impl_name, names)([p[0] for p in pairs])
-    expected = expected_program(names)([p[1] for p in pairs])
-    failures = _failures(names, results, expected, dtype, [p[0] for p in pairs])
+    run = program(impl_name, names)
+    results = run([p[0] for p in pairs])
+    want = expected(names, [p[1] for p in pairs])
+    failures = _failures(names, results, want, dtype, [p[0] for p in pairs])
+    if impl_name in GARBAGE_RUNS and dtype == "float32":
+        assert names == NAMES
+        failures += garbage_failures(run, [p[0] for p in pairs])
     assert not failures, "\n".join(failures)
 
 
@@ -308,31 +326,36 @@ def _with_garbage(name: str, c: Case) -> Case:
     return c._replace(q=jnp.asarray(q), k=jnp.asarray(k), v=jnp.asarray(v))
 
 
-@pytest.mark.parametrize("impl_name", ["xla", "chunked"])
-def test_garbage_beyond_the_lengths_does_not_leak(impl_name):
+def garbage_failures(run, clean: list[Case]) -> list[str]:
     """Garbage beyond the lengths: rows with a key and every gradient are the clean run's (and
     finite), the queries beyond the length output zero. (A batch row with no key at all gives
-    the uniform average of the values as given, garbage included: numerics.py.)"""
+    the uniform average of the values as given, garbage included: numerics.py.)
+
+    run: the float32 program of every scenario (NAMES); clean: their float32 cases. Returns the
+    failures' messages."""
     names = [n for n in NAMES if "query_seq_lengths" in SCENARIOS[n].kwargs]
     assert len(names) >= 3
-    clean = [case(n, "float32")[0] for n in NAMES]
     dirty = [_with_garbage(n, c) if n in names else c for n, c in zip(NAMES, clean, strict=True)]
-    run = program(impl_name, NAMES)  # the float32 program of test_matches_jax_nn_or_the_reference
+    failures = []
     for name, (out, _, grads), (clean_out, _, clean_grads) in zip(
         NAMES, run(dirty), run(clean), strict=True
     ):
         if name not in names:
             continue
-        has_key = allowed(name).any(axis=-1).swapaxes(1, 2)[..., None]  # [B, T, 1|N, 1]
-        has_key = np.broadcast_to(has_key, out.shape)
-        out, clean_out = np.asarray(out), np.asarray(clean_out)
-        tight = dict(rtol=1e-6, atol=1e-6)
-        assert_close(out[has_key], clean_out[has_key], tight, err_msg=name)
-        beyond = ~np.broadcast_to(valid_queries(name), out.shape)
-        np.testing.assert_array_equal(out[beyond], 0.0, err_msg=name)
-        for g, clean_g in zip(grads, clean_grads, strict=True):
-            assert np.isfinite(np.asarray(g)).all(), name
-            assert_close(g, np.asarray(clean_g), tight, err_msg=name)
+        try:
+            has_key = allowed(name).any(axis=-1).swapaxes(1, 2)[..., None]  # [B, T, 1|N, 1]
+            has_key = np.broadcast_to(has_key, out.shape)
+            out, clean_out = np.asarray(out), np.asarray(clean_out)
+            tight = dict(rtol=1e-6, atol=1e-6)
+            assert_close(out[has_key], clean_out[has_key], tight, err_msg=name)
+            beyond = ~np.broadcast_to(valid_queries(name), out.shape)
+            np.testing.assert_array_equal(out[beyond], 0.0, err_msg=name)
+            for g, clean_g in zip(grads, clean_grads, strict=True):
+                assert np.isfinite(np.asarray(g)).all(), name
+                assert_close(g, np.asarray(clean_g), tight, err_msg=name)
+        except AssertionError as error:
+            failures.append(f"garbage beyond the lengths, {name}: {error}")
+    return failures
 
 
 # ------------------------------------------------------------------------------------------------
@@ -499,14 +522,11 @@ def test_queries_sharded_along_t_keep_their_positions():
     lengths = _lengths(8, 5, 3, 0)
     kwargs = dict(is_causal=True, local_window_size=(2, 0), return_residual=True)
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-    expected, expected_res = jax.nn.dot_product_attention(
-        q64,
-        kv64,
-        kv64,
-        query_seq_lengths=jnp.asarray(lengths),
-        key_value_seq_lengths=jnp.asarray(lengths[::-1].copy()),
-        **kwargs,
-    )
+    expected, expected_res = jax.jit(  # jitted: one program, not an op-by-op dispatch
+        lambda q, kv, n, m: jax.nn.dot_product_attention(
+            q, kv, kv, query_seq_lengths=n, key_value_seq_lengths=m, **kwargs
+        )
+    )(q64, kv64, lengths, lengths[::-1].copy())
     for impl in (ga.ChunkedAttention(query_chunk_size=2, key_chunk_size=2), "xla"):
         out, res = jax.jit(
             lambda q, k, n, m, impl=impl: ga.dot_product_attention(

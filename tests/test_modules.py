@@ -98,7 +98,14 @@ def test_attention_params_are_af2s(gating, zero_init, dtype):
     m_data, _ = rand(rng, (B, K, M), dtype)
     config = dict(num_head=H, gating=gating)
     ours = _attention(config, dict(zero_init=zero_init))
-    params = jax.jit(ours.init)(jax.random.PRNGKey(7), q_data, m_data)["attention"]
+    af2 = _af2_attention(gating=gating, zero_init=zero_init)
+    # Both inits in one jitted program (compile time: the initializers' RNG code dominates).
+    params, af2_params = jax.jit(
+        lambda key: (
+            ours.init(key, q_data, m_data)["attention"],
+            af2.init(key, q_data, m_data, jnp.ones((1, 1, 1, 1), bool))["attention"],
+        )
+    )(jax.random.PRNGKey(7))
     c, cv = A // H, M // H
     expected = dict(
         query_w=(A, H, c), key_w=(M, H, c), value_w=(M, H, cv), output_w=(H, cv, O), output_b=(O,)
@@ -121,10 +128,6 @@ def test_attention_params_are_af2s(gating, zero_init, dtype):
         w = np.abs(np.asarray(params[name], np.float32))
         assert w.max() <= limit * 1.01 and w.max() > 0.8 * limit, name
     # Same initializers in the same order as AF2's module: identical params from the same key.
-    af2 = _af2_attention(gating=gating, zero_init=zero_init)
-    af2_params = jax.jit(af2.init)(
-        jax.random.PRNGKey(7), q_data, m_data, jnp.ones((1, 1, 1, 1), bool)
-    )["attention"]
     jax.tree.map(np.testing.assert_array_equal, af2_params, params)
 
 
@@ -143,9 +146,11 @@ def test_attention_key_and_value_dims():
 def test_global_attention_params_are_af2s():
     q_data, _ = rand(np.random.default_rng(0), (B, Q, A), "bfloat16")
     mask = jnp.ones((B, Q, 1), jnp.bfloat16)
-    params = jax.jit(_global_attention(dict(num_head=H)).init)(
-        jax.random.PRNGKey(3), q_data, q_data, mask
-    )
+    ours, af2 = _global_attention(dict(num_head=H)), _af2_global_attention(zero_init=False)
+    # Both inits in one jitted program (compile time: the initializers' RNG code dominates).
+    params, af2_params = jax.jit(
+        lambda key: (ours.init(key, q_data, q_data, mask), af2.init(key, q_data, q_data, mask))
+    )(jax.random.PRNGKey(3))
     c = A // H
     shapes = {k: v.shape for k, v in params["attention"].items()}
     assert shapes == dict(
@@ -157,12 +162,7 @@ def test_global_attention_params_are_af2s():
         output_w=(H, c, O),
         output_b=(O,),
     )
-    af2 = _af2_global_attention(zero_init=False)
-    jax.tree.map(
-        np.testing.assert_array_equal,
-        jax.jit(af2.init)(jax.random.PRNGKey(3), q_data, q_data, mask),
-        params,
-    )
+    jax.tree.map(np.testing.assert_array_equal, af2_params, params)
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,15 +193,37 @@ def _module_problem(dtype, case, seed=0, gating=True):
     return ours, ref
 
 
+def _failures(checks) -> list[str]:
+    """Runs every (name, check) and returns the messages of those that fail (all, not the first)."""
+    failures = []
+    for name, check in checks:
+        try:
+            check()
+        except AssertionError as e:
+            failures.append(f"--- {name}: {e}")
+    return failures
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", list(CASES))
-def test_attention_matches_reference(implementation, dtype, case):
-    (params, *inputs), (params64, *ref_inputs) = _module_problem(dtype, case)
+def test_attention_matches_reference(implementation, dtype):
+    """Every mask/bias form of CASES, all in one jitted program per implementation and dtype
+    (compile time: one program, not one per case)."""
+    problems = {case: _module_problem(dtype, case) for case in CASES}
     module = _attention(dict(num_head=H), dict(attention_implementation=implementation))
-    out = jax.jit(module.apply)(params, *inputs)
-    assert out.dtype == jnp.dtype(dtype) and out.shape == (B, Q, O)
-    assert_close(out, reference.attention(params64, *ref_inputs), reference.tolerance(dtype))
+    outs = jax.jit(lambda args: [module.apply(*a) for a in args])([p[0] for p in problems.values()])
+
+    def check(out, ref):
+        params64, *ref_inputs = ref
+        assert out.dtype == jnp.dtype(dtype) and out.shape == (B, Q, O)
+        assert_close(out, reference.attention(params64, *ref_inputs), reference.tolerance(dtype))
+
+    checks = [
+        (case, lambda out=out, p=p: check(out, p[1]))
+        for (case, p), out in zip(problems.items(), outs, strict=True)
+    ]
+    failures = _failures(checks)
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -229,6 +251,11 @@ def test_attention_extra_leading_batch_axes():
         assert_close(out[i], expected, reference.tolerance("float32"))
 
 
+def _jit_grad(fn, argnums):
+    """jit(grad(fn)) of the float64 reference (jitted: one program, not an op-by-op dispatch)."""
+    return jax.jit(jax.grad(fn, argnums=tuple(range(argnums))))
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_attention_gradients_match_reference(implementation, dtype):
@@ -248,7 +275,7 @@ def test_attention_gradients_match_reference(implementation, dtype):
         )
 
     grads = jax.jit(jax.grad(loss, argnums=range(5)))(params, q_data, m_data, nb, bias)
-    ref = jax.grad(ref_loss, argnums=range(5))(dict(attention=params64), q64, m64, nb64, bias64)
+    ref = _jit_grad(ref_loss, 5)(dict(attention=params64), q64, m64, nb64, bias64)
     tol = reference.grad_tolerance(dtype)
     if dtype == "bfloat16":  # squared loss: gradients are O(output), rounding accumulates
         tol = dict(rtol=1e-1, atol=1e-1)
@@ -256,27 +283,38 @@ def test_attention_gradients_match_reference(implementation, dtype):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
-def test_fully_masked_rows_finite_with_finite_gradients(implementation, dtype):
-    (params, q_data, m_data, _, nb, _), (params64, q64, m64, _, nb64, _) = _module_problem(
-        dtype, "key_mask+nonbatched_hqk"
-    )
+def test_fully_masked_rows_finite_with_finite_gradients(implementation):
+    """bfloat16, float16 and float32, one jitted program for the three."""
     mask = np.ones((B, 1, Q, K), bool)
     mask[0] = False  # batch 0 sees nothing
     mask[1, :, 2] = False  # query 2 of batch 1 sees nothing
     module = _attention(dict(num_head=H), dict(attention_implementation=implementation))
+    dtypes = ("bfloat16", "float16", "float32")
+    problems = [_module_problem(dtype, "key_mask+nonbatched_hqk") for dtype in dtypes]
 
-    def loss(params, q_data):
+    def loss(params, q_data, m_data, nb):
         out = module.apply(params, q_data, m_data, jnp.asarray(mask), nb)
         return jnp.sum(out.astype(jnp.float32)), out
 
-    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        params, q_data
+    grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    results = jax.jit(lambda args: [grad(p, q, m, nb) for p, q, m, _, nb, _ in args])(
+        [p[0] for p in problems]
     )
-    for leaf in jax.tree.leaves((out, grads)):
-        assert bool(jnp.isfinite(leaf.astype(jnp.float32)).all())
-    expected = reference.attention(params64, q64, m64, mask, nb64)
-    assert_close(out, expected, reference.tolerance(dtype))
+
+    def check(dtype, result, ref):
+        (_, out), grads = result
+        params64, q64, m64, _, nb64, _ = ref
+        for leaf in jax.tree.leaves((out, grads)):
+            assert bool(jnp.isfinite(leaf.astype(jnp.float32)).all())
+        expected = reference.attention(params64, q64, m64, mask, nb64)
+        assert_close(out, expected, reference.tolerance(dtype))
+
+    checks = [
+        (dtype, lambda d=dtype, r=result, p=p: check(d, r, p[1]))
+        for dtype, result, p in zip(dtypes, results, problems, strict=True)
+    ]
+    failures = _failures(checks)
+    assert not failures, "\n".join(failures)
 
 
 def test_af2_params_apply_unchanged_and_match():
@@ -330,18 +368,36 @@ def _global_problem(dtype, gating, mask_dtype, seed=0):
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("gating", [True, False])
-def test_global_attention_matches_reference(implementation, dtype, gating):
-    mask_dtype = bool if gating else dtype  # AF2 passes float masks; bool works too
-    (params, q_data, mask), (params64, q64, mask64) = _global_problem(dtype, gating, mask_dtype)
-    module = _global_attention(
-        dict(num_head=H, gating=gating), dict(attention_implementation=implementation)
-    )
-    out = jax.jit(module.apply)(params, q_data, q_data, mask)
-    assert out.dtype == jnp.dtype(dtype) and out.shape == (B, Q, O)
-    assert bool(jnp.isfinite(out.astype(jnp.float32)).all())
-    expected = reference.global_attention(params64, q64, q64, mask64, gating=gating)
-    assert_close(out, expected, reference.tolerance(dtype))
+def test_global_attention_matches_reference(implementation, dtype):
+    """Gated (a bool mask) and ungated (a float mask, as AF2 passes it), in one jitted program."""
+    gatings = (True, False)
+    transformed = [
+        _global_attention(
+            dict(num_head=H, gating=gating), dict(attention_implementation=implementation)
+        )
+        for gating in gatings
+    ]
+    # AF2 passes float masks; bool works too
+    problems = [_global_problem(dtype, g, bool if g else dtype) for g in gatings]
+    outs = jax.jit(
+        lambda args: [
+            m.apply(p, q, q, mask) for m, (p, q, mask) in zip(transformed, args, strict=True)
+        ]
+    )([p[0] for p in problems])
+
+    def check(gating, out, ref):
+        params64, q64, mask64 = ref
+        assert out.dtype == jnp.dtype(dtype) and out.shape == (B, Q, O)
+        assert bool(jnp.isfinite(out.astype(jnp.float32)).all())
+        expected = reference.global_attention(params64, q64, q64, mask64, gating=gating)
+        assert_close(out, expected, reference.tolerance(dtype))
+
+    checks = [
+        (f"gating={g}", lambda g=g, out=out, p=p: check(g, out, p[1]))
+        for g, out, p in zip(gatings, outs, problems, strict=True)
+    ]
+    failures = _failures(checks)
+    assert not failures, "\n".join(failures)
 
 
 def test_global_attention_gradients_and_af2_params():
@@ -352,7 +408,7 @@ def test_global_attention_gradients_and_af2_params():
         reference.global_attention(p["attention"], q, q, mask64, xp=jnp) ** 2
     )
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, q_data)
-    ref = jax.grad(ref_loss, argnums=(0, 1))(dict(attention=params64), q64)
+    ref = _jit_grad(ref_loss, 2)(dict(attention=params64), q64)
     jax.tree.map(lambda g, r: assert_close(g, r, reference.grad_tolerance("float32")), grads, ref)
     theirs = jax.jit(_af2_global_attention().apply)(params, q_data, q_data, mask)
     np.testing.assert_allclose(
@@ -379,7 +435,9 @@ def test_global_attention_positions_first_is_the_transposed_problem():
     ref_loss = lambda p, q: jnp.sum(
         reference.global_attention(p["attention"], q, q, mask64, xp=jnp) ** 2
     )
-    ref_out, ref = jax.value_and_grad(ref_loss, argnums=(0, 1))(dict(attention=params64), q64)
+    ref_out, ref = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1)))(
+        dict(attention=params64), q64
+    )
     assert_close(out, ref_out, reference.tolerance("float32"))
     jax.tree.map(lambda g, r: assert_close(g, r, reference.grad_tolerance("float32")), grads, ref)
     with pytest.raises(ValueError, match=r"positions_first takes q_data \[q, b, a\]"):
@@ -429,7 +487,7 @@ def test_row_tiled_forward_matches_reference_with_gradients(implementation, rema
         return jnp.sum(out**2)
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, q_data, nb)
-    ref = jax.grad(ref_loss, argnums=(0, 1, 2))(dict(attention=params64), q64, nb64)
+    ref = _jit_grad(ref_loss, 3)(dict(attention=params64), q64, nb64)
     jax.tree.map(lambda g, r: assert_close(g, r, reference.grad_tolerance("float32")), grads, ref)
 
 
