@@ -8,8 +8,8 @@ Public API (everything else is internal):
                                          dropout on those updates, as AlphaFold 2's Evoformer.
   ModuleConfig, GlobalConfig             validated configs (modules also take AF2's ConfigDicts).
   dot_product_attention                  the attention op in jax.nn's layout.
-  Implementation, XlaAttention, ChunkedAttention, CudnnAttention, PallasAttention, Auto,
-  IMPLEMENTATIONS
+  Implementation, XlaAttention, ChunkedAttention, CudnnAttention, PallasAttention,
+  PallasTpuAttention, Auto, IMPLEMENTATIONS
                                          its implementations (instances carry their tuning).
   record_implementation_choices          what the op chose, per call.
   load_af2_params, save_af2_params, check_params, diff_params
@@ -47,6 +47,7 @@ from gated_attention.config import GlobalConfig, ModuleConfig
 from gated_attention.cudnn import CudnnAttention
 from gated_attention.modules import Attention, GlobalAttention
 from gated_attention.pallas import PallasAttention
+from gated_attention.pallas_tpu import PallasTpuAttention
 from gated_attention.params import check_params, diff_params, load_af2_params, save_af2_params
 from gated_attention.sharding import head_parallel_specs
 from gated_attention.xla import XlaAttention
@@ -67,6 +68,7 @@ __all__ = [
     "MSARowAttentionWithPairBias",
     "ModuleConfig",
     "PallasAttention",
+    "PallasTpuAttention",
     "TriangleAttention",
     "XlaAttention",
     "af2_package",

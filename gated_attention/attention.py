@@ -28,6 +28,7 @@ from gated_attention import base, checks, masking, numerics, platforms, sharding
 from gated_attention.chunked import DEFAULT_MEMORY_BUDGET_BYTES, ChunkedAttention
 from gated_attention.cudnn import CudnnAttention
 from gated_attention.pallas import PallasAttention
+from gated_attention.pallas_tpu import PallasTpuAttention
 from gated_attention.xla import XlaAttention
 
 IMPLEMENTATIONS: types.MappingProxyType[str, base.Implementation] = types.MappingProxyType(
@@ -36,6 +37,7 @@ IMPLEMENTATIONS: types.MappingProxyType[str, base.Implementation] = types.Mappin
         "chunked": ChunkedAttention(),
         "cudnn": CudnnAttention(),
         "pallas": PallasAttention(),
+        "pallas_tpu": PallasTpuAttention(),
     }
 )
 
@@ -51,6 +53,8 @@ class Auto:
     1. On GPU, `pallas` when it takes the inputs (float32, bfloat16, float16; head dims <= 128):
        the fused kernel, which reads a bias shared over the batch without copying it and keeps
        its gradient O(N·T·S); else `cudnn` when it takes them (bfloat16/float16).
+    1b. On TPU, `pallas_tpu` when it takes the inputs (float32, bfloat16; head dims <= 128; its
+       tiles within VMEM): the same contract in Mosaic.
     2. `xla` when one batch row's float32 logits and weights, 2 * 4 * N * T * S bytes, fit in
        min(memory_budget_bytes, dense_row_bytes): it runs in tiles of rows, forward and backward,
        so its working set stays small whatever the batch. On 2 CPU cores the MSA-row and triangle
@@ -60,8 +64,8 @@ class Auto:
     Attributes:
       memory_budget_bytes: the working-set budget (global_config.memory_budget_mib).
       dense_row_bytes: the largest row working set left to `xla`.
-      xla, chunked, cudnn, pallas: the instances to run (None: defaults, chunked with this
-        budget).
+      xla, chunked, cudnn, pallas, pallas_tpu: the instances to run (None: defaults, chunked
+        with this budget).
     """
 
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
@@ -70,6 +74,7 @@ class Auto:
     chunked: ChunkedAttention | None = None
     cudnn: CudnnAttention | None = None
     pallas: PallasAttention | None = None
+    pallas_tpu: PallasTpuAttention | None = None
 
     def __post_init__(self):
         checks.check_int("memory_budget_bytes", self.memory_budget_bytes)
@@ -79,6 +84,7 @@ class Auto:
             chunked=ChunkedAttention(memory_budget_bytes=self.memory_budget_bytes),
             cudnn=CudnnAttention(),
             pallas=PallasAttention(),
+            pallas_tpu=PallasTpuAttention(),
         )
         for name, default in defaults.items():
             if getattr(self, name) is None:
@@ -90,8 +96,12 @@ class Auto:
         """(implementation, reason) for these flattened inputs, compiled for `platform` (a
         platforms.KINDS name; None: the host's)."""
         platform = platforms.host() if platform is None else platform
-        if platform == "gpu":
-            for impl, what in ((self.pallas, "the Pallas kernel"), (self.cudnn, "cuDNN")):
+        kernels = {
+            "gpu": ((self.pallas, "GPU and the Pallas kernel"), (self.cudnn, "GPU and cuDNN")),
+            "tpu": ((self.pallas_tpu, "TPU and the Pallas TPU kernel"),),
+        }
+        if platform in kernels:
+            for impl, what in kernels[platform]:
                 try:
                     impl.check(
                         query,
@@ -103,7 +113,7 @@ class Auto:
                         options=options,
                         platform=platform,
                     )
-                    return impl, f"GPU and {what} takes these inputs"
+                    return impl, f"{what} takes these inputs"
                 except NotImplementedError:
                     pass  # the next rule applies
         _, q_len, heads, _ = query.shape

@@ -76,7 +76,14 @@ TARGETS = {
             topology="v5e:1x1",
             topology_kwargs=(("chips_per_host_bounds", (1, 1, 1)),),
         ),
-        Target("v5p", "tpu", 95 * GIB, 16 * 2**20, topology="v5p:1x1x1"),
+        Target(
+            "v5p",
+            "tpu",
+            95 * GIB,
+            16 * 2**20,
+            topology="v5p:1x1x1",
+            topology_kwargs=(("chips_per_host_bounds", (1, 1, 1)),),
+        ),
         Target(
             "v6e",
             "tpu",

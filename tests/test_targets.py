@@ -21,7 +21,7 @@ def _need(name: str) -> None:
     [
         ("h100", "bfloat16", "pallas", "triton", "bfloat16"),
         ("a100", "float32", "pallas", "triton", "float32"),
-        ("v5e", "bfloat16", "xla", None, "bfloat16"),
+        ("v5e", "bfloat16", "pallas_tpu", "mosaic", "bfloat16"),
     ],
 )
 def test_auto_chooses_for_the_target_not_the_host(target, dtype, chosen, kernel, compute):
@@ -53,7 +53,7 @@ def test_triangle_gradient_memory_on_the_target(target="v5e"):
         "tests.target_cases:triangle_op_memory", dict(target=target, n_res=N_RES)
     )
     logits = N_RES * 4 * N_RES * N_RES * 4
-    assert got["chosen"] in ("xla", "chunked"), got
+    assert got["chosen"] == "pallas_tpu", got
     memory = got["memory"]
     assert memory["argument"] >= 4 * N_RES**2 * 4 * 32 * 2, memory  # q, k, v, the cotangent
     assert memory["temp"] <= logits // 8, (memory, logits)

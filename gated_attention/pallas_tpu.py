@@ -1,0 +1,662 @@
+"""A fused attention kernel for TPUs in Pallas (Mosaic lowering), biases shared over the batch included.
+
+The arrays stay in the public layout: q [B, T, N*H], k and v [B, S, N*H] are free reshapes of
+[B, T, N, H], so every block is a lane-dense [rows, N*H] tile (a [.., N, H] block would put the
+heads on the sublanes, which Mosaic does not take, and a head-major copy would double the inputs).
+Each program handles all N heads of its rows, slicing a head's H lanes inside the tile: head dims
+of 8 to 128 are padded to the lanes inside the kernel, never in HBM.
+
+Forward: grid (batch row, query block, key block), keys innermost ('arbitrary'): an online softmax
+(FlashAttention-2) in VMEM scratch, the log-sum-exp of each query saved as [B, N, T]. Every bias
+and the mask are read tile by tile through their own broadcast dimensions (a [1, N, T, S] bias is
+read in place by every batch row, a key mask is never expanded to [B, N, T, S]).
+
+Backward, three kernels, no atomics, so every gradient is deterministic:
+  * dk, dv: grid (row, key block, query block);
+  * dq: grid (row, query block, key block);
+  * the bias gradients: grid (query block, key block, row), rows innermost, so the tile of a
+    bias shared over the batch stays in VMEM and is summed over the rows in place: O(N·T·S), no
+    [B, N, T, S] array. A per-row bias's tile is written once per row.
+Recomputing the logits in the third kernel costs two more dots per tile; in exchange no kernel
+keeps more than a few tiles in VMEM at any crop.
+
+Numerics follow numerics.py (as pallas.py): float32 logits, softmax and accumulation; masked logits
+selected to MASK_VALUE; queries with no key and keys no query sees zeroed as loaded (so masked
+garbage never leaks); rows past the end of a partial block zeroed; fully masked rows get the
+uniform average of the values as given (outside the kernel). Per-row vectors (log-sum-exp, delta,
+liveness) are stored lane-dense [.., L] and turned into columns inside the kernel by a masked lane
+sum (`_column`), which Mosaic lowers for any length (no transposes of odd shapes).
+
+`interpret=True` runs the kernels in Pallas's TPU interpreter on any backend (how they are tested
+on CPU). Without it they run on TPU only (check() says so elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gated_attention import base, checks, numerics
+
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+MAX_HEAD_DIM = 128
+LANES = 128
+# The default scoped VMEM of a TPU v5e (the smallest of v5e, v5p, v6e): check() refuses tiles whose
+# estimate exceeds it rather than let Mosaic fail to compile.
+VMEM_LIMIT = 16 * 2**20
+NT = (((1,), (1,)), ((), ()))  # a @ b.T
+TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+def _pallas():
+    # Imported on first use: `import gated_attention` stays free of Pallas's import time.
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pl, pltpu
+
+
+def _column(row):
+    """[1, L] -> [L, 1] (a masked lane sum: Mosaic has no transpose of every shape)."""
+    n = row.shape[1]
+    eye = lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    return jnp.sum(jnp.where(eye, jnp.broadcast_to(row, (n, n)), 0.0), axis=1, keepdims=True)
+
+
+def _row(column):
+    """[L, 1] -> [1, L]."""
+    n = column.shape[0]
+    eye = lax.broadcasted_iota(jnp.int32, (n, n), 0) == lax.broadcasted_iota(jnp.int32, (n, n), 1)
+    return jnp.sum(jnp.where(eye, jnp.broadcast_to(column, (n, n)), 0.0), axis=0, keepdims=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasTpuAttention(base.Implementation):
+    """Fused attention in Pallas/Mosaic for TPUs, with per-bias broadcast and a deterministic bias
+    gradient (module docstring).
+
+    Attributes:
+      block_q: queries per tile (a multiple of 128; a shorter sequence is one whole tile).
+      block_k: keys per tile (likewise).
+      interpret: run the kernels in Pallas's TPU interpreter (any backend; slow, for tests).
+    """
+
+    name = "pallas_tpu"
+    block_q: int = 128
+    block_k: int = 128
+    interpret: bool = False
+
+    TAKES = frozenset({"precision"})
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = checks.check_int(name, getattr(self, name), minimum=LANES)
+            if value % LANES:
+                raise ValueError(f"{name} must be a multiple of {LANES}, got {value}")
+        checks.check_bool("interpret", self.interpret)
+
+    def check(
+        self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
+    ):
+        super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
+        platform = jax.default_backend() if platform is None else platform
+        if not self.interpret and platform != "tpu":
+            raise NotImplementedError(
+                f"the Pallas TPU kernel runs on TPU only, the program is for {platform!r} "
+                "(PallasTpuAttention(interpret=True) runs it in Pallas's interpreter anywhere)"
+            )
+        if jnp.dtype(compute_dtype) not in DTYPES:
+            raise NotImplementedError(
+                "the Pallas TPU kernel computes in float32 or bfloat16, "
+                f"got {jnp.dtype(compute_dtype)}"
+            )
+        head_dim, value_dim = query.shape[-1], value.shape[-1]
+        if max(head_dim, value_dim) > MAX_HEAD_DIM:
+            raise NotImplementedError(
+                f"the Pallas TPU kernel takes head dims <= {MAX_HEAD_DIM}, got {head_dim} "
+                f"(query/key) and {value_dim} (value)"
+            )
+        plan = _Plan.make(self, query, key, value, biases, mask, 1.0, compute_dtype, None)
+        need = plan.vmem_estimate(jnp.dtype(query.dtype).itemsize)
+        if need > VMEM_LIMIT:
+            raise NotImplementedError(
+                f"tiles of {plan.block_q} x {plan.block_k} over {plan.heads} heads need about "
+                f"{need:,} bytes of VMEM, over the {VMEM_LIMIT:,} a TPU v5e's kernels get: "
+                "take smaller blocks"
+            )
+
+    def __call__(
+        self, query, key, value, biases, mask, *, scale, compute_dtype, options=base.PLAIN
+    ):
+        batch, q_len, heads, head_dim = query.shape
+        k_len, value_dim = key.shape[1], value.shape[-1]
+        masks = None
+        if mask is not None:  # int8 tiles for Mosaic; live queries/keys per row and head
+            masks = (
+                mask.astype(jnp.int8),
+                jnp.any(mask, axis=3).astype(jnp.float32),  # [B|1, N|1, T|1]
+                jnp.any(mask, axis=2).astype(jnp.float32),  # [B|1, N|1, S|1]
+            )
+        plan = _Plan.make(
+            self, query, key, value, biases, mask, scale, compute_dtype, options.precision
+        )
+        out = _attention(
+            plan,
+            query.reshape(batch, q_len, heads * head_dim),
+            key.reshape(batch, k_len, heads * head_dim),
+            value.reshape(batch, k_len, heads * value_dim),
+            tuple(biases),
+            masks,
+        )
+        out = out.reshape(batch, q_len, heads, value_dim)
+        return numerics.uniform_where_fully_masked(out, value, mask, head_major=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static facts of one call, shared by the kernels (hashable: a custom_vjp argument)."""
+
+    scale: float
+    compute_dtype: str
+    batch: int
+    heads: int
+    head_dim: int
+    value_dim: int
+    q_len: int
+    k_len: int
+    block_q: int
+    block_k: int
+    bias_shapes: tuple
+    mask_shapes: tuple | None  # (mask, live_q, live_k) shapes
+    precision: Any
+    interpret: bool
+
+    @classmethod
+    def make(cls, impl, query, key, value, biases, mask, scale, compute_dtype, precision):
+        batch, q_len, heads, head_dim = query.shape
+        k_len = key.shape[1]
+        mask_shapes = None
+        if mask is not None:
+            m = tuple(mask.shape)
+            mask_shapes = (m, (m[0], m[1], m[2]), (m[0], m[1], m[3]))
+        return cls(
+            scale=float(scale),
+            compute_dtype=jnp.dtype(compute_dtype).name,
+            batch=batch,
+            heads=heads,
+            head_dim=head_dim,
+            value_dim=value.shape[-1],
+            q_len=q_len,
+            k_len=k_len,
+            block_q=impl.block_q if q_len > impl.block_q else q_len,
+            block_k=impl.block_k if k_len > impl.block_k else k_len,
+            bias_shapes=tuple(tuple(b.shape) for b in biases),
+            mask_shapes=mask_shapes,
+            precision=precision,
+            interpret=impl.interpret,
+        )
+
+    @property
+    def q_blocks(self) -> int:
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def k_blocks(self) -> int:
+        return -(-self.k_len // self.block_k)
+
+    def vmem_estimate(self, itemsize: int) -> int:
+        """About the VMEM of the largest kernel (dk/dv): double-buffered q, do, k, v tiles, the
+        bias and mask tiles, float32 accumulators, and the float32 [bq, bk] temporaries of one
+        head (logits, weights, their gradient, the column/row conversions); 25 % on top."""
+        bq, bk, n = self.block_q, self.block_k, self.heads
+        lanes = lambda d: -(-n * d // LANES) * LANES
+        tiles = (bq + bk) * (lanes(self.head_dim) + lanes(self.value_dim)) * itemsize
+        pairs = sum(
+            (s[1] * (bq if s[2] > 1 else 8) * (bk if s[3] > 1 else LANES)) * 4
+            for s in self.bias_shapes + ((self.mask_shapes[0],) if self.mask_shapes else ())
+        )
+        accumulators = n * bk * (self.head_dim + self.value_dim) * 4
+        temps = 8 * max(bq, bk) * max(bq, bk) * 4
+        return int(1.25 * (2 * (tiles + pairs) + accumulators + temps))
+
+    def call(self, kernel, grid, in_specs, out_specs, out_shape, scratch, semantics, args, name):
+        pl, pltpu = _pallas()
+        return pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=0,
+                grid=grid,
+                in_specs=in_specs,
+                out_specs=out_specs,
+                scratch_shapes=scratch,
+            ),
+            out_shape=out_shape,
+            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+            interpret=pltpu.InterpretParams() if self.interpret else False,
+            name=name,
+        )(*args)
+
+    # BlockSpecs. `order` names the grid axes ('b', 'i', 'j'), which differ by kernel.
+    def rows_spec(self, order, axis: str, width: int):
+        """A [B, L, width] array's [block, width] tile of row b at block `axis` ('i' or 'j')."""
+        pl, _ = _pallas()
+        block = self.block_q if axis == "i" else self.block_k
+        pick = _picker(order)
+        return pl.BlockSpec((None, block, width), lambda *g: (pick(g, "b"), pick(g, axis), 0))
+
+    def vector_spec(self, order, shape, axis: str):
+        """A [B|1, N|1, L|1] per-query ('i') or per-key ('j') vector's [N|1, block|1] tile."""
+        pl, _ = _pallas()
+        block = self.block_q if axis == "i" else self.block_k
+        pick = _picker(order)
+        b0, n0, l0 = shape
+        return pl.BlockSpec(
+            (None, n0, block if l0 > 1 else 1),
+            lambda *g: (pick(g, "b") if b0 > 1 else 0, 0, pick(g, axis) if l0 > 1 else 0),
+        )
+
+    def pair_spec(self, order, shape):
+        """A [B|1, N|1, T|1, S|1] bias or mask's [N|1, bq|1, bk|1] tile."""
+        pl, _ = _pallas()
+        pick = _picker(order)
+        b0, n0, t0, s0 = shape
+        return pl.BlockSpec(
+            (None, n0, self.block_q if t0 > 1 else 1, self.block_k if s0 > 1 else 1),
+            lambda *g: (
+                pick(g, "b") if b0 > 1 else 0,
+                0,
+                pick(g, "i") if t0 > 1 else 0,
+                pick(g, "j") if s0 > 1 else 0,
+            ),
+        )
+
+    def common_specs(self, order, with_grads: bool):
+        """Specs of (q, k, v[, do, lse, delta], *biases[, mask, live_q, live_k])."""
+        qk, vw = self.heads * self.head_dim, self.heads * self.value_dim
+        specs = [self.rows_spec(order, "i", qk), self.rows_spec(order, "j", qk)]
+        specs.append(self.rows_spec(order, "j", vw))
+        if with_grads:
+            per_query = (self.batch, self.heads, self.q_len)
+            specs += [self.rows_spec(order, "i", vw)]
+            specs += [self.vector_spec(order, per_query, "i")] * 2
+        specs += [self.pair_spec(order, s) for s in self.bias_shapes]
+        if self.mask_shapes:
+            mask, live_q, live_k = self.mask_shapes
+            specs.append(self.pair_spec(order, mask))
+            specs += [self.vector_spec(order, live_q, "i"), self.vector_spec(order, live_k, "j")]
+        return specs
+
+
+def _picker(order: str):
+    return lambda grid, axis: grid[order.index(axis)]
+
+
+class _Tile:
+    """One grid step's tiles: loads of rows and per-head slices, logits and weights."""
+
+    def __init__(self, plan: _Plan, i, j, bias_refs, masks):
+        self.plan, self.i, self.j = plan, i, j
+        self.bias_refs, self.masks = bias_refs, masks
+        bq, bk = plan.block_q, plan.block_k
+        # Rows of the tile inside the sequences (partial last blocks read past the end).
+        self.q_ok = lax.broadcasted_iota(jnp.int32, (bq, 1), 0) < plan.q_len - i * bq
+        self.k_ok = lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < plan.k_len - j * bk
+        self.k_ok_row = lax.broadcasted_iota(jnp.int32, (1, bk), 1) < plan.k_len - j * bk
+
+    def rows(self, ref, ok):
+        """A [block, width] tile in the compute dtype, rows past the end zeroed."""
+        x = ref[...].astype(self.plan.compute_dtype)
+        return jnp.where(ok, x, jnp.zeros((), x.dtype))
+
+    def head(self, x, n: int, width: int, live=None):
+        """Head n's [block, width] slice of a [block, N * width] tile, dead rows zeroed."""
+        x = x[:, n * width : (n + 1) * width]
+        if live is not None:
+            x = jnp.where(live != 0, x, jnp.zeros((), x.dtype))
+        return x
+
+    def live(self, ref, n: int):
+        """Head n's liveness column [block, 1] of a [N|1, block] vector tile (None: no mask)."""
+        if ref is None:
+            return None
+        return _column(ref[n if ref.shape[0] > 1 else 0][None, :])
+
+    def logits(self, q, k, n: int):
+        """Head n's scaled, biased, masked float32 logits [bq, bk]; keys past the end -inf."""
+        plan = self.plan
+        s = lax.dot_general(q, k, NT, precision=plan.precision, preferred_element_type=jnp.float32)
+        s = s * plan.scale
+        for ref in self.bias_refs:
+            s = s + ref[n if ref.shape[0] > 1 else 0].astype(jnp.float32)
+        if self.masks is not None:
+            keep = self.masks[0][n if self.masks[0].shape[0] > 1 else 0].astype(jnp.int32)
+            s = jnp.where(keep != 0, s, numerics.MASK_VALUE)
+        return jnp.where(self.k_ok_row, s, -jnp.inf)
+
+    def weights(self, s, lse_row):
+        """Softmax weights [bq, bk] from saved log-sum-exps [1, bq]; zero past the last query."""
+        lse = _column(jnp.where(self.q_ok_row(), lse_row, 0.0))
+        return jnp.where(self.q_ok, jnp.exp(s - lse), 0.0)
+
+    def q_ok_row(self):
+        bq = self.plan.block_q
+        return lax.broadcasted_iota(jnp.int32, (1, bq), 1) < self.plan.q_len - self.i * bq
+
+
+def _split(plan: _Plan, refs):
+    """refs after the fixed ones -> (bias refs, (mask, live_q, live_k) or None, the rest)."""
+    n = len(plan.bias_shapes)
+    biases, rest = refs[:n], refs[n:]
+    if plan.mask_shapes is None:
+        return biases, None, rest
+    return biases, rest[:3], rest[3:]
+
+
+def _dot(a, b, dims, plan):
+    return lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=jnp.float32)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: _Plan):
+    pl, _ = _pallas()
+    bias_refs, masks, (o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split(plan, refs)
+    i, j = pl.program_id(1), pl.program_id(2)
+    tile = _Tile(plan, i, j, bias_refs, masks)
+    live_q_ref, live_k_ref = (None, None) if masks is None else masks[1:]
+
+    @pl.when(j == 0)
+    def _():
+        m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    q = tile.rows(q_ref, tile.q_ok)
+    k, v = tile.rows(k_ref, tile.k_ok), tile.rows(v_ref, tile.k_ok)
+    h, hv = plan.head_dim, plan.value_dim
+    for n in range(plan.heads):
+        live_k = tile.live(live_k_ref, n)
+        qn = tile.head(q, n, h, tile.live(live_q_ref, n))
+        kn, vn = tile.head(k, n, h, live_k), tile.head(v, n, hv, live_k)
+        s = tile.logits(qn, kn, n)
+        m_prev = m_scr[n]
+        m = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        correction = jnp.exp(m_prev - m)
+        p = jnp.exp(s - m)
+        l_scr[n] = l_scr[n] * correction + jnp.sum(p, axis=1, keepdims=True)
+        acc_scr[n] = acc_scr[n] * correction + _dot(p.astype(vn.dtype), vn, _NN, plan)
+        m_scr[n] = m
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _():
+        outs = []
+        for n in range(plan.heads):
+            total = l_scr[n]
+            outs.append(acc_scr[n] / total)
+            lse_ref[n : n + 1, :] = _row(m_scr[n] + jnp.log(total))
+        out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+        o_ref[...] = out.astype(o_ref.dtype)
+
+
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+def _forward(plan: _Plan, q, k, v, biases, masks):
+    order = "bij"
+    n, bq = plan.heads, plan.block_q
+    specs = plan.common_specs(order, with_grads=False)
+    pl, pltpu = _pallas()
+    out_specs = [
+        plan.rows_spec(order, "i", n * plan.value_dim),
+        plan.vector_spec(order, (plan.batch, n, plan.q_len), "i"),
+    ]
+    out_shape = (
+        jax.ShapeDtypeStruct((plan.batch, plan.q_len, n * plan.value_dim), q.dtype),
+        jax.ShapeDtypeStruct((plan.batch, n, plan.q_len), jnp.float32),
+    )
+    scratch = [
+        pltpu.VMEM((n, bq, 1), jnp.float32),
+        pltpu.VMEM((n, bq, 1), jnp.float32),
+        pltpu.VMEM((n, bq, plan.value_dim), jnp.float32),
+    ]
+    return plan.call(
+        functools.partial(_forward_kernel, plan=plan),
+        (plan.batch, plan.q_blocks, plan.k_blocks),
+        specs,
+        out_specs,
+        out_shape,
+        scratch,
+        ("parallel", "parallel", "arbitrary"),
+        (q, k, v, *biases, *(masks or ())),
+        "gated_attention_tpu_forward",
+    )
+
+
+def _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, masks):
+    """Per head n: (qn, kn, do_n, p, ds) of this step (a generator, one head at a time)."""
+    live_q_ref, live_k_ref = (None, None) if masks is None else masks[1:]
+    q = tile.rows(q_ref, tile.q_ok)
+    k, v = tile.rows(k_ref, tile.k_ok), tile.rows(v_ref, tile.k_ok)
+    do = tile.rows(do_ref, tile.q_ok)
+    h, hv = plan.head_dim, plan.value_dim
+    for n in range(plan.heads):
+        live_k = tile.live(live_k_ref, n)
+        qn = tile.head(q, n, h, tile.live(live_q_ref, n))
+        kn, vn = tile.head(k, n, h, live_k), tile.head(v, n, hv, live_k)
+        do_n = tile.head(do, n, hv)
+        p = tile.weights(tile.logits(qn, kn, n), lse_ref[n : n + 1, :])
+        dp = _dot(do_n, vn, NT, plan)
+        delta = _column(jnp.where(tile.q_ok_row(), delta_ref[n : n + 1, :], 0.0))
+        yield n, qn, kn, do_n, p, p * (dp - delta)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan: _Plan):
+    pl, _ = _pallas()
+    bias_refs, masks, (dk_ref, dv_ref, dk_scr, dv_scr) = _split(plan, refs)
+    j, i = pl.program_id(1), pl.program_id(2)
+    tile = _Tile(plan, i, j, bias_refs, masks)
+
+    @pl.when(i == 0)
+    def _():
+        dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+        dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+    steps = _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, masks)
+    for n, qn, _, do_n, p, ds in steps:
+        dv_scr[n] += _dot(p.astype(do_n.dtype), do_n, TN, plan)
+        dk_scr[n] += _dot(ds.astype(qn.dtype), qn, TN, plan)
+
+    @pl.when(i == pl.num_programs(2) - 1)
+    def _():
+        live_k_ref = None if masks is None else masks[2]
+        dks, dvs = [], []
+        for n in range(plan.heads):
+            live = tile.live(live_k_ref, n)
+            dk, dv = dk_scr[n] * plan.scale, dv_scr[n]
+            if live is not None:  # keys no query sees were zeroed: no gradient reaches them
+                dk, dv = (jnp.where(live != 0, x, 0.0) for x in (dk, dv))
+            dks.append(dk)
+            dvs.append(dv)
+        cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
+        dk_ref[...] = cat(dks).astype(dk_ref.dtype)
+        dv_ref[...] = cat(dvs).astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan: _Plan):
+    pl, _ = _pallas()
+    bias_refs, masks, (dq_ref, dq_scr) = _split(plan, refs)
+    i, j = pl.program_id(1), pl.program_id(2)
+    tile = _Tile(plan, i, j, bias_refs, masks)
+
+    @pl.when(j == 0)
+    def _():
+        dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+
+    steps = _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, masks)
+    for n, _, kn, _, _, ds in steps:
+        dq_scr[n] += _dot(ds.astype(kn.dtype), kn, _NN, plan)
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _():
+        live_q_ref = None if masks is None else masks[1]
+        dqs = []
+        for n in range(plan.heads):
+            live = tile.live(live_q_ref, n)
+            dq = dq_scr[n] * plan.scale
+            dqs.append(dq if live is None else jnp.where(live != 0, dq, 0.0))
+        dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=1)
+        dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _partial_shape(plan: _Plan, shape):
+    """A bias's gradient partials [B|1, N|1, q blocks|1, k blocks|1, T|1, S|1]: one per query
+    block where the bias is broadcast over T, one per key block where it is broadcast over S and
+    per row (its tile is revisited only after other rows')."""
+    b0, n0, t0, s0 = shape
+    return (
+        b0,
+        n0,
+        plan.q_blocks if t0 == 1 else 1,
+        plan.k_blocks if s0 == 1 and b0 > 1 else 1,
+        plan.q_len if t0 > 1 else 1,
+        plan.k_len if s0 > 1 else 1,
+    )
+
+
+def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan: _Plan):
+    pl, _ = _pallas()
+    bias_refs, masks, out_refs = _split(plan, refs)
+    i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tile = _Tile(plan, i, j, bias_refs, masks)
+    sums = [[] for _ in out_refs]  # per bias: its per-head tiles, or one summed over heads
+    steps = _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, masks)
+    for *_, ds in steps:
+        for tiles, shape in zip(sums, plan.bias_shapes, strict=True):
+            g = ds
+            if shape[2] == 1:
+                g = jnp.sum(g, axis=0, keepdims=True)
+            if shape[3] == 1:
+                g = jnp.sum(g, axis=1, keepdims=True)
+            if shape[1] > 1 or not tiles:
+                tiles.append(g)
+            else:
+                tiles[0] = tiles[0] + g
+    for ref, shape, tiles in zip(out_refs, plan.bias_shapes, sums, strict=True):
+        value = jnp.stack(tiles)  # [N|1, bq|1, bk|1]
+        if shape[0] > 1:  # a per-row bias: this step owns the tile
+            ref[...] = value
+            continue
+        first = b == 0 if shape[3] > 1 else (b == 0) & (j == 0)
+
+        @pl.when(first)
+        def _(ref=ref, value=value):
+            ref[...] = value
+
+        @pl.when(jnp.logical_not(first))
+        def _(ref=ref, value=value):
+            ref[...] += value
+
+
+def _dbias(plan: _Plan, common):
+    pl, _ = _pallas()
+    order = "ijb"
+    out_specs, out_shape = [], []
+    for shape in plan.bias_shapes:
+        full = _partial_shape(plan, shape)
+        b0, n0, t0, s0 = shape
+        out_shape.append(jax.ShapeDtypeStruct(full, jnp.float32))
+        out_specs.append(
+            pl.BlockSpec(
+                (
+                    None,
+                    n0,
+                    None,
+                    None,
+                    plan.block_q if t0 > 1 else 1,
+                    plan.block_k if s0 > 1 else 1,
+                ),
+                lambda i, j, b, shape=shape, full=full: (
+                    b if shape[0] > 1 else 0,
+                    0,
+                    i if full[2] > 1 else 0,
+                    j if full[3] > 1 else 0,
+                    i if shape[2] > 1 else 0,
+                    j if shape[3] > 1 else 0,
+                ),
+            )
+        )
+    partials = plan.call(
+        functools.partial(_dbias_kernel, plan=plan),
+        (plan.q_blocks, plan.k_blocks, plan.batch),
+        plan.common_specs(order, with_grads=True),
+        out_specs,
+        tuple(out_shape),
+        [],
+        ("parallel", "parallel", "arbitrary"),
+        common,
+        "gated_attention_tpu_dbias",
+    )
+    return [
+        jnp.sum(p, axis=(2, 3)).reshape(shape)
+        for p, shape in zip(partials, plan.bias_shapes, strict=True)
+    ]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(plan, q, k, v, biases, masks):
+    return _forward(plan, q, k, v, biases, masks)[0]
+
+
+def _attention_fwd(plan, q, k, v, biases, masks):
+    out, lse = _forward(plan, q, k, v, biases, masks)
+    return out, (q, k, v, biases, masks, out, lse)
+
+
+def _attention_bwd(plan, residuals, d_out):
+    pl, pltpu = _pallas()
+    q, k, v, biases, masks, out, lse = residuals
+    n, hv = plan.heads, plan.value_dim
+    shape = (plan.batch, plan.q_len, n, hv)
+    # [B, N, T]: rowsum(dO * O), the softmax backward's correction. A multiply and a reduce,
+    # which XLA fuses (an einsum became a dot with a float32 copy of the output).
+    product = out.reshape(shape).astype(jnp.float32) * d_out.reshape(shape).astype(jnp.float32)
+    delta = jnp.sum(product, axis=-1).transpose(0, 2, 1)
+    common = (q, k, v, d_out, lse, delta, *biases, *(masks or ()))
+    qk, vw = n * plan.head_dim, n * hv
+
+    order = "bji"
+    dk, dv = plan.call(
+        functools.partial(_dkdv_kernel, plan=plan),
+        (plan.batch, plan.k_blocks, plan.q_blocks),
+        plan.common_specs(order, with_grads=True),
+        [plan.rows_spec(order, "j", qk), plan.rows_spec(order, "j", vw)],
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        [
+            pltpu.VMEM((n, plan.block_k, plan.head_dim), jnp.float32),
+            pltpu.VMEM((n, plan.block_k, hv), jnp.float32),
+        ],
+        ("parallel", "parallel", "arbitrary"),
+        common,
+        "gated_attention_tpu_dkdv",
+    )
+    order = "bij"
+    dq = plan.call(
+        functools.partial(_dq_kernel, plan=plan),
+        (plan.batch, plan.q_blocks, plan.k_blocks),
+        plan.common_specs(order, with_grads=True),
+        plan.rows_spec(order, "i", qk),
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        [pltpu.VMEM((n, plan.block_q, plan.head_dim), jnp.float32)],
+        ("parallel", "parallel", "arbitrary"),
+        common,
+        "gated_attention_tpu_dq",
+    )
+    dbiases = _dbias(plan, common) if biases else []
+    dbiases = tuple(d.astype(b.dtype) for d, b in zip(dbiases, biases, strict=True))
+    return dq, dk, dv, dbiases, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -1,0 +1,128 @@
+"""PallasTpuAttention: the Mosaic kernels in Pallas's TPU interpreter against the float64
+reference (the shared harness, and lengths spanning several partial tiles), and dispatch (TPU
+only unless interpreted; 'auto' on TPU). Compiles for TPU targets: tests/test_targets.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gated_attention as ga
+from tests import implementation_harness as harness
+from tests.helpers import rand
+from tests.implementation_harness import ImplementationTests
+
+INTERPRETED = ga.PallasTpuAttention(interpret=True)
+
+
+class TestPallasTpuInterpreted(ImplementationTests):
+    """The forward, dk/dv, dq and bias-gradient kernels, interpreted on CPU: the whole contract
+    in float32; bfloat16 against the reference below."""
+
+    IMPL = INTERPRETED
+    DTYPES = ("float32",)
+
+
+def test_bfloat16_against_the_reference():
+    """Every bias/mask form of the harness, forward and vjp, computed in bfloat16 itself."""
+    shape = TestPallasTpuInterpreted().shape
+    probs = harness.problem_set(shape, "bfloat16", calling_conventions=False)
+    results = harness.run(INTERPRETED, probs.replaced(), scale=probs.scales)
+    for name, result in zip(probs.names, results, strict=True):
+        harness.check_types(result, probs.cases[name], name)
+        harness.assert_matches(result, probs.expected[name], "bfloat16", name)
+
+
+@pytest.mark.parametrize(
+    "shape, biases, mask",
+    [
+        # B, T, S, N, H, Hv: 300 queries and 260 keys in tiles of 128 (partial last tiles).
+        ((3, 300, 260, 2, 8, 4), ("1NTS", "B11S"), "B11S"),
+        ((2, 260, 140, 1, 16, 16), ("BNT1", "1N1S"), "BNTS"),
+    ],
+)
+def test_several_partial_tiles_against_the_reference(shape, biases, mask):
+    """Several tiles with partial last ones, head dims padded to the lanes, biases shared over
+    the batch and per row, broadcast over queries or keys (their gradients summed over tiles in
+    the kernel); float32 forward and every gradient."""
+    b, t, s, n, _, _ = shape
+    dims = lambda spec: tuple({"B": b, "N": n, "T": t, "S": s, "1": 1}[c] for c in spec)
+    case, case64 = harness.problem(shape, "float32", "key_mask", seed=3)
+    rng = np.random.default_rng(5)
+    pairs = [rand(rng, dims(spec), "float32") for spec in biases]
+    mask_value = rng.random(dims(mask)) > 0.2
+    mask_value[0, ..., -1] = False  # the last key (a partial tile's) masked in row 0
+    case = case._replace(bias=[p[0] for p in pairs], mask=jnp.asarray(mask_value))
+    case64 = case64._replace(bias=[p[1] for p in pairs], mask=mask_value)
+    [result] = harness.run(INTERPRETED, [case])
+    [expected] = harness.reference_run([case64])
+    harness.assert_matches(result, expected, "float32", "partial tiles")
+
+
+def _specs(dtype=jnp.float32):
+    sd = jax.ShapeDtypeStruct
+    return (
+        sd((3, 20, 2, 8), dtype),
+        sd((3, 24, 2, 8), dtype),
+        sd((3, 24, 2, 4), dtype),
+        sd((1, 2, 20, 24), jnp.float32),
+        sd((3, 1, 1, 24), jnp.bool_),
+    )
+
+
+def test_check_refuses_what_it_cannot_take():
+    q, k, v, bias, mask = _specs()
+    kernel = ga.PallasTpuAttention()
+    take = lambda impl, *a, dtype=jnp.float32, platform="tpu": impl.check(
+        *a, (bias,), mask, compute_dtype=dtype, platform=platform
+    )
+    take(kernel, q, k, v)  # the TPU takes it
+    with pytest.raises(NotImplementedError, match="runs on TPU only.*'cpu'"):
+        take(kernel, q, k, v, platform="cpu")
+    take(INTERPRETED, q, k, v, platform="cpu")
+    with pytest.raises(NotImplementedError, match="float32 or bfloat16, got float16"):
+        take(kernel, q, k, v, dtype=jnp.float16)
+    wide = jax.ShapeDtypeStruct((3, 20, 2, 160), jnp.float32)
+    with pytest.raises(NotImplementedError, match="head dims <= 128, got 160"):
+        take(kernel, wide, wide, v)
+    big = ga.PallasTpuAttention(block_q=1024, block_k=1024)
+    long_q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.float32)
+    with pytest.raises(NotImplementedError, match="VMEM"):
+        big.check(long_q, long_q, long_q, (), None, compute_dtype=jnp.float32, platform="tpu")
+    with pytest.raises(ValueError, match="block_q must be a multiple of 128, got 200"):
+        ga.PallasTpuAttention(block_q=200)
+
+
+def test_named_on_cpu_says_why_and_auto_takes_it_on_tpu():
+    q, k, v, bias, mask = _specs(jnp.bfloat16)
+    x = lambda s: jnp.zeros(s.shape, s.dtype)
+    with pytest.raises(NotImplementedError, match="runs on TPU only"):
+        ga.dot_product_attention(*map(x, (q, k, v, bias, mask)), implementation="pallas_tpu")
+    impl, reason = ga.Auto().choose(
+        q, k, v, (bias,), mask, compute_dtype=jnp.bfloat16, platform="tpu"
+    )
+    assert impl.name == "pallas_tpu", reason
+    impl, _ = ga.Auto().choose(q, k, v, (bias,), mask, compute_dtype=jnp.float16, platform="tpu")
+    assert impl.name != "pallas_tpu"  # float16 moves on
+
+
+def test_shared_bias_gradient_is_never_per_row():
+    """The bias-gradient kernel's output for a [1, N, T, S] bias is [1, N, ., ., T, S]: summed
+    over the batch inside the kernel, no [B, N, T, S] array in the program."""
+    q = jax.ShapeDtypeStruct((16, 256, 2, 8), jnp.float32)
+    bias = jax.ShapeDtypeStruct((1, 2, 256, 256), jnp.float32)
+
+    def loss(q, bias):
+        out = INTERPRETED(q, q, q, (bias,), None, scale=0.3, compute_dtype=jnp.float32)
+        return jnp.sum(out)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=1))(q, bias)
+    shapes = [
+        v.aval.shape
+        for eqn in jaxpr.jaxpr.eqns
+        if eqn.primitive.name == "pallas_call"
+        for v in eqn.outvars
+    ]
+    assert shapes, "no pallas_call in the program"
+    assert all(np.prod(s) < 16 * 2 * 256 * 256 for s in shapes), shapes
+    assert (1, 2, 1, 1, 256, 256) in shapes, shapes
