@@ -57,3 +57,39 @@ def test_triangle_gradient_memory_on_the_target(target="v5e"):
     memory = got["memory"]
     assert memory["argument"] >= 4 * N_RES**2 * 4 * 32 * 2, memory  # q, k, v, the cotangent
     assert memory["temp"] <= logits // 8, (memory, logits)
+
+
+TPU_KERNEL_CASES = {  # a covering subset of tpu_kernels.matrix(): every dtype, bias and mask form
+    "v5e": [
+        dict(dtype="bfloat16", head_dim=32, bias="both", mask="key"),
+        dict(dtype="float32", head_dim=128, bias="per_row", mask="full"),
+    ],
+    "v5p": [
+        dict(dtype="float32", head_dim=8, bias="shared", mask="none"),
+        dict(dtype="bfloat16", head_dim=64, bias="none", mask="key"),
+    ],
+    "v6e": [
+        dict(dtype="bfloat16", head_dim=16, bias="per_row", mask="none"),
+        dict(dtype="float32", head_dim=32, bias="both", mask="full"),
+    ],
+}
+
+
+@pytest.mark.parametrize("target", sorted(TPU_KERNEL_CASES))
+def test_tpu_kernels_compile_within_vmem(target):
+    """The Pallas TPU kernels' forward and gradient compile for each TPU generation (300 queries
+    and 260 keys: partial tiles); Mosaic refuses a kernel over the scoped VMEM, so a compile says
+    every kernel fits. The whole matrix: benchmark_results/tpu_kernels/."""
+    from gated_attention_tools import tpu_kernels
+
+    _need(target)
+    cases = TPU_KERNEL_CASES[target]
+    results = targets.in_child(
+        "gated_attention_tools.tpu_kernels:compile_cases", dict(target=target, cases=cases)
+    )
+    for case, result in zip(cases, results, strict=True):
+        assert tpu_kernels.verdict(result) == [], (case, result)
+        expected = set(tpu_kernels.KERNELS) - (
+            {"gated_attention_tpu_dbias"} if case["bias"] == "none" else set()
+        )
+        assert set(result["kernels"]) == expected, (case, result["kernels"])

@@ -1,0 +1,203 @@
+"""The Pallas TPU kernels (pallas_tpu.py) compiled for TPU targets by libtpu, deviceless.
+
+For one case (dtype, head dim, bias and mask forms, lengths) `compile_case` asks
+PallasTpuAttention.check whether it takes the case on a TPU, then compiles the op's forward and
+its gradient (the cotangent an argument) for the target: which Mosaic kernels the program holds
+and its device memory. Mosaic fails a compile whose kernels exceed the scoped VMEM, so a compile
+is the proof that every kernel fits. Nothing runs on a TPU: these say what compiles, never how fast.
+
+  python -m gated_attention_tools.tpu_kernels --target v5e --out benchmark_results/tpu_kernels/v5e.json
+
+compiles the whole case matrix in a child process and writes a markdown summary beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from gated_attention_tools import targets
+
+KERNELS = (
+    "gated_attention_tpu_forward",
+    "gated_attention_tpu_dkdv",
+    "gated_attention_tpu_dq",
+    "gated_attention_tpu_dbias",
+)
+DTYPES = ("float32", "bfloat16")
+HEAD_DIMS = (8, 16, 32, 64, 128)
+# Bias forms over [B, N, T, S] ('1' broadcast) and mask forms; 'both' is AF2's row attention.
+BIASES = {"shared": ("1NTS",), "per_row": ("BNTS",), "both": ("1NTS", "B11S"), "none": ()}
+MASKS = {"key": "B11S", "full": "BNTS", "none": None}
+
+
+def case_name(case: dict[str, Any]) -> str:
+    return (
+        f"{case['dtype']} H{case['head_dim']} bias={case['bias']} mask={case['mask']} "
+        f"B={case.get('batch', 2)} T={case.get('q_len', 300)} S={case.get('k_len', 260)}"
+    )
+
+
+def compile_case(
+    target: str,
+    dtype: str,
+    head_dim: int,
+    bias: str,
+    mask: str,
+    batch: int = 2,
+    q_len: int = 300,
+    k_len: int = 260,
+    heads: int = 4,
+) -> dict[str, Any]:
+    """Compiles one case's forward and gradient with PallasTpuAttention for `target` (call in a
+    process set up by targets.in_child). Returns accepted (check's verdict), kernels (the Mosaic
+    kernels in the program), memory (targets.memory), seconds, and error (None if it compiled)."""
+    import jax
+    import jax.numpy as jnp
+
+    from gated_attention import PallasTpuAttention
+
+    sizes = {"B": batch, "N": heads, "T": q_len, "S": k_len, "1": 1}
+    dims = lambda spec: tuple(sizes[c] for c in spec)
+    dt = jnp.dtype(dtype)
+    sd = jax.ShapeDtypeStruct
+    q = sd((batch, q_len, heads, head_dim), dt)
+    kv = sd((batch, k_len, heads, head_dim), dt)
+    biases = [sd(dims(spec), dt) for spec in BIASES[bias]]
+    mask_spec = MASKS[mask]
+    mask_arg = None if mask_spec is None else sd(dims(mask_spec), jnp.bool_)
+    impl = PallasTpuAttention()
+    result: dict[str, Any] = {}
+    try:
+        impl.check(q, kv, kv, tuple(biases), mask_arg, compute_dtype=dt, platform="tpu")
+        result["accepted"] = True
+    except NotImplementedError as e:
+        return dict(accepted=False, reason=str(e), kernels=[], memory=None, error=None)
+
+    def step(q, k, v, biases, mask, cotangent):
+        f = lambda q, k, v, biases: impl(q, k, v, tuple(biases), mask, scale=0.3, compute_dtype=dt)
+        _, vjp = jax.vjp(f, q, k, v, biases)
+        return vjp(cotangent)
+
+    start = time.perf_counter()
+    try:
+        compiled = targets.compile(step, q, kv, kv, biases, mask_arg, q, target=target)
+    except Exception as e:  # noqa: BLE001 - the compiler's error is the result
+        return dict(result, kernels=[], memory=None, error=f"{type(e).__name__}: {e}"[:300])
+    text = compiled.as_text()
+    return dict(
+        result,
+        kernels=[k for k in KERNELS if k in text],
+        memory=targets.memory(compiled),
+        seconds=round(time.perf_counter() - start, 1),
+        error=None,
+    )
+
+
+def compile_cases(target: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """compile_case for several cases in one process (libtpu starts once)."""
+    return [compile_case(target, **case) for case in cases]
+
+
+def matrix() -> list[dict[str, Any]]:
+    """Every dtype x head dim x bias form x mask form at lengths no tile divides (300 queries,
+    260 keys in tiles of 128), and AF2's triangle at N_res 2,048 (bfloat16 and float32)."""
+    cases = [
+        dict(dtype=d, head_dim=h, bias=b, mask=m)
+        for d, h, b, m in itertools.product(DTYPES, HEAD_DIMS, BIASES, MASKS)
+    ]
+    for dtype in DTYPES:
+        cases.append(
+            dict(
+                dtype=dtype,
+                head_dim=32,
+                bias="shared",
+                mask="key",
+                batch=2048,
+                q_len=2048,
+                k_len=2048,
+            )
+        )
+    return cases
+
+
+def verdict(result: dict[str, Any]) -> list[str]:
+    """What is wrong with one compiled case ([] if nothing): a refusal, an error, a kernel
+    missing."""
+    if not result["accepted"]:
+        return [f"refused: {result['reason']}"]
+    if result["error"]:
+        return [result["error"]]
+    missing = [k for k in KERNELS[:3] if k not in result["kernels"]]
+    return [f"kernel missing: {k}" for k in missing]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = [
+        f"# Pallas TPU kernels compiled for {result['target']} (deviceless; no time measured)",
+        "",
+        f"jax {result['jax']}, libtpu {result['libtpu']}; forward and gradient of each case, the "
+        "cotangent an argument. A compile within the scoped VMEM is what Mosaic allows, so "
+        "'compiles' means every kernel fits.",
+        "",
+        f"{result['compiled']} of {len(result['cases'])} cases compile; "
+        f"{result['refused']} refused by check().",
+        "",
+        "| case | kernels | peak MiB | temp MiB | seconds | problems |",
+        "| --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for case in result["cases"]:
+        memory = case["memory"] or {}
+        mib = lambda k, memory=memory: f"{memory[k] / 2**20:.1f}" if k in memory else ""
+        kernels = ", ".join(k.removeprefix("gated_attention_tpu_") for k in case["kernels"])
+        problems = "; ".join(case["problems"]) or "none"
+        rows.append(
+            f"| {case['name']} | {kernels} | {mib('peak')} | {mib('temp')} | "
+            f"{case.get('seconds', '')} | {problems} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, choices=[t for t in targets.TARGETS])
+    parser.add_argument("--out", required=True, help="the .json path (a .md is written beside)")
+    args = parser.parse_args(argv)
+    if targets.TARGETS[args.target].kind != "tpu":
+        parser.error(f"--target must be a TPU target, got {args.target!r}")
+    reason = targets.missing(args.target)
+    if reason:
+        raise SystemExit(f"cannot compile for {args.target}: {reason}")
+    import importlib.metadata
+
+    import jax
+
+    cases = matrix()
+    results = targets.in_child(
+        "gated_attention_tools.tpu_kernels:compile_cases", dict(target=args.target, cases=cases)
+    )
+    rows = [
+        dict(case, name=case_name(case), problems=verdict(r), **r)
+        for case, r in zip(cases, results, strict=True)
+    ]
+    result = dict(
+        target=args.target,
+        jax=jax.__version__,
+        libtpu=importlib.metadata.version("libtpu"),
+        compiled=sum(1 for r in rows if r["accepted"] and not r["error"]),
+        refused=sum(1 for r in rows if not r["accepted"]),
+        cases=rows,
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    print(f"{result['compiled']} of {len(rows)} compile; {result['refused']} refused -> {out}")
+
+
+if __name__ == "__main__":
+    main()
