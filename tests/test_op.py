@@ -109,6 +109,7 @@ def test_names_and_instances():
         "chunked": ga.ChunkedAttention(),
         "cudnn": ga.CudnnAttention(),
         "pallas": ga.PallasAttention(),
+        "pallas_tpu": ga.PallasTpuAttention(),
     }
     args, _ = _inputs()
     for implementation, name in (("chunked", "chunked"), (ga.ChunkedAttention(), "chunked")):
@@ -129,7 +130,7 @@ def test_names_and_instances():
         (
             "flash",
             ValueError,
-            r"implementation must be one of \('auto', 'xla', 'chunked', 'cudnn', 'pallas'\)",
+            r"implementation must be one of \('auto', 'xla', 'chunked', 'cudnn', 'pallas', 'pallas_tpu'\)",
         ),
         (("xla", "flash"), ValueError, r"implementation\[1\] must be one of \('auto', 'xla'"),
         ((), ValueError, "implementation must not be an empty sequence"),
