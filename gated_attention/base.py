@@ -131,6 +131,41 @@ class Implementation(abc.ABC):
         and with options.return_residual the logsumexp [B, N, T]."""
 
 
+def check_kernel(
+    what: str,
+    runs_on: str,
+    *,
+    impl: Implementation,
+    platform,
+    compute_dtype,
+    dtypes,
+    query,
+    value,
+    max_head_dim: int,
+) -> None:
+    """The checks each Pallas kernel (pallas.py, pallas_tpu.py) makes of its inputs: the platform
+    it lowers for (unless `impl.interpret`), its compute dtypes and head dims; raises
+    NotImplementedError naming `what` and the reason."""
+    import jax.numpy as jnp
+
+    platform = jax.default_backend() if platform is None else platform
+    if not getattr(impl, "interpret", False) and platform != runs_on:
+        raise NotImplementedError(
+            f"{what} runs on {runs_on.upper()} only, the program is for {platform!r} "
+            f"({type(impl).__name__}(interpret=True) runs it in Pallas's interpreter anywhere)"
+        )
+    if jnp.dtype(compute_dtype) not in dtypes:
+        names = [jnp.dtype(d).name for d in dtypes]
+        listed = ", ".join(names[:-1]) + " or " + names[-1]
+        raise NotImplementedError(f"{what} computes in {listed}, got {jnp.dtype(compute_dtype)}")
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    if max(head_dim, value_dim) > max_head_dim:
+        raise NotImplementedError(
+            f"{what} takes head dims <= {max_head_dim}, got {head_dim} (query/key) and "
+            f"{value_dim} (value)"
+        )
+
+
 class Groups(NamedTuple):
     """N query heads over K key/value heads, G = N // K query heads per key/value head.
 

@@ -196,22 +196,18 @@ class PallasAttention(base.Implementation):
         # TAKES has only precision: the kernels take no grouped-query attention, causal/window/
         # length masks, soft cap or residual (base.Implementation.check refuses them).
         super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
-        platform = jax.default_backend() if platform is None else platform
-        if not self.interpret and platform != "gpu":
-            raise NotImplementedError(
-                f"the Pallas kernel runs on GPU only, the program is for {platform!r} "
-                "(PallasAttention(interpret=True) runs it in Pallas's interpreter anywhere)"
-            )
-        if jnp.dtype(compute_dtype) not in DTYPES:
-            raise NotImplementedError(
-                f"the Pallas kernel computes in float32, bfloat16 or float16, got {jnp.dtype(compute_dtype)}"
-            )
+        base.check_kernel(
+            "the Pallas kernel",
+            "gpu",
+            impl=self,
+            platform=platform,
+            compute_dtype=compute_dtype,
+            dtypes=DTYPES,
+            query=query,
+            value=value,
+            max_head_dim=MAX_HEAD_DIM,
+        )
         dims = (query.shape[-1], value.shape[-1])
-        if max(dims) > MAX_HEAD_DIM:
-            raise NotImplementedError(
-                f"the Pallas kernel takes head dims <= {MAX_HEAD_DIM}, got {dims[0]} (query/key) "
-                f"and {dims[1]} (value)"
-            )
         precision = dot_precision(options.precision, compute_dtype, self.interpret)
         block_q, block_k, _, stages = self.tiles(compute_dtype, precision, max(dims))
         need = shared_memory_estimate(

@@ -104,23 +104,17 @@ class PallasTpuAttention(base.Implementation):
         self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
     ):
         super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
-        platform = jax.default_backend() if platform is None else platform
-        if not self.interpret and platform != "tpu":
-            raise NotImplementedError(
-                f"the Pallas TPU kernel runs on TPU only, the program is for {platform!r} "
-                "(PallasTpuAttention(interpret=True) runs it in Pallas's interpreter anywhere)"
-            )
-        if jnp.dtype(compute_dtype) not in DTYPES:
-            raise NotImplementedError(
-                "the Pallas TPU kernel computes in float32 or bfloat16, "
-                f"got {jnp.dtype(compute_dtype)}"
-            )
-        head_dim, value_dim = query.shape[-1], value.shape[-1]
-        if max(head_dim, value_dim) > MAX_HEAD_DIM:
-            raise NotImplementedError(
-                f"the Pallas TPU kernel takes head dims <= {MAX_HEAD_DIM}, got {head_dim} "
-                f"(query/key) and {value_dim} (value)"
-            )
+        base.check_kernel(
+            "the Pallas TPU kernel",
+            "tpu",
+            impl=self,
+            platform=platform,
+            compute_dtype=compute_dtype,
+            dtypes=DTYPES,
+            query=query,
+            value=value,
+            max_head_dim=MAX_HEAD_DIM,
+        )
         plan = _Plan.make(self, query, key, value, biases, mask, 1.0, compute_dtype, None)
         need = plan.vmem_estimate(jnp.dtype(query.dtype).itemsize)
         if need > VMEM_LIMIT:
@@ -361,12 +355,24 @@ def _dot(a, b, dims, plan):
     return lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=jnp.float32)
 
 
+def _heads(plan: _Plan, tile: _Tile, q_ref, k_ref, v_ref, masks):
+    """Per head n of this step: (n, q, k, v) slices, rows past the end and dead queries and keys
+    zeroed (a generator: one head's tiles live at a time)."""
+    live_q_ref, live_k_ref = (None, None) if masks is None else masks[1:]
+    q = tile.rows(q_ref, tile.q_ok)
+    k, v = tile.rows(k_ref, tile.k_ok), tile.rows(v_ref, tile.k_ok)
+    h, hv = plan.head_dim, plan.value_dim
+    for n in range(plan.heads):
+        live_k = tile.live(live_k_ref, n)
+        qn = tile.head(q, n, h, tile.live(live_q_ref, n))
+        yield n, qn, tile.head(k, n, h, live_k), tile.head(v, n, hv, live_k)
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: _Plan):
     pl, _ = _pallas()
     bias_refs, masks, (o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split(plan, refs)
     i, j = pl.program_id(1), pl.program_id(2)
     tile = _Tile(plan, i, j, bias_refs, masks)
-    live_q_ref, live_k_ref = (None, None) if masks is None else masks[1:]
 
     @pl.when(j == 0)
     def _():
@@ -374,13 +380,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: _Plan):
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    q = tile.rows(q_ref, tile.q_ok)
-    k, v = tile.rows(k_ref, tile.k_ok), tile.rows(v_ref, tile.k_ok)
-    h, hv = plan.head_dim, plan.value_dim
-    for n in range(plan.heads):
-        live_k = tile.live(live_k_ref, n)
-        qn = tile.head(q, n, h, tile.live(live_q_ref, n))
-        kn, vn = tile.head(k, n, h, live_k), tile.head(v, n, hv, live_k)
+    for n, qn, kn, vn in _heads(plan, tile, q_ref, k_ref, v_ref, masks):
         s = tile.logits(qn, kn, n)
         m_prev = m_scr[n]
         m = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -437,16 +437,9 @@ def _forward(plan: _Plan, q, k, v, biases, masks):
 
 def _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, masks):
     """Per head n: (qn, kn, do_n, p, ds) of this step (a generator, one head at a time)."""
-    live_q_ref, live_k_ref = (None, None) if masks is None else masks[1:]
-    q = tile.rows(q_ref, tile.q_ok)
-    k, v = tile.rows(k_ref, tile.k_ok), tile.rows(v_ref, tile.k_ok)
     do = tile.rows(do_ref, tile.q_ok)
-    h, hv = plan.head_dim, plan.value_dim
-    for n in range(plan.heads):
-        live_k = tile.live(live_k_ref, n)
-        qn = tile.head(q, n, h, tile.live(live_q_ref, n))
-        kn, vn = tile.head(k, n, h, live_k), tile.head(v, n, hv, live_k)
-        do_n = tile.head(do, n, hv)
+    for n, qn, kn, vn in _heads(plan, tile, q_ref, k_ref, v_ref, masks):
+        do_n = tile.head(do, n, plan.value_dim)
         p = tile.weights(tile.logits(qn, kn, n), lse_ref[n : n + 1, :])
         dp = _dot(do_n, vn, NT, plan)
         delta = _column(jnp.where(tile.q_ok_row(), delta_ref[n : n + 1, :], 0.0))
