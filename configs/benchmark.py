@@ -7,6 +7,7 @@
   python scripts/benchmark.py --config=configs/benchmark.py:gpu     # on a GPU: the op vs kernels
   python scripts/benchmark.py --config=configs/benchmark.py:family  # AF2's modules and Evoformer
   python scripts/benchmark.py --config=configs/benchmark.py:device_memory  # compiled for H100/v5e
+  python scripts/benchmark.py --config=configs/benchmark.py:options # causal time, GQA memory
 
 Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask[, module]).
 """
@@ -93,6 +94,8 @@ PRESETS = (
     "family_smoke",
     "device_memory",
     "device_memory_smoke",
+    "options",
+    "options_smoke",
 )
 
 
@@ -105,6 +108,8 @@ def get_config(preset="full"):
         return _family_config(preset)
     if preset in ("device_memory", "device_memory_smoke"):
         return _device_memory_config(preset)
+    if preset in ("options", "options_smoke"):
+        return _options_config(preset)
     if preset == "smoke":  # seconds: tiny shapes, for the tests of the script itself
         cfg = get_config("full")
         cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
@@ -220,4 +225,30 @@ def _device_memory_config(preset):
         cfg.dtypes, cfg.modes = ("bfloat16",), ("training",)
         cfg.implementations = ml_collections.ConfigDict(dict(gpu=(), tpu=()))
         cfg.output_dir = "/tmp/gated_attention_device_memory_smoke"
+    return cfg
+
+
+def _options_config(preset):
+    """What jax.nn's arguments cost (options_benchmark.py): causal against full forward time at
+    1 x 4,096 tokens (8 heads of 32), and grouped-query attention's memory, 8 query heads over 1."""
+    cfg = ml_collections.ConfigDict()
+    cfg.suite = "options"
+    cfg.causal_shape = (4096, 8, 32)  # (tokens, heads, head dim), batch 1, no bias or mask
+    cfg.implementations = ("chunked", "xla")
+    cfg.goal_implementation = "chunked"  # the goals are about it; the others are context
+    cfg.causal_goal = 0.55  # causal forward time / full, at most
+    cfg.gqa_shape = (4096, 8, 32)  # (tokens, query heads, head dim) over 1 key/value head
+    cfg.gqa_implementations = ("chunked", "xla")
+    cfg.modes = ("forward", "training")
+    cfg.dtypes = ("float32",)
+    cfg.rounds = 7
+    cfg.steps = 3
+    cfg.output_dir = "benchmark_results/options"
+    cfg.allocator = "steady"  # malloc policy of every child (measure.ALLOCATOR_POLICIES)
+    cfg.baseline_tolerance = 0.10  # the full call in the harness against it alone
+    if preset == "options_smoke":  # seconds: checks the suite runs
+        cfg.causal_shape = cfg.gqa_shape = (64, 2, 8)
+        cfg.rounds, cfg.steps = 1, 1
+        cfg.causal_goal = 100.0
+        cfg.output_dir = "/tmp/gated_attention_options_smoke"
     return cfg

@@ -29,7 +29,13 @@ _CONFIG = config_flags.DEFINE_config_file(
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from gated_attention_tools import benchmark, device_memory, family_benchmark, gpu_benchmark
+    from gated_attention_tools import (
+        benchmark,
+        device_memory,
+        family_benchmark,
+        gpu_benchmark,
+        options_benchmark,
+    )
 
     cfg = _CONFIG.value
     out_dir = pathlib.Path(cfg.output_dir)
@@ -41,6 +47,9 @@ def main(argv):
     elif cfg.suite == "device_memory":
         results = device_memory.run(cfg, log=log)
         table = device_memory.markdown(results)
+    elif cfg.suite == "options":
+        results = options_benchmark.run(cfg, log=log)
+        table = options_benchmark.markdown(results)
     elif cfg.suite == "family":
         results = family_benchmark.run(cfg, log=log)
         table = family_benchmark.markdown(results)
@@ -67,7 +76,7 @@ def _plot(cfg, results, out_dir):
             plots.training_memory(results["memory"], str(out_dir / "training_memory.png"))
         if any(r["variant"] == "ours" and r["dtype"] == "float32" for r in results["cells"]):
             plots.family_ratios(results["cells"], results["goals"], str(out_dir / "ratios.png"))
-    elif cfg.suite not in ("gpu", "device_memory") and cfg.sweep_lengths:
+    elif cfg.suite not in ("gpu", "device_memory", "options") and cfg.sweep_lengths:
         plots.op_sweep(results["cells"], str(out_dir / "results.png"))
 
 

@@ -19,6 +19,7 @@ from gated_attention_tools import (
     family_benchmark,
     gpu_benchmark,
     measure,
+    options_benchmark,
     targets,
 )
 
@@ -263,7 +264,7 @@ def test_benchmark_presets_share_one_schema():
     for preset in module.PRESETS:  # one schema per suite
         cfg = module.get_config(preset)
         keys.setdefault(cfg.suite, set()).add(frozenset(cfg.keys()))
-    assert sorted(keys) == ["device_memory", "family", "gpu", "modules"], keys
+    assert sorted(keys) == ["device_memory", "family", "gpu", "modules", "options"], keys
     assert all(len(k) == 1 for k in keys.values()), keys
     for preset in module.PRESETS:
         cfg = module.get_config(preset)
@@ -280,6 +281,10 @@ def test_benchmark_presets_share_one_schema():
         if cfg.suite == "device_memory":
             assert set(cfg.whats) <= set(device_memory.WHATS)
             assert all(targets.target(t) for t in cfg.targets)
+            continue
+        if cfg.suite == "options":
+            assert cfg.goal_implementation in cfg.implementations
+            assert cfg.goal_implementation in cfg.gqa_implementations
             continue
         if cfg.suite == "gpu":
             assert all(gpu_benchmark.OpShape(*s).batch >= 1 for s in cfg.op_shapes)
@@ -540,3 +545,52 @@ def test_device_memory_tables_say_the_longest_crop_that_fits():
         "| h100 | triangle_start | ours | 512 | bfloat16 | training | pallas | 1.00 | 1.00 | 2.00 |"
         in table
     )
+
+
+def test_options_causal_cell_rows_are_consistent():
+    """Causal against full per implementation: per-round ratios of the same rounds, the full
+    row's ratio 1."""
+    rows = options_benchmark.causal_cell(64, 2, 8, "float32", ["chunked", "xla"], rounds=2, steps=1)
+    by = {(r["implementation"], r["variant"]): r for r in rows}
+    assert set(by) == {(i, v) for i in ("chunked", "xla") for v in options_benchmark.CAUSAL}
+    for impl in ("chunked", "xla"):
+        full, causal = by[impl, "full"], by[impl, "causal"]
+        assert full["ratio_to_full"] == 1.0
+        ratios = [c / f for c, f in zip(causal["round_ms"], full["round_ms"], strict=True)]
+        assert causal["ratio_to_full"] == pytest.approx(statistics.median(ratios))
+        assert causal["ratio_range"] == [min(ratios), max(ratios)]
+        assert causal["time_ms"] == statistics.median(causal["round_ms"])
+    only = options_benchmark.causal_cell(
+        64, 2, 8, "float32", ["chunked"], rounds=1, steps=1, variants=["chunked/full"]
+    )
+    assert [(r["implementation"], r["variant"]) for r in only] == [("chunked", "full")]
+
+
+def test_options_gqa_problem_and_goal():
+    """The GQA programs are the op's gradient with the cotangent an argument; the goal compares
+    the larger of temp and resident with the one-head case plus one query array."""
+    step, specs = options_benchmark.gqa_problem(4, 1, 16, 8, "float32", "chunked", "training")
+    assert [s.shape for s in specs] == [(1, 16, 4, 8), (1, 16, 1, 8), (1, 16, 1, 8), (1, 16, 4, 8)]
+    args = [jax.random.normal(jax.random.PRNGKey(i), s.shape) for i, s in enumerate(specs)]
+    fwd = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")
+    _, vjp = jax.vjp(fwd, *args[:3])
+    for got, want in zip(step(*args), vjp(args[3]), strict=True):
+        assert jnp.allclose(got, want, atol=1e-5), (got - want).max()
+
+    def cell(heads, kv, temp, resident, impl="chunked"):
+        return dict(
+            heads=heads,
+            kv_heads=kv,
+            implementation=impl,
+            mode="forward",
+            dtype="float32",
+            temp_mib=temp,
+            resident_mib=resident,
+            query_mib=2.0,
+        )
+
+    cells = [cell(8, 1, 5.0, 7.5), cell(1, 1, 3.0, 4.0), cell(8, 8, 9.0, 9.0)]
+    [goal] = options_benchmark.gqa_goal(cells, 8)
+    assert (goal["gqa_mib"], goal["allowed_mib"], goal["met"]) == (7.5, 6.0, False)
+    [goal] = options_benchmark.gqa_goal([cell(8, 1, 5.0, None), *cells[1:]], 8)
+    assert (goal["gqa_mib"], goal["met"]) == (5.0, True)
