@@ -49,6 +49,7 @@ pair representations keeps its [h, r, r] bias per example and never broadcast to
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -126,29 +127,97 @@ def _normalizer(norm: tuple[jax.Array, jax.Array]) -> Callable[[jax.Array], jax.
     return lambda x: _layer_norm(x, norm).astype(x.dtype)
 
 
+def _bias_rows(pair, scale, offset, weights):
+    """[rows, k, c_z] -> [rows, k, h]: the pair bias of some pair rows, from the float32 (float64)
+    LayerNorm output."""
+    normed = _layer_norm(pair, (scale, offset))
+    return jnp.einsum("qkc,ch->qkh", normed, weights.astype(normed.dtype))
+
+
 def _pair_bias(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget_mib: float):
-    """feat_2d_weights [c_z, h] ~ N(0, 1/c_z) in `dtype`; the [h, q, k] bias of the layer-normed
-    pair, computed in float32 (the op adds it to float32 logits).
+    """feat_2d_weights [c_z, h] ~ N(0, 1/c_z) in `dtype`, and the [h, q, k] bias of the
+    layer-normed pair, computed in float32 (the op adds it to float32 logits).
 
     It runs in tiles of pair rows that fit the memory budget, each recomputed in the backward
     pass: the normed pair and its LayerNorm's cotangents, each the size of the pair (512 MiB at
     N_res 1,024), are never held whole."""
-    q_len, k_len, c_z = pair_act.shape
-    init = hk.initializers.RandomNormal(stddev=1.0 / math.sqrt(c_z))
-    weights = hk.get_parameter("feat_2d_weights", (c_z, num_head), dtype, init=init)
-
-    def bias(pair, norm, weights):  # [rows, k, c_z] -> [rows, k, h]
-        normed = _layer_norm(pair, norm)
-        return jnp.einsum("qkc,ch->qkh", normed, weights.astype(normed.dtype))
-
-    # About six float32 arrays of a row (the normed pair, LayerNorm temporaries, cotangents) in a
-    # quarter of the budget: the rest holds the attention's tiles and the pair's cotangent.
-    rows = max(1, int(budget_mib * 2**20) // (4 * 6 * 4 * k_len * c_z))
+    weights = _feat_2d_weights(pair_act.shape[-1], num_head, dtype)
+    rows = _bias_tile_rows(pair_act.shape, budget_mib)
     args = [pair_act, *(x[None] for x in norm), weights[None]]  # size 1: shared by the tiles
     batched = [True, False, False, False]
-    shared = lambda pair, scale, offset, w: bias(pair, (scale[0], offset[0]), w[0])
+    shared = lambda pair, scale, offset, w: _bias_rows(pair, scale[0], offset[0], w[0])
     out = mapping.subbatch(shared, args, subbatch_size=rows, batched=batched, remat=True)
     return jnp.moveaxis(out, -1, 0)  # [h, q, k]
+
+
+def _feat_2d_weights(c_z: int, num_head: int, dtype: Any) -> jax.Array:
+    init = hk.initializers.RandomNormal(stddev=1.0 / math.sqrt(c_z))
+    return hk.get_parameter("feat_2d_weights", (c_z, num_head), dtype, init=init)
+
+
+def _bias_tile_rows(shape: tuple[int, ...], budget_mib: float) -> int:
+    """Pair rows per bias tile: about six float32 arrays of a row (the normed pair, LayerNorm
+    temporaries, cotangents) in a quarter of the budget; the rest holds the attention's tiles and
+    the pair's cotangent."""
+    q_len, k_len, c_z = shape
+    return max(1, min(q_len, int(budget_mib * 2**20) // (4 * 6 * 4 * k_len * c_z)))
+
+
+def _with_pair_bias(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget_mib: float):
+    """(pair_act, _pair_bias(pair_act, ...)) for a module whose attention reads the same pair
+    (TriangleAttention): the attention must take the returned pair_act, so that its cotangent
+    comes into this function's backward pass, which adds the bias's share into that buffer tile
+    by tile. Differentiating _pair_bias apart would build the bias's pair-sized cotangent beside
+    the attention's and add the two: one more pair-sized temporary in a training step."""
+    weights = _feat_2d_weights(pair_act.shape[-1], num_head, dtype)
+    rows = _bias_tile_rows(pair_act.shape, budget_mib)
+    return _fused_pair_bias(pair_act, *norm, weights, rows)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused_pair_bias(pair, scale, offset, weights, rows: int):
+    shared = lambda pair, scale, offset, w: _bias_rows(pair, scale[0], offset[0], w[0])
+    args = [pair, scale[None], offset[None], weights[None]]
+    out = mapping.subbatch(shared, args, subbatch_size=rows, batched=[True, False, False, False])
+    return pair, jnp.moveaxis(out, -1, 0)
+
+
+def _fused_pair_bias_fwd(pair, scale, offset, weights, rows):
+    return _fused_pair_bias(pair, scale, offset, weights, rows), (pair, scale, offset, weights)
+
+
+def _fused_pair_bias_bwd(rows, residuals, cotangents):
+    """The pair's cotangent from the attention, with each tile's bias cotangent added in place
+    (a fori_loop carry: no second pair-sized buffer); parameter cotangents summed in float32."""
+    pair, scale, offset, weights = residuals
+    d_pair, d_bias = cotangents
+    d_bias = jnp.moveaxis(d_bias, 0, -1)  # [q, k, h]
+    acc = numerics.accumulation_dtype(pair.dtype)
+
+    def tile(start, size: int, carry):
+        d_pair, *d_params = carry
+        piece = jax.lax.dynamic_slice_in_dim(pair, start, size)
+        _, vjp = jax.vjp(_bias_rows, piece, scale, offset, weights)
+        d_piece, *d_tile = vjp(jax.lax.dynamic_slice_in_dim(d_bias, start, size))
+        total = jax.lax.dynamic_slice_in_dim(d_pair, start, size) + d_piece.astype(d_pair.dtype)
+        d_pair = jax.lax.dynamic_update_slice_in_dim(d_pair, total, start, 0)
+        return d_pair, *(a + b.astype(acc) for a, b in zip(d_params, d_tile, strict=True))
+
+    num_full, remainder = divmod(pair.shape[0], rows)
+    carry = (d_pair, *(jnp.zeros(x.shape, acc) for x in (scale, offset, weights)))
+    carry = jax.lax.fori_loop(0, num_full, lambda t, c: tile(t * rows, rows, c), carry)
+    if remainder:
+        carry = tile(num_full * rows, remainder, carry)
+    d_pair, d_scale, d_offset, d_weights = carry
+    return (
+        d_pair,
+        d_scale.astype(scale.dtype),
+        d_offset.astype(offset.dtype),
+        d_weights.astype(weights.dtype),
+    )
+
+
+_fused_pair_bias.defvjp(_fused_pair_bias_fwd, _fused_pair_bias_bwd)
 
 
 def _check_msa(msa_act: Any, msa_mask: Any) -> None:
@@ -372,7 +441,12 @@ class TriangleAttention(_FamilyModule):
                     jnp.swapaxes(pair_act, -3, -2),
                     jnp.swapaxes(pair_mask, -2, -1),
                 )
-            bias = self._pair_bias(pair_act, norm, pair_act.dtype)  # [h, r, r]
+            budget = self.global_config.memory_budget_mib
+            # The attention reads the pair that comes back, so the bias's cotangent is added
+            # into the attention's in place (_with_pair_bias).
+            pair_act, bias = _with_pair_bias(
+                pair_act, norm, self.config.num_head, pair_act.dtype, budget
+            )  # bias [h, r, r]
             out = self._attention(pair_act, norm, _key_mask(pair_mask), bias, is_training)
             return jnp.swapaxes(out, -3, -2) if per_column else out
 

@@ -21,6 +21,7 @@ device runs its own rows, subbatch_size at a time, and no row crosses devices (s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
@@ -138,7 +139,7 @@ def _loop(fn, args, where: dict[int, int], size: int, out_axis, remat) -> Any:
     )
 
     def put(out, start, piece):
-        update = lambda o, x: jax.lax.dynamic_update_slice_in_dim(o, x, start, out_axis(x.ndim))
+        update = lambda o, x: _write_once(o, x, start, out_axis(x.ndim), x.shape[out_axis(x.ndim)])
         return jax.tree.map(update, out, piece)
 
     def full(s):  # the output leaf for the whole batch, sharded as the subbatch's output
@@ -154,6 +155,27 @@ def _loop(fn, args, where: dict[int, int], size: int, out_axis, remat) -> Any:
     if remainder:
         out = put(out, num_full * size, tile(num_full * size, remainder))
     return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _write_once(out: jax.Array, piece: jax.Array, start, axis: int, size: int) -> jax.Array:
+    """dynamic_update_slice of `piece` into a slice of `out` that is written exactly once and
+    held zeros before (the loop's output buffer). Its backward pass hands the output's cotangent
+    on unchanged instead of zeroing the slice (dynamic_update_slice's own transpose), so a
+    training step neither writes nor copies that cotangent: it is an argument of the step, which
+    XLA would otherwise copy to zero slices of it (one more output-sized temporary)."""
+    return jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis)
+
+
+def _write_once_fwd(out, piece, start, axis, size):
+    return _write_once(out, piece, start, axis, size), start
+
+
+def _write_once_bwd(axis, size, start, cotangent):
+    return cotangent, jax.lax.dynamic_slice_in_dim(cotangent, start, size, axis), None
+
+
+_write_once.defvjp(_write_once_fwd, _write_once_bwd)
 
 
 def subbatch_size_for_budget(batch: int, bytes_per_example: Real, memory_budget_bytes: Real) -> int:

@@ -155,20 +155,41 @@ def test_family_runs_every_implementation(implementation):
     assert_close(out, expected, reference.tolerance("float32", family=True))
 
 
-def test_gradients_match_reference():
-    (params, (pair, mask)), (params64, (pair64, mask64)) = _problem("triangle_end", "float32", 3)
-    module = _transform(ga.TriangleAttention, COLUMN)
+# 4 pair rows per bias tile (alphafold._bias_tile_rows: 96 * R * C_Z bytes a row): R = 6 rows run
+# as a full tile and a remainder of 2, in the forward and in the backward's in-place accumulation.
+BIAS_TILES = dict(GLOBAL, memory_budget_mib=4 * 96 * R * C_Z / 2**20)
+
+
+@pytest.mark.parametrize("global_config, examples", [(GLOBAL, 0), (BIAS_TILES, 2)])
+def test_gradients_match_reference(global_config, examples):
+    """Parameter and pair gradients of TriangleAttention (ending node) against the float64
+    reference: in one piece, and with the pair bias in row tiles under two leading examples (the
+    bias's cotangent added into the attention's pair cotangent tile by tile, under hk.vmap)."""
+    problems = [_problem("triangle_end", "float32", 3 + i) for i in range(max(examples, 1))]
+    (params, _), (params64, _) = problems[0]
+    pairs, masks = ([p[0][1][j] for p in problems] for j in (0, 1))
+    pairs64, masks64 = ([p[1][1][j] for p in problems] for j in (0, 1))
+    pair, mask = (jnp.stack(x) if examples else x[0] for x in (pairs, masks))
+    module = _transform(ga.TriangleAttention, COLUMN, global_config)
 
     def loss(params, pair):
         return jnp.sum(jnp.sin(module.apply(params, pair, mask)))
 
-    def ref_loss(params, pair):
-        out = reference.triangle_attention(params, pair, mask64, orientation="per_column", xp=jnp)
+    def ref_loss(params, pair, mask):
+        out = reference.triangle_attention(params, pair, mask, orientation="per_column", xp=jnp)
         return jnp.sum(jnp.sin(out))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, pair)
+    ref_params, ref_pairs = None, []
     with jax.enable_x64(True):
-        ref_params, ref_pair = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(params64, pair64)
+        ref_grad = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))
+        for pair64, mask64 in zip(pairs64, masks64, strict=True):
+            g_params, g_pair = ref_grad(params64, pair64, mask64)
+            ref_params = (
+                g_params if ref_params is None else jax.tree.map(jnp.add, ref_params, g_params)
+            )
+            ref_pairs.append(g_pair)
+    ref_pair = np.stack(ref_pairs) if examples else ref_pairs[0]
     assert_close(grads[1], ref_pair, reference.grad_tolerance("float32", ref_pair))
     ours = _reference_params(grads[0], "triangle_attention")
     jax.tree.map(
