@@ -3,7 +3,8 @@ ptxas, deviceless (gated_attention_tools/gpu_kernels.py): with the tiles of pall
 kernel of a case compiles with 0 spill bytes, within the target's shared memory, and with
 tensor-core MMA instructions wherever the precision allows them. A covering subset of the matrix
 (every dtype, every padded head dim, every bias and mask form, both targets, lengths that are not
-multiples of the tiles); benchmark_results/gpu_kernels/ has the whole matrix."""
+multiples of the tiles, float32 at each precision); benchmark_results/gpu_kernels/ has the whole
+matrix."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from gated_attention_tools import gpu_kernels, targets
 
 CASES = {
     "a100": [
-        dict(dtype="float32", head_dim=128, bias="shared", mask="key"),
+        dict(dtype="float32", head_dim=128, bias="shared", mask="key", precision="highest"),
         dict(dtype="float16", head_dim=16, bias="per_row", mask="none"),
         dict(dtype="bfloat16", head_dim=64, bias="both", mask="full"),
     ],
     "h100": [
         dict(dtype="float32", head_dim=32, bias="none", mask="full"),
         dict(dtype="bfloat16", head_dim=128, bias="shared", mask="key"),
-        dict(dtype="float32", head_dim=8, bias="both", mask="none"),
+        dict(dtype="float32", head_dim=8, bias="both", mask="none", precision="high"),
     ],
 }
 
@@ -30,7 +31,7 @@ def test_kernels_compile_without_spills_and_use_the_tensor_cores(target):
     reason = targets.missing(target)
     if reason:
         pytest.skip(f"cannot compile for {target}: {reason}")
-    cases = [dict(case, precision="default") for case in CASES[target]]
+    cases = [dict(dict(precision="default"), **case) for case in CASES[target]]
     results = targets.in_child("tests.target_cases:kernel_cases", dict(target=target, cases=cases))
     if not any(stats["ptx_files"] for stats in results):
         import jax
@@ -42,4 +43,5 @@ def test_kernels_compile_without_spills_and_use_the_tensor_cores(target):
     for case, stats in zip(cases, results, strict=True):
         assert set(stats["kernels"]) == set(gpu_kernels.KERNELS), (case, stats)
         assert gpu_kernels.verdict(target, case, stats) == [], (case, stats["kernels"])
-        assert all(k["mma"] for k in stats["kernels"].values()), case
+        ieee = case["dtype"] == "float32" and case["precision"] == "highest"
+        assert all(k["mma"] != ieee for k in stats["kernels"].values()), case  # IEEE: scalar FMA
