@@ -27,8 +27,8 @@ uniform average of the values as given (outside the kernel). Per-row vectors (lo
 liveness) are stored lane-dense [.., L] and turned into columns inside the kernel by a masked lane
 sum (`_column`), which Mosaic lowers for any length (no transposes of odd shapes).
 
-`interpret=True` runs the kernels in Pallas's TPU interpreter on any backend (how they are tested
-on CPU). Without it they run on TPU only (check() says so elsewhere).
+`interpret=True` runs the kernels in Pallas's interpreter on any backend, `interpret="tpu"` in its
+TPU interpreter, which also models TPU memory (how they are tested on CPU). Without it they run on TPU only (check() says so elsewhere).
 """
 
 from __future__ import annotations
@@ -83,13 +83,15 @@ class PallasTpuAttention(base.Implementation):
     Attributes:
       block_q: queries per tile (a multiple of 128; a shorter sequence is one whole tile).
       block_k: keys per tile (likewise).
-      interpret: run the kernels in Pallas's TPU interpreter (any backend; slow, for tests).
+      interpret: run the kernels in an interpreter on any backend (for tests): True, Pallas's
+        generic one (fast); "tpu", Pallas's TPU interpreter, which also models TPU memory
+        (scratch starts as NaN, DMAs complete on wait) and is several times slower.
     """
 
     name = "pallas_tpu"
     block_q: int = 128
     block_k: int = 128
-    interpret: bool = False
+    interpret: bool | str = False
 
     TAKES = frozenset({"precision"})
 
@@ -98,7 +100,8 @@ class PallasTpuAttention(base.Implementation):
             value = checks.check_int(name, getattr(self, name), minimum=LANES)
             if value % LANES:
                 raise ValueError(f"{name} must be a multiple of {LANES}, got {value}")
-        checks.check_bool("interpret", self.interpret)
+        if not (isinstance(self.interpret, bool) or self.interpret == "tpu"):
+            raise ValueError(f"interpret must be a bool or 'tpu', got {self.interpret!r}")
 
     def check(
         self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
@@ -168,7 +171,7 @@ class _Plan:
     bias_shapes: tuple
     mask_shapes: tuple | None  # (mask, live_q, live_k) shapes
     precision: Any
-    interpret: bool
+    interpret: bool | str
 
     @classmethod
     def make(cls, impl, query, key, value, biases, mask, scale, compute_dtype, precision):
@@ -231,7 +234,7 @@ class _Plan:
             ),
             out_shape=out_shape,
             compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-            interpret=pltpu.InterpretParams() if self.interpret else False,
+            interpret=pltpu.InterpretParams() if self.interpret == "tpu" else self.interpret,
             name=name,
         )(*args)
 

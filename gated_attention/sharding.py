@@ -78,15 +78,17 @@ def _spec(axes: Sequence[Axes]) -> P:
 
 
 def _mesh_and_axes(arrays: Sequence[Any]) -> tuple[Any, set[str]]:
-    """The mesh of the first explicitly sharded array (None if none is) and every explicit axis
-    the arrays use."""
-    mesh, used = None, set()
+    """The mesh of the first explicitly sharded array (None if none is) and all its explicit
+    axes: every one becomes manual, those no input uses too (the inputs are replicated along
+    them), so that the body sees no explicit axis (a kernel's scratch would be typed unsharded
+    beside values typed explicit: Pallas's interpreter refuses that)."""
     for x in arrays:
         if x is not None:
-            x_mesh, axes = explicit_axes(x)
-            mesh = mesh or x_mesh
-            used.update(a for dim in axes for a in dim)
-    return mesh, used
+            mesh, _ = explicit_axes(x)
+            if mesh is not None:
+                kinds = zip(mesh.axis_names, mesh.axis_types, strict=True)
+                return mesh, {name for name, kind in kinds if kind == AxisType.Explicit}
+    return None, set()
 
 
 def _conform(x: Any, mesh: Any, wanted: Sequence[Axes]) -> Any:
@@ -130,9 +132,9 @@ def shard_attention(
     (keys and values replicated along S and the channels, and along heads when K == 1; biases and
     mask along their size-1 and S dimensions; lengths along the batch) and the output comes back
     with query's sharding. With queries split along T, each device's structure carries the
-    position of its first query (q_offset). Every other explicit axis any input uses is made
-    manual too, with every input replicated along it, so that no contraction inside runs over a
-    sharded dimension.
+    position of its first query (q_offset). Every other explicit axis of the mesh is made manual
+    too, with every input replicated along it, so that no contraction inside runs over a sharded
+    dimension.
 
     Args:
       residual: attend returns (output, residual [*batch, T, N]) rather than the output.

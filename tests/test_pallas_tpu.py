@@ -1,6 +1,7 @@
-"""PallasTpuAttention: the Mosaic kernels in Pallas's TPU interpreter against the float64
-reference (the shared harness, and lengths spanning several partial tiles), and dispatch (TPU
-only unless interpreted; 'auto' on TPU). Compiles for TPU targets: tests/test_targets.py."""
+"""PallasTpuAttention: the Mosaic kernels interpreted against the float64 reference (the shared
+harness in Pallas's generic interpreter; lengths spanning several partial tiles in its TPU
+interpreter, which also models TPU memory: scratch starts as NaN), and dispatch (TPU only unless
+interpreted; 'auto' on TPU). Compiles for TPU targets: tests/test_targets.py."""
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +14,13 @@ from tests.helpers import rand
 from tests.implementation_harness import ImplementationTests
 
 INTERPRETED = ga.PallasTpuAttention(interpret=True)
+TPU_INTERPRETED = ga.PallasTpuAttention(interpret="tpu")
 
 
 class TestPallasTpuInterpreted(ImplementationTests):
     """The forward, dk/dv, dq and bias-gradient kernels, interpreted on CPU: the whole contract
-    in float32; bfloat16 against the reference below."""
+    in float32; bfloat16 against the reference below. (The generic interpreter: the TPU one takes
+    5x as long here, and the partial-tile cases below run in it.)"""
 
     IMPL = INTERPRETED
     DTYPES = ("float32",)
@@ -44,7 +47,8 @@ def test_bfloat16_against_the_reference():
 def test_several_partial_tiles_against_the_reference(shape, biases, mask):
     """Several tiles with partial last ones, head dims padded to the lanes, biases shared over
     the batch and per row, broadcast over queries or keys (their gradients summed over tiles in
-    the kernel); float32 forward and every gradient."""
+    the kernel); float32 forward and every gradient, in the TPU interpreter (an accumulator or
+    statistic read before it is written would be NaN)."""
     b, t, s, n, _, _ = shape
     dims = lambda spec: tuple({"B": b, "N": n, "T": t, "S": s, "1": 1}[c] for c in spec)
     case, case64 = harness.problem(shape, "float32", "key_mask", seed=3)
@@ -54,7 +58,7 @@ def test_several_partial_tiles_against_the_reference(shape, biases, mask):
     mask_value[0, ..., -1] = False  # the last key (a partial tile's) masked in row 0
     case = case._replace(bias=[p[0] for p in pairs], mask=jnp.asarray(mask_value))
     case64 = case64._replace(bias=[p[1] for p in pairs], mask=mask_value)
-    [result] = harness.run(INTERPRETED, [case])
+    [result] = harness.run(TPU_INTERPRETED, [case])
     [expected] = harness.reference_run([case64])
     harness.assert_matches(result, expected, "float32", "partial tiles")
 
@@ -91,6 +95,9 @@ def test_check_refuses_what_it_cannot_take():
         big.check(long_q, long_q, long_q, (), None, compute_dtype=jnp.float32, platform="tpu")
     with pytest.raises(ValueError, match="block_q must be a multiple of 128, got 200"):
         ga.PallasTpuAttention(block_q=200)
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match=f"interpret must be a bool or 'tpu', got {bad!r}"):
+            ga.PallasTpuAttention(interpret=bad)
 
 
 def test_named_on_cpu_says_why_and_auto_takes_it_on_tpu():

@@ -54,6 +54,8 @@ IMPLEMENTATIONS = {
     "xla": ga.XlaAttention(),
     # 48 leaves a rest; blocks of one batch row
     "chunked": ga.ChunkedAttention(query_chunk_size=32, key_chunk_size=48, block_bytes=1),
+    # the TPU kernel per shard, in Pallas's interpreter (its TPU interpreter stalls on 8 devices)
+    "pallas_tpu": ga.PallasTpuAttention(interpret=True),
 }
 # (q spec, k/v spec, pair bias [1, N, T, S] spec, mask [B, 1, 1, S] spec) -> (output spec,
 # collectives allowed in the forward)
