@@ -27,15 +27,25 @@ uniform average of the values as given (outside the kernel). Per-row vectors (lo
 liveness) are stored lane-dense [.., L] and turned into columns inside the kernel by a masked lane
 sum (`_column`), which Mosaic lowers for any length (no transposes of odd shapes).
 
+jax.nn's and tokamax's further arguments (base.Options), inside the tiles: grouped-query attention
+reads key/value head n // group for query head n (k, v and their gradients are [B, S, K*H]; the
+query heads of a group sum into one dk/dv accumulator); the causal, window and length masks are
+compared from iotas and a per-row int32 vector in SMEM (first query's position, lengths), and a
+tile they mask whole is skipped in the forward, dk/dv and dq kernels (a causal forward does about
+half the work); the soft cap is applied after the biases and its derivative taken in the
+backward; the log-sum-exp is the residual (no gradient).
+
 `interpret=True` runs the kernels in Pallas's interpreter on any backend, `interpret="tpu"` in its
-TPU interpreter, which also models TPU memory (how they are tested on CPU). Without it they run on TPU only (check() says so elsewhere).
+TPU interpreter, which also models TPU memory (how they are tested on CPU). Without it they run on
+TPU only (check() says so elsewhere).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +103,7 @@ class PallasTpuAttention(base.Implementation):
     block_k: int = 128
     interpret: bool | str = False
 
-    TAKES = frozenset({"precision"})
+    TAKES = base.ALL_OPTIONS
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -118,7 +128,7 @@ class PallasTpuAttention(base.Implementation):
             value=value,
             max_head_dim=MAX_HEAD_DIM,
         )
-        plan = _Plan.make(self, query, key, value, biases, mask, 1.0, compute_dtype, None)
+        plan = _Plan.make(self, query, key, value, biases, mask, 1.0, compute_dtype, options)
         need = plan.vmem_estimate(jnp.dtype(query.dtype).itemsize)
         if need > VMEM_LIMIT:
             raise NotImplementedError(
@@ -131,27 +141,51 @@ class PallasTpuAttention(base.Implementation):
         self, query, key, value, biases, mask, *, scale, compute_dtype, options=base.PLAIN
     ):
         batch, q_len, heads, head_dim = query.shape
-        k_len, value_dim = key.shape[1], value.shape[-1]
-        masks = None
-        if mask is not None:  # int8 tiles for Mosaic; live queries/keys per row and head
-            masks = (
-                mask.astype(jnp.int8),
-                jnp.any(mask, axis=3).astype(jnp.float32),  # [B|1, N|1, T|1]
-                jnp.any(mask, axis=2).astype(jnp.float32),  # [B|1, N|1, S|1]
-            )
+        k_len, kv_heads, value_dim = key.shape[1], key.shape[2], value.shape[-1]
+        structure = options.structure
+        # Live queries [B|1, N|1, T|1] and keys [B|1, N|1, S|1] under the mask and the structure.
+        live_q, live_k = structure.live(mask, q_len, k_len)
+        extras = []
+        if mask is not None:
+            extras.append(mask.astype(jnp.int8))  # int8 tiles for Mosaic
+        if live_q is not None:
+            extras += [live_q.astype(jnp.float32), live_k.astype(jnp.float32)]
+        if not structure.trivial:
+            extras.append(_meta(structure, batch))
         plan = _Plan.make(
-            self, query, key, value, biases, mask, scale, compute_dtype, options.precision
+            self, query, key, value, biases, mask, scale, compute_dtype, options, live_q, live_k
         )
-        out = _attention(
+        out, lse = _attention(
             plan,
             query.reshape(batch, q_len, heads * head_dim),
-            key.reshape(batch, k_len, heads * head_dim),
-            value.reshape(batch, k_len, heads * value_dim),
+            key.reshape(batch, k_len, kv_heads * head_dim),
+            value.reshape(batch, k_len, kv_heads * value_dim),
             tuple(biases),
-            masks,
+            tuple(extras),
         )
         out = out.reshape(batch, q_len, heads, value_dim)
-        return numerics.uniform_where_fully_masked(out, value, mask, head_major=False)
+        out = numerics.uniform_where_no_key(out, value, live_q, head_major=False)
+        if not options.return_residual:
+            return out
+        if live_q is not None:  # rows with no key: MASK_VALUE + log(S), as every implementation
+            dead = jnp.asarray(numerics.MASK_VALUE + math.log(k_len), jnp.float32)
+            lse = jnp.where(live_q, lse, dead)
+        return out, lse
+
+
+def _meta(structure, batch: int):
+    """int32 [3 * B], read in SMEM: per batch row its first query's position, its query length
+    and its key length (lengths absent: 2^30)."""
+    whole = jnp.full((batch,), 2**30, jnp.int32)
+    offset = jnp.zeros((batch,), jnp.int32)
+    if structure.q_offset is not None:
+        offset = offset + jnp.asarray(structure.q_offset, jnp.int32)
+    columns = [
+        offset,
+        whole if structure.q_lengths is None else structure.q_lengths.astype(jnp.int32),
+        whole if structure.kv_lengths is None else structure.kv_lengths.astype(jnp.int32),
+    ]
+    return jnp.stack([jnp.broadcast_to(c, (batch,)) for c in columns], axis=1).reshape(-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,18 +203,35 @@ class _Plan:
     block_q: int
     block_k: int
     bias_shapes: tuple
-    mask_shapes: tuple | None  # (mask, live_q, live_k) shapes
+    mask_shape: tuple | None
+    live_shapes: tuple | None  # (live queries, live keys) shapes
+    kv_heads: int
+    causal: bool
+    window: tuple | None  # (left, right)
+    structured: bool  # causal, window or lengths: the meta vector in SMEM
+    soft_cap: float | None
     precision: Any
     interpret: bool | str
 
     @classmethod
-    def make(cls, impl, query, key, value, biases, mask, scale, compute_dtype, precision):
+    def make(
+        cls,
+        impl,
+        query,
+        key,
+        value,
+        biases,
+        mask,
+        scale,
+        compute_dtype,
+        options,
+        live_q=None,
+        live_k=None,
+    ):
         batch, q_len, heads, head_dim = query.shape
         k_len = key.shape[1]
-        mask_shapes = None
-        if mask is not None:
-            m = tuple(mask.shape)
-            mask_shapes = (m, (m[0], m[1], m[2]), (m[0], m[1], m[3]))
+        structure = options.structure
+        live_shapes = None if live_q is None else (tuple(live_q.shape), tuple(live_k.shape))
         return cls(
             scale=float(scale),
             compute_dtype=jnp.dtype(compute_dtype).name,
@@ -193,10 +244,21 @@ class _Plan:
             block_q=impl.block_q if q_len > impl.block_q else q_len,
             block_k=impl.block_k if k_len > impl.block_k else k_len,
             bias_shapes=tuple(tuple(b.shape) for b in biases),
-            mask_shapes=mask_shapes,
-            precision=precision,
+            mask_shape=None if mask is None else tuple(mask.shape),
+            live_shapes=live_shapes,
+            kv_heads=key.shape[2],
+            causal=structure.is_causal,
+            window=structure.window,
+            structured=not structure.trivial,
+            soft_cap=options.logits_soft_cap,
+            precision=options.precision,
             interpret=impl.interpret,
         )
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head: head n reads key/value head n // group."""
+        return self.heads // self.kv_heads
 
     @property
     def q_blocks(self) -> int:
@@ -210,14 +272,15 @@ class _Plan:
         """About the VMEM of the largest kernel (dk/dv): double-buffered q, do, k, v tiles, the
         bias and mask tiles, float32 accumulators, and the float32 [bq, bk] temporaries of one
         head (logits, weights, their gradient, the column/row conversions); 25 % on top."""
-        bq, bk, n = self.block_q, self.block_k, self.heads
-        lanes = lambda d: -(-n * d // LANES) * LANES
-        tiles = (bq + bk) * (lanes(self.head_dim) + lanes(self.value_dim)) * itemsize
+        bq, bk, n, kv = self.block_q, self.block_k, self.heads, self.kv_heads
+        lanes = lambda heads, d: -(-heads * d // LANES) * LANES
+        widths = lambda heads: lanes(heads, self.head_dim) + lanes(heads, self.value_dim)
+        tiles = (bq * widths(n) + bk * widths(kv)) * itemsize
         pairs = sum(
             (s[1] * (bq if s[2] > 1 else 8) * (bk if s[3] > 1 else LANES)) * 4
-            for s in self.bias_shapes + ((self.mask_shapes[0],) if self.mask_shapes else ())
+            for s in self.bias_shapes + ((self.mask_shape,) if self.mask_shape else ())
         )
-        accumulators = n * bk * (self.head_dim + self.value_dim) * 4
+        accumulators = max(kv * bk, n * bq) * (self.head_dim + self.value_dim) * 4
         temps = 8 * max(bq, bk) * max(bq, bk) * 4
         return int(1.25 * (2 * (tiles + pairs) + accumulators + temps))
 
@@ -273,19 +336,24 @@ class _Plan:
         )
 
     def common_specs(self, order, with_grads: bool):
-        """Specs of (q, k, v[, do, lse, delta], *biases[, mask, live_q, live_k])."""
-        qk, vw = self.heads * self.head_dim, self.heads * self.value_dim
-        specs = [self.rows_spec(order, "i", qk), self.rows_spec(order, "j", qk)]
-        specs.append(self.rows_spec(order, "j", vw))
+        """Specs of (q, k, v[, do, lse, delta], *biases[, mask][, live_q, live_k][, meta])."""
+        pl, pltpu = _pallas()
+        kv = self.kv_heads
+        specs = [self.rows_spec(order, "i", self.heads * self.head_dim)]
+        specs.append(self.rows_spec(order, "j", kv * self.head_dim))
+        specs.append(self.rows_spec(order, "j", kv * self.value_dim))
         if with_grads:
             per_query = (self.batch, self.heads, self.q_len)
-            specs += [self.rows_spec(order, "i", vw)]
+            specs += [self.rows_spec(order, "i", self.heads * self.value_dim)]
             specs += [self.vector_spec(order, per_query, "i")] * 2
         specs += [self.pair_spec(order, s) for s in self.bias_shapes]
-        if self.mask_shapes:
-            mask, live_q, live_k = self.mask_shapes
-            specs.append(self.pair_spec(order, mask))
+        if self.mask_shape:
+            specs.append(self.pair_spec(order, self.mask_shape))
+        if self.live_shapes:
+            live_q, live_k = self.live_shapes
             specs += [self.vector_spec(order, live_q, "i"), self.vector_spec(order, live_k, "j")]
+        if self.structured:
+            specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         return specs
 
 
@@ -293,17 +361,69 @@ def _picker(order: str):
     return lambda grid, axis: grid[order.index(axis)]
 
 
+class _Extras(NamedTuple):
+    """The optional refs after the biases (None where absent)."""
+
+    mask: Any  # int8 [N|1, bq|1, bk|1] tile
+    live_q: Any  # float32 [N|1, bq|1] tile
+    live_k: Any  # float32 [N|1, bk|1] tile
+    meta: Any  # int32 [3 * B] in SMEM (_meta)
+
+
+def any_allowed(plan: _Plan, i, j, offset, q_length, kv_length):
+    """Whether the causal, window and length masks let any query of tile (i, j) attend any of its
+    keys (a scalar; ints or traced): tiles they mask whole are skipped."""
+    first = offset + i * plan.block_q
+    last = first + plan.block_q - 1
+    lo, hi = 0, jnp.minimum(kv_length, plan.k_len)
+    if plan.window is not None:
+        lo = jnp.maximum(lo, first - plan.window[0])
+        hi = jnp.minimum(hi, last + plan.window[1] + 1)
+    if plan.causal:
+        hi = jnp.minimum(hi, last + 1)
+    k_first = j * plan.block_k
+    return (first < q_length) & (k_first < hi) & (k_first + plan.block_k > lo)
+
+
 class _Tile:
     """One grid step's tiles: loads of rows and per-head slices, logits and weights."""
 
-    def __init__(self, plan: _Plan, i, j, bias_refs, masks):
+    def __init__(self, plan: _Plan, i, j, b, bias_refs, extras: _Extras):
         self.plan, self.i, self.j = plan, i, j
-        self.bias_refs, self.masks = bias_refs, masks
+        self.bias_refs, self.extras = bias_refs, extras
         bq, bk = plan.block_q, plan.block_k
         # Rows of the tile inside the sequences (partial last blocks read past the end).
         self.q_ok = lax.broadcasted_iota(jnp.int32, (bq, 1), 0) < plan.q_len - i * bq
         self.k_ok = lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < plan.k_len - j * bk
         self.k_ok_row = lax.broadcasted_iota(jnp.int32, (1, bk), 1) < plan.k_len - j * bk
+        self.allowed = self.any_allowed = None
+        if plan.structured:
+            meta = extras.meta
+            offset, q_length, kv_length = meta[3 * b], meta[3 * b + 1], meta[3 * b + 2]
+            self.allowed = self._allowed(offset, q_length, kv_length)
+            self.any_allowed = any_allowed(plan, i, j, offset, q_length, kv_length)
+
+    def _allowed(self, offset, q_length, kv_length):
+        """bool [bq, bk]: the causal, window and length masks of this tile (masking.py)."""
+        plan = self.plan
+        shape = (plan.block_q, plan.block_k)
+        qi = offset + self.i * plan.block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
+        kj = self.j * plan.block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
+        ok = (qi < q_length) & (kj < kv_length)
+        if plan.causal:
+            ok = ok & (kj <= qi)
+        if plan.window is not None:
+            left, right = plan.window
+            ok = ok & (kj >= qi - left) & (kj <= qi + right)
+        return ok
+
+    def when_allowed(self, body):
+        """Runs body() unless the structure masks this tile whole."""
+        if self.any_allowed is None:
+            body()
+        else:
+            pl, _ = _pallas()
+            pl.when(self.any_allowed)(body)
 
     def rows(self, ref, ok):
         """A [block, width] tile in the compute dtype, rows past the end zeroed."""
@@ -324,16 +444,25 @@ class _Tile:
         return _column(ref[n if ref.shape[0] > 1 else 0][None, :])
 
     def logits(self, q, k, n: int):
-        """Head n's scaled, biased, masked float32 logits [bq, bk]; keys past the end -inf."""
+        """Head n's scaled, biased, soft-capped, masked float32 logits [bq, bk] (keys past the end
+        -inf), and the soft cap's derivative there (None: no cap)."""
         plan = self.plan
         s = lax.dot_general(q, k, NT, precision=plan.precision, preferred_element_type=jnp.float32)
         s = s * plan.scale
         for ref in self.bias_refs:
             s = s + ref[n if ref.shape[0] > 1 else 0].astype(jnp.float32)
-        if self.masks is not None:
-            keep = self.masks[0][n if self.masks[0].shape[0] > 1 else 0].astype(jnp.int32)
+        cap_grad = None
+        if plan.soft_cap is not None:
+            t = jnp.tanh(s * (1.0 / plan.soft_cap))
+            # Outside the arrays (a partial tile's bias may read garbage) the derivative is 0.
+            s, cap_grad = plan.soft_cap * t, jnp.where(self.q_ok & self.k_ok_row, 1.0 - t * t, 0.0)
+        mask = self.extras.mask
+        if mask is not None:
+            keep = mask[n if mask.shape[0] > 1 else 0].astype(jnp.int32)
             s = jnp.where(keep != 0, s, numerics.MASK_VALUE)
-        return jnp.where(self.k_ok_row, s, -jnp.inf)
+        if self.allowed is not None:
+            s = jnp.where(self.allowed, s, numerics.MASK_VALUE)
+        return jnp.where(self.k_ok_row, s, -jnp.inf), cap_grad
 
     def weights(self, s, lse_row):
         """Softmax weights [bq, bk] from saved log-sum-exps [1, bq]; zero past the last query."""
@@ -346,36 +475,39 @@ class _Tile:
 
 
 def _split(plan: _Plan, refs):
-    """refs after the fixed ones -> (bias refs, (mask, live_q, live_k) or None, the rest)."""
+    """refs after the fixed ones -> (bias refs, _Extras, the rest)."""
     n = len(plan.bias_shapes)
-    biases, rest = refs[:n], refs[n:]
-    if plan.mask_shapes is None:
-        return biases, None, rest
-    return biases, rest[:3], rest[3:]
+    biases, rest = refs[:n], list(refs[n:])
+    take = lambda present: rest.pop(0) if present else None
+    mask = take(plan.mask_shape is not None)
+    live_q, live_k = take(plan.live_shapes is not None), take(plan.live_shapes is not None)
+    meta = take(plan.structured)
+    return biases, _Extras(mask, live_q, live_k, meta), tuple(rest)
 
 
 def _dot(a, b, dims, plan):
     return lax.dot_general(a, b, dims, precision=plan.precision, preferred_element_type=jnp.float32)
 
 
-def _heads(plan: _Plan, tile: _Tile, q_ref, k_ref, v_ref, masks):
-    """Per head n of this step: (n, q, k, v) slices, rows past the end and dead queries and keys
-    zeroed (a generator: one head's tiles live at a time)."""
-    live_q_ref, live_k_ref = (None, None) if masks is None else masks[1:]
+def _heads(plan: _Plan, tile: _Tile, q_ref, k_ref, v_ref):
+    """Per query head n of this step: (n, q, k, v) slices (k and v of key/value head
+    n // group), rows past the end and dead queries and keys zeroed (a generator: one head's
+    tiles live at a time)."""
     q = tile.rows(q_ref, tile.q_ok)
     k, v = tile.rows(k_ref, tile.k_ok), tile.rows(v_ref, tile.k_ok)
     h, hv = plan.head_dim, plan.value_dim
     for n in range(plan.heads):
-        live_k = tile.live(live_k_ref, n)
-        qn = tile.head(q, n, h, tile.live(live_q_ref, n))
-        yield n, qn, tile.head(k, n, h, live_k), tile.head(v, n, hv, live_k)
+        live_k = tile.live(tile.extras.live_k, n)
+        qn = tile.head(q, n, h, tile.live(tile.extras.live_q, n))
+        kv = n // plan.group
+        yield n, qn, tile.head(k, kv, h, live_k), tile.head(v, kv, hv, live_k)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: _Plan):
     pl, _ = _pallas()
-    bias_refs, masks, (o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split(plan, refs)
-    i, j = pl.program_id(1), pl.program_id(2)
-    tile = _Tile(plan, i, j, bias_refs, masks)
+    bias_refs, extras, (o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split(plan, refs)
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tile = _Tile(plan, i, j, b, bias_refs, extras)
 
     @pl.when(j == 0)
     def _():
@@ -383,23 +515,32 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: _Plan):
         l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    for n, qn, kn, vn in _heads(plan, tile, q_ref, k_ref, v_ref, masks):
-        s = tile.logits(qn, kn, n)
-        m_prev = m_scr[n]
-        m = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        correction = jnp.exp(m_prev - m)
-        p = jnp.exp(s - m)
-        l_scr[n] = l_scr[n] * correction + jnp.sum(p, axis=1, keepdims=True)
-        acc_scr[n] = acc_scr[n] * correction + _dot(p.astype(vn.dtype), vn, _NN, plan)
-        m_scr[n] = m
+    def step():
+        for n, qn, kn, vn in _heads(plan, tile, q_ref, k_ref, v_ref):
+            s, _ = tile.logits(qn, kn, n)
+            m_prev = m_scr[n]
+            m = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            correction = jnp.exp(m_prev - m)
+            p = jnp.exp(s - m)
+            l_scr[n] = l_scr[n] * correction + jnp.sum(p, axis=1, keepdims=True)
+            acc_scr[n] = acc_scr[n] * correction + _dot(p.astype(vn.dtype), vn, _NN, plan)
+            m_scr[n] = m
+
+    tile.when_allowed(step)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
         outs = []
         for n in range(plan.heads):
+            # A row whose every tile was skipped has total 0: output 0 (the caller gives it the
+            # uniform average) and a finite log-sum-exp for the backward.
             total = l_scr[n]
-            outs.append(acc_scr[n] / total)
-            lse_ref[n : n + 1, :] = _row(m_scr[n] + jnp.log(total))
+            seen = total > 0
+            outs.append(acc_scr[n] / jnp.where(seen, total, 1.0))
+            lse = jnp.where(
+                seen, m_scr[n] + jnp.log(jnp.where(seen, total, 1.0)), numerics.MASK_VALUE
+            )
+            lse_ref[n : n + 1, :] = _row(lse)
         out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
         o_ref[...] = out.astype(o_ref.dtype)
 
@@ -407,7 +548,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: _Plan):
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 
 
-def _forward(plan: _Plan, q, k, v, biases, masks):
+def _forward(plan: _Plan, q, k, v, biases, extras):
     order = "bij"
     n, bq = plan.heads, plan.block_q
     specs = plan.common_specs(order, with_grads=False)
@@ -433,45 +574,53 @@ def _forward(plan: _Plan, q, k, v, biases, masks):
         out_shape,
         scratch,
         ("parallel", "parallel", "arbitrary"),
-        (q, k, v, *biases, *(masks or ())),
+        (q, k, v, *biases, *extras),
         "gated_attention_tpu_forward",
     )
 
 
-def _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, masks):
-    """Per head n: (qn, kn, do_n, p, ds) of this step (a generator, one head at a time)."""
+def _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref):
+    """Per query head n: (n, qn, kn, do_n, p, ds) of this step, ds the gradient of the logits
+    before the soft cap (a generator, one head at a time)."""
     do = tile.rows(do_ref, tile.q_ok)
-    for n, qn, kn, vn in _heads(plan, tile, q_ref, k_ref, v_ref, masks):
+    for n, qn, kn, vn in _heads(plan, tile, q_ref, k_ref, v_ref):
         do_n = tile.head(do, n, plan.value_dim)
-        p = tile.weights(tile.logits(qn, kn, n), lse_ref[n : n + 1, :])
+        s, cap_grad = tile.logits(qn, kn, n)
+        p = tile.weights(s, lse_ref[n : n + 1, :])
         dp = _dot(do_n, vn, NT, plan)
         delta = _column(jnp.where(tile.q_ok_row(), delta_ref[n : n + 1, :], 0.0))
-        yield n, qn, kn, do_n, p, p * (dp - delta)
+        ds = p * (dp - delta)
+        yield n, qn, kn, do_n, p, ds if cap_grad is None else ds * cap_grad
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan: _Plan):
     pl, _ = _pallas()
-    bias_refs, masks, (dk_ref, dv_ref, dk_scr, dv_scr) = _split(plan, refs)
-    j, i = pl.program_id(1), pl.program_id(2)
-    tile = _Tile(plan, i, j, bias_refs, masks)
+    bias_refs, extras, (dk_ref, dv_ref, dk_scr, dv_scr) = _split(plan, refs)
+    b, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tile = _Tile(plan, i, j, b, bias_refs, extras)
 
     @pl.when(i == 0)
     def _():
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
-    steps = _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, masks)
-    for n, qn, _, do_n, p, ds in steps:
-        dv_scr[n] += _dot(p.astype(do_n.dtype), do_n, TN, plan)
-        dk_scr[n] += _dot(ds.astype(qn.dtype), qn, TN, plan)
+    def step():
+        steps = _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref)
+        for n, qn, _, do_n, p, ds in steps:  # query heads sum into their key/value head
+            dv_scr[n // plan.group] += _dot(p.astype(do_n.dtype), do_n, TN, plan)
+            dk_scr[n // plan.group] += _dot(ds.astype(qn.dtype), qn, TN, plan)
+
+    tile.when_allowed(step)
 
     @pl.when(i == pl.num_programs(2) - 1)
     def _():
-        live_k_ref = None if masks is None else masks[2]
         dks, dvs = [], []
-        for n in range(plan.heads):
-            live = tile.live(live_k_ref, n)
-            dk, dv = dk_scr[n] * plan.scale, dv_scr[n]
+        for kv in range(plan.kv_heads):
+            live = None  # the key is seen by some query head of the group
+            for n in range(kv * plan.group, (kv + 1) * plan.group):
+                head = tile.live(extras.live_k, n)
+                live = head if live is None else jnp.maximum(live, head)
+            dk, dv = dk_scr[kv] * plan.scale, dv_scr[kv]
             if live is not None:  # keys no query sees were zeroed: no gradient reaches them
                 dk, dv = (jnp.where(live != 0, x, 0.0) for x in (dk, dv))
             dks.append(dk)
@@ -483,24 +632,26 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan: _
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan: _Plan):
     pl, _ = _pallas()
-    bias_refs, masks, (dq_ref, dq_scr) = _split(plan, refs)
-    i, j = pl.program_id(1), pl.program_id(2)
-    tile = _Tile(plan, i, j, bias_refs, masks)
+    bias_refs, extras, (dq_ref, dq_scr) = _split(plan, refs)
+    b, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    tile = _Tile(plan, i, j, b, bias_refs, extras)
 
     @pl.when(j == 0)
     def _():
         dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
 
-    steps = _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, masks)
-    for n, _, kn, _, _, ds in steps:
-        dq_scr[n] += _dot(ds.astype(kn.dtype), kn, _NN, plan)
+    def step():
+        steps = _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref)
+        for n, _, kn, _, _, ds in steps:
+            dq_scr[n] += _dot(ds.astype(kn.dtype), kn, _NN, plan)
+
+    tile.when_allowed(step)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
-        live_q_ref = None if masks is None else masks[1]
         dqs = []
         for n in range(plan.heads):
-            live = tile.live(live_q_ref, n)
+            live = tile.live(extras.live_q, n)
             dq = dq_scr[n] * plan.scale
             dqs.append(dq if live is None else jnp.where(live != 0, dq, 0.0))
         dq = dqs[0] if len(dqs) == 1 else jnp.concatenate(dqs, axis=1)
@@ -524,11 +675,12 @@ def _partial_shape(plan: _Plan, shape):
 
 def _dbias_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan: _Plan):
     pl, _ = _pallas()
-    bias_refs, masks, out_refs = _split(plan, refs)
+    bias_refs, extras, out_refs = _split(plan, refs)
     i, j, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tile = _Tile(plan, i, j, bias_refs, masks)
+    tile = _Tile(plan, i, j, b, bias_refs, extras)
+    # Every tile runs (a tile the structure masks whole gives zeros): each writes its partial.
     sums = [[] for _ in out_refs]  # per bias: its per-head tiles, or one summed over heads
-    steps = _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, masks)
+    steps = _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref)
     for *_, ds in steps:
         for tiles, shape in zip(sums, plan.bias_shapes, strict=True):
             g = ds
@@ -602,37 +754,39 @@ def _dbias(plan: _Plan, common):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan, q, k, v, biases, masks):
-    return _forward(plan, q, k, v, biases, masks)[0]
+def _attention(plan, q, k, v, biases, extras):
+    """(out, log-sum-exp [B, N, T]); the log-sum-exp carries no gradient (as in xla.dense)."""
+    return _forward(plan, q, k, v, biases, extras)
 
 
-def _attention_fwd(plan, q, k, v, biases, masks):
-    out, lse = _forward(plan, q, k, v, biases, masks)
-    return out, (q, k, v, biases, masks, out, lse)
+def _attention_fwd(plan, q, k, v, biases, extras):
+    out, lse = _forward(plan, q, k, v, biases, extras)
+    return (out, lse), (q, k, v, biases, extras, out, lse)
 
 
-def _attention_bwd(plan, residuals, d_out):
+def _attention_bwd(plan, residuals, cotangents):
     pl, pltpu = _pallas()
-    q, k, v, biases, masks, out, lse = residuals
+    q, k, v, biases, extras, out, lse = residuals
+    d_out, _ = cotangents
     n, hv = plan.heads, plan.value_dim
     shape = (plan.batch, plan.q_len, n, hv)
     # [B, N, T]: rowsum(dO * O), the softmax backward's correction. A multiply and a reduce,
     # which XLA fuses (an einsum became a dot with a float32 copy of the output).
     product = out.reshape(shape).astype(jnp.float32) * d_out.reshape(shape).astype(jnp.float32)
     delta = jnp.sum(product, axis=-1).transpose(0, 2, 1)
-    common = (q, k, v, d_out, lse, delta, *biases, *(masks or ()))
-    qk, vw = n * plan.head_dim, n * hv
+    common = (q, k, v, d_out, lse, delta, *biases, *extras)
+    kv = plan.kv_heads
 
     order = "bji"
     dk, dv = plan.call(
         functools.partial(_dkdv_kernel, plan=plan),
         (plan.batch, plan.k_blocks, plan.q_blocks),
         plan.common_specs(order, with_grads=True),
-        [plan.rows_spec(order, "j", qk), plan.rows_spec(order, "j", vw)],
+        [plan.rows_spec(order, "j", kv * plan.head_dim), plan.rows_spec(order, "j", kv * hv)],
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         [
-            pltpu.VMEM((n, plan.block_k, plan.head_dim), jnp.float32),
-            pltpu.VMEM((n, plan.block_k, hv), jnp.float32),
+            pltpu.VMEM((kv, plan.block_k, plan.head_dim), jnp.float32),
+            pltpu.VMEM((kv, plan.block_k, hv), jnp.float32),
         ],
         ("parallel", "parallel", "arbitrary"),
         common,
@@ -643,7 +797,7 @@ def _attention_bwd(plan, residuals, d_out):
         functools.partial(_dq_kernel, plan=plan),
         (plan.batch, plan.q_blocks, plan.k_blocks),
         plan.common_specs(order, with_grads=True),
-        plan.rows_spec(order, "i", qk),
+        plan.rows_spec(order, "i", n * plan.head_dim),
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         [pltpu.VMEM((n, plan.block_q, plan.head_dim), jnp.float32)],
         ("parallel", "parallel", "arbitrary"),
@@ -652,7 +806,7 @@ def _attention_bwd(plan, residuals, d_out):
     )
     dbiases = _dbias(plan, common) if biases else []
     dbiases = tuple(d.astype(b.dtype) for d, b in zip(dbiases, biases, strict=True))
-    return dq, dk, dv, dbiases, None
+    return dq, dk, dv, dbiases, tuple(None for _ in extras)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -36,10 +36,11 @@ MASKS = {"key": "B11S", "full": "BNTS", "none": None}
 
 
 def case_name(case: dict[str, Any]) -> str:
-    return (
+    name = (
         f"{case['dtype']} H{case['head_dim']} bias={case['bias']} mask={case['mask']} "
         f"B={case.get('batch', 2)} T={case.get('q_len', 300)} S={case.get('k_len', 260)}"
     )
+    return name + (" +options" if case.get("options") else "")
 
 
 def compile_case(
@@ -52,40 +53,61 @@ def compile_case(
     q_len: int = 300,
     k_len: int = 260,
     heads: int = 4,
+    options: bool = False,
 ) -> dict[str, Any]:
     """Compiles one case's forward and gradient with PallasTpuAttention for `target` (call in a
-    process set up by targets.in_child). Returns accepted (check's verdict), kernels (the Mosaic
-    kernels in the program), memory (targets.memory), seconds, and error (None if it compiled)."""
+    process set up by targets.in_child). With `options`, the op's further arguments too: 2 key/value
+    heads under the query heads, causal, a window, both sequence lengths, a soft cap and the
+    residual. Returns accepted (check's verdict), kernels (the Mosaic kernels in the program),
+    memory (targets.memory), seconds, and error (None if it compiled)."""
     import jax
     import jax.numpy as jnp
 
-    from gated_attention import PallasTpuAttention
+    from gated_attention import PallasTpuAttention, base, masking
 
     sizes = {"B": batch, "N": heads, "T": q_len, "S": k_len, "1": 1}
     dims = lambda spec: tuple(sizes[c] for c in spec)
     dt = jnp.dtype(dtype)
     sd = jax.ShapeDtypeStruct
     q = sd((batch, q_len, heads, head_dim), dt)
-    kv = sd((batch, k_len, heads, head_dim), dt)
+    kv = sd((batch, k_len, heads // 2 if options else heads, head_dim), dt)
+    lengths = sd((batch,), jnp.int32) if options else None
+    opts = base.PLAIN
     biases = [sd(dims(spec), dt) for spec in BIASES[bias]]
     mask_spec = MASKS[mask]
     mask_arg = None if mask_spec is None else sd(dims(mask_spec), jnp.bool_)
     impl = PallasTpuAttention()
     result: dict[str, Any] = {}
+    if options:
+        structure = masking.Structure(True, (200, 0), lengths, lengths)
+        opts = base.Options(structure, logits_soft_cap=30.0, return_residual=True)
     try:
-        impl.check(q, kv, kv, tuple(biases), mask_arg, compute_dtype=dt, platform="tpu")
+        impl.check(
+            q, kv, kv, tuple(biases), mask_arg, compute_dtype=dt, options=opts, platform="tpu"
+        )
         result["accepted"] = True
     except NotImplementedError as e:
         return dict(accepted=False, reason=str(e), kernels=[], memory=None, error=None)
 
-    def step(q, k, v, biases, mask, cotangent):
-        f = lambda q, k, v, biases: impl(q, k, v, tuple(biases), mask, scale=0.3, compute_dtype=dt)
+    def step(q, k, v, biases, mask, lengths, cotangent):
+        call = opts
+        if options:  # the lengths as traced arguments, as a model passes them
+            call = base.Options(
+                masking.Structure(True, (200, 0), lengths, lengths),
+                logits_soft_cap=30.0,
+                return_residual=True,
+            )
+
+        def f(q, k, v, biases):
+            out = impl(q, k, v, tuple(biases), mask, scale=0.3, compute_dtype=dt, options=call)
+            return out[0] if options else out
+
         _, vjp = jax.vjp(f, q, k, v, biases)
         return vjp(cotangent)
 
     start = time.perf_counter()
     try:
-        compiled = targets.compile(step, q, kv, kv, biases, mask_arg, q, target=target)
+        compiled = targets.compile(step, q, kv, kv, biases, mask_arg, lengths, q, target=target)
     except Exception as e:  # noqa: BLE001 - the compiler's error is the result
         return dict(result, kernels=[], memory=None, error=f"{type(e).__name__}: {e}"[:300])
     text = compiled.as_text()
@@ -110,6 +132,11 @@ def matrix() -> list[dict[str, Any]]:
     cases = [
         dict(dtype=d, head_dim=h, bias=b, mask=m)
         for d, h, b, m in itertools.product(DTYPES, HEAD_DIMS, BIASES, MASKS)
+    ]
+    # every further argument of the op at once, each dtype and two head dims
+    cases += [
+        dict(dtype=d, head_dim=h, bias="both", mask="key", options=True)
+        for d, h in itertools.product(DTYPES, (32, 128))
     ]
     for dtype, n_res in (("bfloat16", 2048), ("float32", 1024)):  # what fits a v5e's 16 GB
         cases.append(

@@ -114,6 +114,7 @@ IMPLEMENTATIONS = {
     "chunked": CHUNKED,
     "auto": "auto",
     "cudnn adapter": ga.CudnnAttention(jax_nn_implementation="xla"),  # takes no soft cap
+    "pallas_tpu": ga.PallasTpuAttention(interpret=True),  # the TPU kernels, interpreted
 }
 # bfloat16, 'auto' (on CPU: XlaAttention() at these sizes) and the cudnn adapter run the scenarios
 # with the most arguments at once (compile time: each program costs ~10-30 s on 2 busy cores).
@@ -128,9 +129,12 @@ RUNS = [
     ("auto", "bfloat16", CORE),
     ("chunked", "bfloat16", CORE),
     ("cudnn adapter", "float32", tuple(n for n in CORE if SCENARIOS[n].jax_nn)),
+    # The kernels interpreted: ~10 s of compile per scenario (every kernel unrolls its 8 heads);
+    # "everything" has the third CORE scenario's arguments (GQA, causal, a key mask) and more.
+    ("pallas_tpu", "float32", CORE[1:]),
 ]
 # Their float32 runs (of every scenario) also check masked garbage beyond the lengths.
-GARBAGE_RUNS = ("xla", "chunked")
+GARBAGE_RUNS = ("xla", "chunked", "pallas_tpu")
 
 
 class Case(NamedTuple):
@@ -304,8 +308,7 @@ def test_matches_jax_nn_or_the_reference(impl_name, dtype, names):
     want = expected(names, [p[1] for p in pairs])
     failures = _failures(names, results, want, dtype, [p[0] for p in pairs])
     if impl_name in GARBAGE_RUNS and dtype == "float32":
-        assert names == NAMES
-        failures += garbage_failures(run, [p[0] for p in pairs])
+        failures += garbage_failures(run, names, [p[0] for p in pairs])
     assert not failures, "\n".join(failures)
 
 
@@ -326,19 +329,21 @@ def _with_garbage(name: str, c: Case) -> Case:
     return c._replace(q=jnp.asarray(q), k=jnp.asarray(k), v=jnp.asarray(v))
 
 
-def garbage_failures(run, clean: list[Case]) -> list[str]:
+def garbage_failures(run, program_names, clean: list[Case]) -> list[str]:
     """Garbage beyond the lengths: rows with a key and every gradient are the clean run's (and
     finite), the queries beyond the length output zero. (A batch row with no key at all gives
     the uniform average of the values as given, garbage included: numerics.py.)
 
-    run: the float32 program of every scenario (NAMES); clean: their float32 cases. Returns the
-    failures' messages."""
-    names = [n for n in NAMES if "query_seq_lengths" in SCENARIOS[n].kwargs]
-    assert len(names) >= 3
-    dirty = [_with_garbage(n, c) if n in names else c for n, c in zip(NAMES, clean, strict=True)]
+    run: the float32 program of the scenarios program_names; clean: their float32 cases.
+    Returns the failures' messages."""
+    names = [n for n in program_names if "query_seq_lengths" in SCENARIOS[n].kwargs]
+    assert len(names) >= 2
+    dirty = [
+        _with_garbage(n, c) if n in names else c for n, c in zip(program_names, clean, strict=True)
+    ]
     failures = []
     for name, (out, _, grads), (clean_out, _, clean_grads) in zip(
-        NAMES, run(dirty), run(clean), strict=True
+        program_names, run(dirty), run(clean), strict=True
     ):
         if name not in names:
             continue
@@ -513,7 +518,8 @@ def test_batch_dims_lengths_and_residual_shapes():
 
 def test_queries_sharded_along_t_keep_their_positions():
     """Batch rows over 'data', query positions over 'model' (each device's queries start at its
-    own offset): causal, window and lengths as jax.nn, for 'chunked' and 'xla'."""
+    own offset): causal, window and lengths as jax.nn, for 'chunked', 'xla' and the TPU kernel
+    (interpreted)."""
     mesh = jax.make_mesh((4, 2), ("data", "model"), devices=jax.devices()[:8])
     rng = np.random.default_rng(3)
     b, t, n, k, h = 4, 8, 4, 2, 4
@@ -527,7 +533,12 @@ def test_queries_sharded_along_t_keep_their_positions():
             q, kv, kv, query_seq_lengths=n, key_value_seq_lengths=m, **kwargs
         )
     )(q64, kv64, lengths, lengths[::-1].copy())
-    for impl in (ga.ChunkedAttention(query_chunk_size=2, key_chunk_size=2), "xla"):
+    impls = (
+        ga.ChunkedAttention(query_chunk_size=2, key_chunk_size=2),
+        "xla",
+        ga.PallasTpuAttention(interpret=True),
+    )
+    for impl in impls:
         out, res = jax.jit(
             lambda q, k, n, m, impl=impl: ga.dot_product_attention(
                 q, k, k, implementation=impl, query_seq_lengths=n, key_value_seq_lengths=m, **kwargs

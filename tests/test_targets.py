@@ -63,6 +63,7 @@ TPU_KERNEL_CASES = {  # a covering subset of tpu_kernels.matrix(): every dtype, 
     "v5e": [
         dict(dtype="bfloat16", head_dim=32, bias="both", mask="key"),
         dict(dtype="float32", head_dim=128, bias="per_row", mask="full"),
+        dict(dtype="bfloat16", head_dim=32, bias="both", mask="key", options=True),
     ],
     "v5p": [
         dict(dtype="float32", head_dim=8, bias="shared", mask="none"),
