@@ -77,6 +77,18 @@ class Structure:
         q, kv = (None if x is None else take(x) for x in (self.q_lengths, self.kv_lengths))
         return dataclasses.replace(self, q_lengths=q, kv_lengths=kv)
 
+    def meta(self, batch: int) -> jax.Array:
+        """int32 [B, 3]: per batch row its first query's position, its query length and its key
+        length (a length absent: 2^30), what the Pallas kernels read of the structure."""
+        whole = jnp.full((batch,), 2**30, jnp.int32)
+        offset = jnp.zeros((batch,), jnp.int32) + jnp.asarray(self._offset(), jnp.int32)
+        columns = [
+            offset,
+            whole if self.q_lengths is None else self.q_lengths.astype(jnp.int32),
+            whole if self.kv_lengths is None else self.kv_lengths.astype(jnp.int32),
+        ]
+        return jnp.stack([jnp.broadcast_to(c, (batch,)) for c in columns], axis=1)
+
     def _offset(self):
         return 0 if self.q_offset is None else self.q_offset
 

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -181,7 +182,7 @@ class PallasAttention(base.Implementation):
     bias_grad_programs: int = 512
     interpret: bool = False
 
-    TAKES = frozenset({"precision"})
+    TAKES = base.ALL_OPTIONS
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -196,8 +197,6 @@ class PallasAttention(base.Implementation):
     def check(
         self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
     ):
-        # TAKES has only precision: the kernels take no grouped-query attention, causal/window/
-        # length masks, soft cap or residual (base.Implementation.check refuses them).
         super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
         base.check_kernel(
             "the Pallas kernel",
@@ -233,17 +232,29 @@ class PallasAttention(base.Implementation):
     def __call__(
         self, query, key, value, biases, mask, *, scale, compute_dtype, options=base.PLAIN
     ):
-        live = None
-        if mask is not None:  # int8 for Triton; live queries/keys per row and head (numerics)
-            live = (
-                mask.astype(jnp.int8),
-                jnp.any(mask, axis=3).astype(jnp.int8),  # [B|1, N|1, T|1]
-                jnp.any(mask, axis=2).astype(jnp.int8),  # [B|1, N|1, S|1]
-            )
+        structure = options.structure
+        q_len, k_len = query.shape[1], key.shape[1]
+        # Live queries [B|1, N|1, T|1] and keys [B|1, N|1, S|1] under the mask and the structure.
+        live_q, live_k = structure.live(mask, q_len, k_len)
+        extras = []
+        if mask is not None:
+            extras.append(mask.astype(jnp.int8))  # int8 for Triton
+        if live_q is not None:
+            extras += [live_q.astype(jnp.int8), live_k.astype(jnp.int8)]
+        if not structure.trivial:
+            extras.append(structure.meta(query.shape[0]))
         precision = dot_precision(options.precision, compute_dtype, self.interpret)
-        plan = _Plan.make(self, query, key, value, biases, scale, compute_dtype, precision)
-        out = _attention(plan, query, key, value, tuple(biases), live)
-        return numerics.uniform_where_fully_masked(out, value, mask, head_major=False)
+        plan = _Plan.make(
+            self, query, key, value, biases, scale, compute_dtype, precision, mask, live_q, options
+        )
+        out, lse = _attention(plan, query, key, value, tuple(biases), tuple(extras))
+        out = numerics.uniform_where_no_key(out, value, live_q, head_major=False)
+        if not options.return_residual:
+            return out
+        if live_q is not None:  # rows with no key: MASK_VALUE + log(S), as every implementation
+            dead = jnp.asarray(numerics.MASK_VALUE + math.log(k_len), jnp.float32)
+            lse = jnp.where(live_q, lse, dead)
+        return out, lse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,15 +272,48 @@ class _Plan:
     num_stages: int
     precision: Any
     interpret: bool
+    heads: int
+    kv_heads: int
+    has_mask: bool
+    has_live: bool
+    causal: bool
+    window: tuple | None  # (left, right)
+    structured: bool  # causal, window or lengths: the [B, 3] meta ref (Structure.meta)
+    soft_cap: float | None
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head: head n reads key/value head n // group."""
+        return self.heads // self.kv_heads
 
     @classmethod
     def make(
-        cls, impl: PallasAttention, query, key, value, biases, scale, compute_dtype, precision
+        cls,
+        impl: PallasAttention,
+        query,
+        key,
+        value,
+        biases,
+        scale,
+        compute_dtype,
+        precision,
+        mask=None,
+        live_q=None,
+        options=base.PLAIN,
     ):
         batch, q_len, heads, head_dim = query.shape
         k_len, value_dim = key.shape[1], value.shape[-1]
         padded = max(_pow2_tile(head_dim), _pow2_tile(value_dim))
         tile_q, tile_k, num_warps, num_stages = impl.tiles(compute_dtype, precision, padded)
+        extra = options.asked(query, key).keys() - {"precision", "return_residual"}
+        if extra:
+            # The masks' iotas, the soft cap's derivative and a group's heads hold more registers:
+            # 8 warps (IEEE float32: one stage) keep the dk/dv kernel spill-free
+            # (benchmark_results/gpu_kernels/*_options.md).
+            if impl.num_warps is None:
+                num_warps = max(num_warps, 8)
+            if impl.num_stages is None and _precision_level(precision) == "highest":
+                num_stages = 1
         block_q = min(tile_q, _pow2_tile(q_len))
         groups = batch
         if any(b.shape[0] == 1 for b in biases) and batch > 1:
@@ -287,6 +331,14 @@ class _Plan:
             num_stages=num_stages,
             precision=precision,
             interpret=impl.interpret,
+            heads=heads,
+            kv_heads=key.shape[2],
+            has_mask=mask is not None,
+            has_live=live_q is not None,
+            causal=options.structure.is_causal,
+            window=options.structure.window,
+            structured=not options.structure.trivial,
+            soft_cap=options.logits_soft_cap,
         )
 
     def call(self, kernel, grid, out_shape, args, name, aliases=None):
@@ -304,19 +356,83 @@ class _Plan:
         )(*args)
 
 
+class _Extras(NamedTuple):
+    """The optional refs after the biases (None where absent)."""
+
+    mask: Any  # int8 [B|1, N|1, T|1, S|1]
+    live_q: Any  # int8 [B|1, N|1, T|1]
+    live_k: Any  # int8 [B|1, N|1, S|1]
+    meta: Any  # int32 [B, 3] (masking.Structure.meta)
+
+
+class _Structure(NamedTuple):
+    """One batch row's causal, window and length masks, read from the meta ref."""
+
+    offset: Any  # the position of local query 0
+    q_length: Any
+    kv_length: Any
+
+
 class _Tiles:
     """Loads of one program's tiles: q/k/v rows of one batch row and head, bias and mask tiles."""
 
-    def __init__(self, plan: _Plan, q_len: int, k_len: int, n_bias: int, has_mask: bool):
+    def __init__(self, plan: _Plan, q_len: int, k_len: int, n_bias: int):
         self.plan, self.q_len, self.k_len = plan, q_len, k_len
-        self.n_bias, self.has_mask = n_bias, has_mask
+        self.n_bias = n_bias
 
     def split(self, refs):
-        """refs after q, k, v (and any per-kernel ones) -> (bias refs, (mask, live_q, live_k) or None, rest)."""
-        biases, rest = refs[: self.n_bias], refs[self.n_bias :]
-        if not self.has_mask:
-            return biases, None, rest
-        return biases, rest[:3], rest[3:]
+        """refs after q, k, v (and any per-kernel ones) -> (bias refs, _Extras, rest)."""
+        plan = self.plan
+        biases, rest = refs[: self.n_bias], list(refs[self.n_bias :])
+        take = lambda present: rest.pop(0) if present else None
+        mask = take(plan.has_mask)
+        live_q, live_k = take(plan.has_live), take(plan.has_live)
+        meta = take(plan.structured)
+        return biases, _Extras(mask, live_q, live_k, meta), tuple(rest)
+
+    def structure(self, extras: _Extras, b):
+        """Batch row b's _Structure, or None when there is no causal, window or length mask."""
+        if extras.meta is None:
+            return None
+        return _Structure(extras.meta[b, 0], extras.meta[b, 1], extras.meta[b, 2])
+
+    def key_blocks(self, st: _Structure | None, i):
+        """[lo, hi): the key blocks that some query of query block i may attend (all without a
+        structure): the loops skip the tiles the structure masks whole."""
+        plan = self.plan
+        count = -(-self.k_len // plan.block_k)
+        if st is None:
+            return 0, count
+        first = st.offset + i * plan.block_q
+        last = first + plan.block_q - 1
+        lo, hi = jnp.int32(0), jnp.minimum(st.kv_length, self.k_len)
+        if plan.window is not None:
+            lo = jnp.maximum(lo, first - plan.window[0])
+            hi = jnp.minimum(hi, last + plan.window[1] + 1)
+        if plan.causal:
+            hi = jnp.minimum(hi, last + 1)
+        lo_block = lo // plan.block_k
+        hi_block = (hi + plan.block_k - 1) // plan.block_k
+        return lo_block, jnp.where((first < st.q_length) & (hi > lo), hi_block, lo_block)
+
+    def query_blocks(self, st: _Structure | None, j):
+        """[lo, hi): the query blocks with some query that may attend a key of key block j."""
+        plan = self.plan
+        count = -(-self.q_len // plan.block_q)
+        if st is None:
+            return 0, count
+        k_first = j * plan.block_k
+        k_last = k_first + plan.block_k - 1
+        lo, hi = jnp.int32(0), jnp.minimum(st.q_length - st.offset, self.q_len)  # local
+        if plan.window is not None:
+            lo = jnp.maximum(lo, k_first - plan.window[1] - st.offset)
+            hi = jnp.minimum(hi, k_last + plan.window[0] + 1 - st.offset)
+        if plan.causal:
+            lo = jnp.maximum(lo, k_first - st.offset)
+        lo = jnp.maximum(lo, 0)
+        lo_block = lo // plan.block_q
+        hi_block = (hi + plan.block_q - 1) // plan.block_q
+        return lo_block, jnp.where((k_first < st.kv_length) & (hi > lo), hi_block, lo_block)
 
     def span(self, index: int, block: int, length: int):
         pl, _ = _pallas()
@@ -335,16 +451,18 @@ class _Tiles:
             x = jnp.where(live[:, None] != 0, x, jnp.zeros((), x.dtype))
         return x
 
-    def queries(self, q_ref, masks, b, n, q_span):
+    def queries(self, q_ref, extras, b, n, q_span):
         """(q [bq, padded H] with dead queries zeroed, live_q or None) of one query block."""
-        live_q = None if masks is None else self.vector(masks[1], b, n, q_span)
+        live_q = None if extras.live_q is None else self.vector(extras.live_q, b, n, q_span)
         return self.rows(q_ref, b, q_span, n, self.plan.head_dim, live_q), live_q
 
-    def keys_values(self, k_ref, v_ref, masks, b, n, k_span):
-        """(k, v with keys no query sees zeroed, live_k or None) of one key block."""
-        live_k = None if masks is None else self.vector(masks[2], b, n, k_span)
-        k = self.rows(k_ref, b, k_span, n, self.plan.head_dim, live_k)
-        v = self.rows(v_ref, b, k_span, n, self.plan.value_dim, live_k)
+    def keys_values(self, k_ref, v_ref, extras, b, n, k_span):
+        """(k, v of key/value head n // group with the keys query head n does not see zeroed,
+        live_k or None) of one key block."""
+        live_k = None if extras.live_k is None else self.vector(extras.live_k, b, n, k_span)
+        kv = n // self.plan.group
+        k = self.rows(k_ref, b, k_span, kv, self.plan.head_dim, live_k)
+        v = self.rows(v_ref, b, k_span, kv, self.plan.value_dim, live_k)
         return k, v, live_k
 
     def store_rows(self, ref, b, span, n, width: int, x):
@@ -381,31 +499,53 @@ class _Tiles:
             k_index = _ds(0, 1)
         return plgpu.load(ref.at[bb, nn, q_index, k_index], mask=mask, other=other)
 
-    def logits(self, q, k, bias_refs, masks, b, n, q_span, k_span):
-        """Scaled, biased, masked float32 logits [bq, bk]; keys past the end get -inf."""
-        pl, _ = _pallas()
-        s = _dot(q, k, trans_b=True, precision=self.plan.precision) * self.plan.scale
+    def allowed(self, st: _Structure, q_span, k_span):
+        """bool [bq, bk]: the causal, window and length masks of a tile (masking.py)."""
+        plan = self.plan
+        q_start, k_start = q_span[0].start, k_span[0].start
+        qi = st.offset + q_start + jnp.arange(plan.block_q, dtype=jnp.int32)[:, None]
+        kj = k_start + jnp.arange(plan.block_k, dtype=jnp.int32)[None, :]
+        ok = (qi < st.q_length) & (kj < st.kv_length)
+        if plan.causal:
+            ok = ok & (kj <= qi)
+        if plan.window is not None:
+            ok = ok & (kj >= qi - plan.window[0]) & (kj <= qi + plan.window[1])
+        return ok
+
+    def logits(self, q, k, bias_refs, extras, st, b, n, q_span, k_span):
+        """Scaled, biased, soft-capped, masked float32 logits [bq, bk] (keys past the end -inf),
+        and the soft cap's derivative there (None: no cap)."""
+        plan = self.plan
+        s = _dot(q, k, trans_b=True, precision=plan.precision) * plan.scale
         for ref in bias_refs:
             s = s + self.tile(ref, b, n, q_span, k_span).astype(jnp.float32)
-        if masks is not None:
-            keep = self.tile(masks[0], b, n, q_span, k_span) != 0
+        cap_grad = None
+        if plan.soft_cap is not None:
+            t = jnp.tanh(s * (1.0 / plan.soft_cap))
+            inside = q_span[1][:, None] & k_span[1][None, :]  # bias loads past the end give 0
+            s, cap_grad = plan.soft_cap * t, jnp.where(inside, 1.0 - t * t, 0.0)
+        if extras.mask is not None:
+            keep = self.tile(extras.mask, b, n, q_span, k_span) != 0
             s = jnp.where(keep, s, numerics.MASK_VALUE)
-        return jnp.where(k_span[1][None, :], s, -jnp.inf)
+        if st is not None:
+            s = jnp.where(self.allowed(st, q_span, k_span), s, numerics.MASK_VALUE)
+        return jnp.where(k_span[1][None, :], s, -jnp.inf), cap_grad
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, tiles: _Tiles):
     pl, plgpu = _pallas()
     plan = tiles.plan
-    bias_refs, masks, (o_ref, lse_ref) = tiles.split(refs)
+    bias_refs, extras, (o_ref, lse_ref) = tiles.split(refs)
     b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_span = tiles.span(i, plan.block_q, tiles.q_len)
-    q, _ = tiles.queries(q_ref, masks, b, n, q_span)
+    q, _ = tiles.queries(q_ref, extras, b, n, q_span)
+    st = tiles.structure(extras, b)
 
     def body(j, carry):
         acc, m_prev, l_prev = carry
         k_span = tiles.span(j, plan.block_k, tiles.k_len)
-        k, v, _ = tiles.keys_values(k_ref, v_ref, masks, b, n, k_span)
-        s = tiles.logits(q, k, bias_refs, masks, b, n, q_span, k_span)
+        k, v, _ = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span)
+        s, _ = tiles.logits(q, k, bias_refs, extras, st, b, n, q_span, k_span)
         m = jnp.maximum(m_prev, jnp.max(s, axis=1))
         correction = jnp.exp(m_prev - m)
         p = jnp.exp(s - m[:, None])
@@ -417,49 +557,62 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tiles: _Tiles):
         jnp.full((plan.block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((plan.block_q,), jnp.float32),
     )
-    acc, m, total = lax.fori_loop(0, pl.cdiv(tiles.k_len, plan.block_k), body, init)
+    acc, m, total = lax.fori_loop(*tiles.key_blocks(st, i), body, init)
+    if st is not None:  # a row whose every key block was skipped: 0 and a finite lse
+        seen = total > 0
+        total = jnp.where(seen, total, 1.0)
+        m = jnp.where(seen, m, numerics.MASK_VALUE)
     tiles.store_rows(o_ref, b, q_span, n, plan.value_dim, acc / total[:, None])
     plgpu.store(lse_ref.at[b, n, q_span[0]], m + jnp.log(total), mask=q_span[1])
 
 
-def _probabilities(tiles, q, k, bias_refs, masks, lse, b, n, q_span, k_span):
-    """Recomputed softmax weights [bq, bk] (zero on rows past the end)."""
-    s = tiles.logits(q, k, bias_refs, masks, b, n, q_span, k_span)
-    return jnp.where(q_span[1][:, None], jnp.exp(s - lse[:, None]), 0.0)
+def _grads(tiles, q, k, v, do, lse, delta, bias_refs, extras, st, b, n, q_span, k_span):
+    """(p, ds) of one tile: the recomputed softmax weights (zero on rows past the end) and the
+    gradient of the logits before the soft cap."""
+    plan = tiles.plan
+    s, cap_grad = tiles.logits(q, k, bias_refs, extras, st, b, n, q_span, k_span)
+    p = jnp.where(q_span[1][:, None], jnp.exp(s - lse[:, None]), 0.0)
+    dp = _dot(do, v, trans_b=True, precision=plan.precision)
+    ds = p * (dp - delta[:, None])
+    return p, ds if cap_grad is None else ds * cap_grad
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: _Tiles):
+    """dk, dv of one key block of key/value head `kv`, summed over its group's query heads."""
     pl, _ = _pallas()
     plan = tiles.plan
-    bias_refs, masks, (dk_ref, dv_ref) = tiles.split(refs)
-    b, n, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bias_refs, extras, (dk_ref, dv_ref) = tiles.split(refs)
+    b, kv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k_span = tiles.span(j, plan.block_k, tiles.k_len)
-    k, v, live_k = tiles.keys_values(k_ref, v_ref, masks, b, n, k_span)
+    st = tiles.structure(extras, b)
+    dk = jnp.zeros((plan.block_k, _pow2_tile(plan.head_dim)), jnp.float32)
+    dv = jnp.zeros((plan.block_k, _pow2_tile(plan.value_dim)), jnp.float32)
+    seen = None  # keys some query head of the group sees
+    for g in range(plan.group):
+        n = kv * plan.group + g
+        k, v, live_k = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span)
+        if live_k is not None:
+            seen = live_k if seen is None else jnp.maximum(seen, live_k)
 
-    def body(i, carry):
-        dk, dv = carry
-        q_span = tiles.span(i, plan.block_q, tiles.q_len)
-        q, _ = tiles.queries(q_ref, masks, b, n, q_span)
-        do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
-        lse = tiles.vector(lse_ref, b, n, q_span)
-        delta = tiles.vector(delta_ref, b, n, q_span)
-        p = _probabilities(tiles, q, k, bias_refs, masks, lse, b, n, q_span, k_span)
-        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True, precision=plan.precision)
-        dp = _dot(do, v, trans_b=True, precision=plan.precision)
-        ds = p * (dp - delta[:, None])
-        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True, precision=plan.precision)
-        return dk, dv
+        def body(i, carry, n=n, k=k, v=v):
+            dk, dv = carry
+            q_span = tiles.span(i, plan.block_q, tiles.q_len)
+            q, _ = tiles.queries(q_ref, extras, b, n, q_span)
+            do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
+            lse = tiles.vector(lse_ref, b, n, q_span)
+            delta = tiles.vector(delta_ref, b, n, q_span)
+            p, ds = _grads(tiles, q, k, v, do, lse, delta, bias_refs, extras, st, b, n, q_span,
+                           k_span)  # fmt: skip
+            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True, precision=plan.precision)
+            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True, precision=plan.precision)
+            return dk, dv
 
-    init = (
-        jnp.zeros((plan.block_k, _pow2_tile(plan.head_dim)), jnp.float32),
-        jnp.zeros((plan.block_k, _pow2_tile(plan.value_dim)), jnp.float32),
-    )
-    dk, dv = lax.fori_loop(0, pl.cdiv(tiles.q_len, plan.block_q), body, init)
+        dk, dv = lax.fori_loop(*tiles.query_blocks(st, j), body, (dk, dv))
     dk = dk * plan.scale
-    if live_k is not None:  # keys no query sees were zeroed: no gradient reaches them
-        dk, dv = (jnp.where(live_k[:, None] != 0, x, 0.0) for x in (dk, dv))
-    tiles.store_rows(dk_ref, b, k_span, n, plan.head_dim, dk)
-    tiles.store_rows(dv_ref, b, k_span, n, plan.value_dim, dv)
+    if seen is not None:  # keys no query sees were zeroed: no gradient reaches them
+        dk, dv = (jnp.where(seen[:, None] != 0, x, 0.0) for x in (dk, dv))
+    tiles.store_rows(dk_ref, b, k_span, kv, plan.head_dim, dk)
+    tiles.store_rows(dv_ref, b, k_span, kv, plan.value_dim, dv)
 
 
 def _dq_dbias_kernel(
@@ -468,7 +621,7 @@ def _dq_dbias_kernel(
     """dq of one query block of every row of a group; the bias gradients it owns (module doc)."""
     pl, plgpu = _pallas()
     plan = tiles.plan
-    bias_refs, masks, rest = tiles.split(refs)
+    bias_refs, extras, rest = tiles.split(refs)
     rest = rest[len(shapes) :]  # the zero-filled buffers aliased to the outputs below
     dq_ref, dbias_refs = rest[0], rest[1:]
     g, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -493,23 +646,24 @@ def _dq_dbias_kernel(
 
     def row(r, carry):
         b = g + plan.groups * r
-        q, live_q = tiles.queries(q_ref, masks, b, n, q_span)
+        st = tiles.structure(extras, b)
+        q, live_q = tiles.queries(q_ref, extras, b, n, q_span)
         do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
         lse = tiles.vector(lse_ref, b, n, q_span)
         delta = tiles.vector(delta_ref, b, n, q_span)
 
         def body(j, dq):
             k_span = tiles.span(j, plan.block_k, tiles.k_len)
-            k, v, _ = tiles.keys_values(k_ref, v_ref, masks, b, n, k_span)
-            p = _probabilities(tiles, q, k, bias_refs, masks, lse, b, n, q_span, k_span)
-            dp = _dot(do, v, trans_b=True, precision=plan.precision)
-            ds = p * (dp - delta[:, None])
+            k, v, _ = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span)
+            _, ds = _grads(tiles, q, k, v, do, lse, delta, bias_refs, extras, st, b, n, q_span,
+                           k_span)  # fmt: skip
             for ref, shape in zip(dbias_refs, shapes, strict=True):
                 accumulate(ref, shape, b, k_span, ds)
             return dq + _dot(ds.astype(k.dtype), k, precision=plan.precision)
 
         init = jnp.zeros((plan.block_q, _pow2_tile(plan.head_dim)), jnp.float32)
-        dq = lax.fori_loop(0, pl.cdiv(tiles.k_len, plan.block_k), body, init) * plan.scale
+        # Skipped key blocks leave the zero-filled bias-gradient buffers as they are.
+        dq = lax.fori_loop(*tiles.key_blocks(st, i), body, init) * plan.scale
         if live_q is not None:
             dq = jnp.where(live_q[:, None] != 0, dq, 0.0)
         tiles.store_rows(dq_ref, b, q_span, n, plan.head_dim, dq)
@@ -519,9 +673,9 @@ def _dq_dbias_kernel(
     lax.fori_loop(0, rows, row, 0)
 
 
-def _forward(plan: _Plan, q, k, v, biases, live):
+def _forward(plan: _Plan, q, k, v, biases, extras):
     batch, q_len, heads, _ = q.shape
-    tiles = _Tiles(plan, q_len, k.shape[1], len(biases), live is not None)
+    tiles = _Tiles(plan, q_len, k.shape[1], len(biases))
     grid = (
         batch,
         heads,
@@ -531,34 +685,36 @@ def _forward(plan: _Plan, q, k, v, biases, live):
         jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), q.dtype),
         jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
     )
-    args = (q, k, v, *biases, *(live or ()))
+    args = (q, k, v, *biases, *extras)
     kernel = functools.partial(_forward_kernel, tiles=tiles)
     return plan.call(kernel, grid, out_shape, args, "gated_attention_forward")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan, q, k, v, biases, live):
-    return _forward(plan, q, k, v, biases, live)[0]
+def _attention(plan, q, k, v, biases, extras):
+    """(out, log-sum-exp [B, N, T]); the log-sum-exp carries no gradient (as in xla.dense)."""
+    return _forward(plan, q, k, v, biases, extras)
 
 
-def _attention_fwd(plan, q, k, v, biases, live):
-    out, lse = _forward(plan, q, k, v, biases, live)
-    return out, (q, k, v, biases, live, out, lse)
+def _attention_fwd(plan, q, k, v, biases, extras):
+    out, lse = _forward(plan, q, k, v, biases, extras)
+    return (out, lse), (q, k, v, biases, extras, out, lse)
 
 
-def _attention_bwd(plan, residuals, d_out):
-    q, k, v, biases, live, out, lse = residuals
+def _attention_bwd(plan, residuals, cotangents):
+    q, k, v, biases, extras, out, lse = residuals
+    d_out, _ = cotangents
     batch, q_len, heads, _ = q.shape
     k_len = k.shape[1]
-    tiles = _Tiles(plan, q_len, k_len, len(biases), live is not None)
+    tiles = _Tiles(plan, q_len, k_len, len(biases))
     delta = jnp.einsum(
         "btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
     )  # [B, N, T]: rowsum(dO * O), the softmax backward's correction
-    common = (q, k, v, d_out, lse, delta, *biases, *(live or ()))
+    common = (q, k, v, d_out, lse, delta, *biases, *extras)
 
     dk, dv = plan.call(
         functools.partial(_dkdv_kernel, tiles=tiles),
-        (batch, heads, -(-k_len // plan.block_k)),
+        (batch, plan.kv_heads, -(-k_len // plan.block_k)),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         common,
         "gated_attention_dkdv",
@@ -595,7 +751,7 @@ def _attention_bwd(plan, residuals, d_out):
     for bias, partial in zip(biases, partials, strict=True):
         axes = tuple(a for a in range(4) if bias.shape[a] == 1 and partial.shape[a] > 1)
         dbiases.append(jnp.sum(partial, axis=axes, keepdims=True).astype(bias.dtype))
-    return dq, dk, dv, tuple(dbiases), None
+    return dq, dk, dv, tuple(dbiases), tuple(None for _ in extras)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -151,7 +151,7 @@ class PallasTpuAttention(base.Implementation):
         if live_q is not None:
             extras += [live_q.astype(jnp.float32), live_k.astype(jnp.float32)]
         if not structure.trivial:
-            extras.append(_meta(structure, batch))
+            extras.append(structure.meta(batch).reshape(-1))  # 1-D in SMEM
         plan = _Plan.make(
             self, query, key, value, biases, mask, scale, compute_dtype, options, live_q, live_k
         )
@@ -171,21 +171,6 @@ class PallasTpuAttention(base.Implementation):
             dead = jnp.asarray(numerics.MASK_VALUE + math.log(k_len), jnp.float32)
             lse = jnp.where(live_q, lse, dead)
         return out, lse
-
-
-def _meta(structure, batch: int):
-    """int32 [3 * B], read in SMEM: per batch row its first query's position, its query length
-    and its key length (lengths absent: 2^30)."""
-    whole = jnp.full((batch,), 2**30, jnp.int32)
-    offset = jnp.zeros((batch,), jnp.int32)
-    if structure.q_offset is not None:
-        offset = offset + jnp.asarray(structure.q_offset, jnp.int32)
-    columns = [
-        offset,
-        whole if structure.q_lengths is None else structure.q_lengths.astype(jnp.int32),
-        whole if structure.kv_lengths is None else structure.kv_lengths.astype(jnp.int32),
-    ]
-    return jnp.stack([jnp.broadcast_to(c, (batch,)) for c in columns], axis=1).reshape(-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +352,7 @@ class _Extras(NamedTuple):
     mask: Any  # int8 [N|1, bq|1, bk|1] tile
     live_q: Any  # float32 [N|1, bq|1] tile
     live_k: Any  # float32 [N|1, bk|1] tile
-    meta: Any  # int32 [3 * B] in SMEM (_meta)
+    meta: Any  # int32 [3 * B] in SMEM (masking.Structure.meta, flat)
 
 
 def any_allowed(plan: _Plan, i, j, offset, q_length, kv_length):
@@ -382,7 +367,7 @@ def any_allowed(plan: _Plan, i, j, offset, q_length, kv_length):
     if plan.causal:
         hi = jnp.minimum(hi, last + 1)
     k_first = j * plan.block_k
-    return (first < q_length) & (k_first < hi) & (k_first + plan.block_k > lo)
+    return (first < q_length) & (hi > lo) & (k_first < hi) & (k_first + plan.block_k > lo)
 
 
 class _Tile:

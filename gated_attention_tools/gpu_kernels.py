@@ -42,7 +42,7 @@ def case_name(case: dict[str, Any]) -> str:
     return (
         f"{case['dtype']}{precision} H{case['head_dim']} bias={case['bias']} "
         f"mask={case['mask']} T={case['q_len']} S={case['k_len']}"
-    )
+    ) + (" +options" if case.get("options") else "")
 
 
 def kernel_stats(
@@ -57,8 +57,11 @@ def kernel_stats(
     k_len: int = 136,
     heads: int = 2,
     tuning: dict | None = None,
+    options: bool = False,
 ) -> dict[str, Any]:
-    """Compiles the case for the target and returns {kernel name: figures} (a child's function)."""
+    """Compiles the case for the target and returns {kernel name: figures} (a child's function).
+    With `options`, the op's further arguments too: one key/value head under the query heads,
+    causal, a window, both sequence lengths (traced), a soft cap and the residual."""
     import jax
     import jax.numpy as jnp
 
@@ -66,7 +69,8 @@ def kernel_stats(
 
     dt = jnp.dtype(dtype)
     qkv = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dt)
-    kv = jax.ShapeDtypeStruct((batch, k_len, heads, head_dim), dt)
+    kv = jax.ShapeDtypeStruct((batch, k_len, 1 if options else heads, head_dim), dt)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32) if options else None
     shapes = dict(
         shared=[(1, heads, q_len, k_len)],
         per_row=[(batch, heads, q_len, k_len)],
@@ -79,9 +83,19 @@ def kernel_stats(
     impl = ga.PallasAttention(**(tuning or {}))
     lax_precision = dict(default=None, high="high", highest="highest")[precision]
 
-    def step(q, k, v, biases, mask, cotangent):
-        def attend(q, k, v, biases):
-            return ga.dot_product_attention(
+    def step(q, k, v, biases, mask, lengths, cotangent):
+        extra = {}
+        if options:
+            extra = dict(
+                is_causal=True,
+                local_window_size=(96, 0),
+                query_seq_lengths=lengths,
+                key_value_seq_lengths=lengths,
+                logits_soft_cap=30.0,
+            )
+
+        def attend(q, k, v, biases):  # -> (out, residual or None)
+            result = ga.dot_product_attention(
                 q,
                 k,
                 v,
@@ -90,16 +104,19 @@ def kernel_stats(
                 implementation=impl,
                 compute_dtype="input",
                 precision=lax_precision,
+                return_residual=options,
+                **extra,
             )
+            return result if options else (result, None)
 
-        out, vjp = jax.vjp(attend, q, k, v, tuple(biases))
-        return out, vjp(cotangent)
+        out, vjp, residual = jax.vjp(attend, q, k, v, tuple(biases), has_aux=True)
+        return out, residual, vjp(cotangent)
 
     spec = targets.target(target)
     with tempfile.TemporaryDirectory() as dump:
         start = time.perf_counter()
         targets.compile(
-            step, qkv, kv, kv, tuple(biases), mask_spec, qkv, target=target, dump_to=dump
+            step, qkv, kv, kv, tuple(biases), mask_spec, lengths, qkv, target=target, dump_to=dump
         )
         compile_s = time.perf_counter() - start
         kernels = _ptx_kernels(dump, spec.arch)
@@ -155,15 +172,15 @@ def _launches(dump: str) -> dict[str, dict[str, Any]]:
     return found
 
 
-def matrix(biases=BIASES, masks=MASKS) -> list[dict[str, Any]]:
+def matrix(biases=BIASES, masks=MASKS, options: bool = False) -> list[dict[str, Any]]:
     """Every case PallasAttention.check accepts, by dtype x head dim x bias x mask (float32 at
-    each precision), at lengths that are not multiples of the tiles."""
+    each precision), at lengths that are not multiples of the tiles (with `options`: the op's
+    further arguments too, kernel_stats)."""
     cases = []
     for dtype, head_dim, bias, mask in itertools.product(DTYPES, HEAD_DIMS, biases, masks):
         for precision in PRECISIONS if dtype == "float32" else ("default",):
-            cases.append(
-                dict(dtype=dtype, head_dim=head_dim, bias=bias, mask=mask, precision=precision)
-            )
+            case = dict(dtype=dtype, head_dim=head_dim, bias=bias, mask=mask, precision=precision)
+            cases.append(dict(case, options=True) if options else case)
     return cases
 
 
@@ -198,8 +215,12 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="first N cases only (0: all)")
     parser.add_argument("--biases", default=",".join(BIASES), help="bias forms, comma-separated")
     parser.add_argument("--masks", default=",".join(MASKS), help="mask forms, comma-separated")
+    parser.add_argument(
+        "--options", action="store_true", help="with GQA, causal, window, lengths, soft cap"
+    )
     args = parser.parse_args()
-    cases = matrix(args.biases.split(","), args.masks.split(","))[: args.limit or None]
+    cases = matrix(args.biases.split(","), args.masks.split(","), args.options)
+    cases = cases[: args.limit or None]
     rows = []
     for i, case in enumerate(cases):
         try:

@@ -511,3 +511,27 @@ class ImplementationTests:
         else:
             with pytest.raises(NotImplementedError, match="head dim"):
                 jax.eval_shape(call, *case[:5])
+
+
+# B, T, S, N (query heads), K (key/value heads), H: three query and key tiles of 128, partial.
+WIDE = (2, 300, 290, 2, 1, 16)
+STRUCTURED = dict(
+    is_causal=True,
+    local_window_size=(150, 40),
+    query_seq_lengths=np.array([300, 170], np.int32),
+    key_value_seq_lengths=np.array([290, 100], np.int32),
+    logits_soft_cap=3.0,
+)
+
+
+def allowed_by(t, s, kw):
+    """bool [B, 1, T, S]: the causal, window and length masks of kw, brute force."""
+    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+    ok = np.ones((t, s), bool)
+    if kw.get("is_causal"):
+        ok &= j <= i
+    if kw.get("local_window_size"):
+        left, right = kw["local_window_size"]
+        ok &= (j >= i - left) & (j <= i + right)
+    q_ok = i < kw["query_seq_lengths"][:, None, None]
+    return (ok & q_ok & (j < kw["key_value_seq_lengths"][:, None, None]))[:, None]

@@ -11,7 +11,7 @@ implementation that runs on CPU, in float32 and bfloat16.
 Then what the arguments must not cost: no key or value repeated to the query heads, no
 [B, N, T, S] or [B, 1, T, S] mask for the causal, window and length masks (read off the jaxprs),
 and tile skipping in `chunked`; masked garbage does not leak through the new masks; sharded
-queries; and what pallas and cudnn refuse.
+queries; and what cudnn refuses.
 
 Compile time is the cost (2 CPU cores): all scenarios of one (implementation, dtype) are one
 jitted program, compiled once and fed other data where a test needs it.
@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 import gated_attention as ga
 from gated_attention import chunked, masking
+from tests import implementation_harness as harness
 from tests import reference
 from tests.helpers import as_f64, assert_close, rand
 
@@ -115,6 +116,7 @@ IMPLEMENTATIONS = {
     "auto": "auto",
     "cudnn adapter": ga.CudnnAttention(jax_nn_implementation="xla"),  # takes no soft cap
     "pallas_tpu": ga.PallasTpuAttention(interpret=True),  # the TPU kernels, interpreted
+    "pallas": ga.PallasAttention(block_q=16, block_k=16, interpret=True),  # the GPU kernels
 }
 # bfloat16, 'auto' (on CPU: XlaAttention() at these sizes) and the cudnn adapter run the scenarios
 # with the most arguments at once (compile time: each program costs ~10-30 s on 2 busy cores).
@@ -132,9 +134,10 @@ RUNS = [
     # The kernels interpreted: ~10 s of compile per scenario (every kernel unrolls its 8 heads);
     # "everything" has the third CORE scenario's arguments (GQA, causal, a key mask) and more.
     ("pallas_tpu", "float32", CORE[1:]),
+    ("pallas", "float32", CORE[1:]),
 ]
 # Their float32 runs (of every scenario) also check masked garbage beyond the lengths.
-GARBAGE_RUNS = ("xla", "chunked", "pallas_tpu")
+GARBAGE_RUNS = ("xla", "chunked", "pallas_tpu", "pallas")
 
 
 class Case(NamedTuple):
@@ -579,22 +582,16 @@ REFUSALS = {
 }
 
 
-@pytest.mark.parametrize("option", [o for o in REFUSALS if o != "precision"])
-def test_pallas_refuses_what_its_kernels_do_not_implement(option):
-    kv_heads, kwargs, match = REFUSALS[option]
+@pytest.mark.parametrize("option", sorted(REFUSALS))
+@pytest.mark.parametrize(
+    "impl", [ga.PallasAttention(interpret=True), ga.PallasTpuAttention(interpret=True)]
+)
+def test_the_kernels_take_every_option(impl, option):
+    """The GPU and TPU kernels implement every option (tested against jax.nn above and in
+    tests/test_pallas*.py); check takes each."""
+    kv_heads, kwargs, _ = REFUSALS[option]
     q, kv = _spec((2, 16, 4, 16)), _spec((2, 16, kv_heads, 16))
-    impl = ga.PallasAttention(interpret=True)
-    with pytest.raises(NotImplementedError, match="pallas does not implement " + match):
-        impl.check(q, kv, kv, (), None, compute_dtype=jnp.bfloat16, options=_options(**kwargs))
-
-
-def test_pallas_takes_precision():
-    """The kernels' float32 dots follow the precision (pallas.dot_precision); check takes it."""
-    _, kwargs, _ = REFUSALS["precision"]
-    q = _spec((2, 16, 4, 16))
-    ga.PallasAttention(interpret=True).check(
-        q, q, q, (), None, compute_dtype=jnp.float32, options=_options(**kwargs)
-    )
+    impl.check(q, kv, kv, (), None, compute_dtype=jnp.bfloat16, options=_options(**kwargs))
 
 
 def test_cudnn_takes_jax_nns_arguments_and_refuses_the_rest():
@@ -615,3 +612,55 @@ def test_cudnn_takes_jax_nns_arguments_and_refuses_the_rest():
             check(options=taken)
     else:
         check(options=taken)
+
+
+@pytest.mark.parametrize(
+    "impl",
+    [
+        ga.PallasTpuAttention(interpret=True),  # 3 x 3 tiles of 128
+        ga.PallasAttention(block_q=64, block_k=64, interpret=True),  # 5 x 5 tiles of 64
+    ],
+    ids=["pallas_tpu", "pallas"],
+)
+def test_kernels_grouped_structured_and_capped_over_several_tiles(impl):
+    """Grouped-query attention (2 query heads over 1), causal + window + both lengths, soft cap,
+    a shared bias and a key mask, over several tiles (some skipped whole, some partial), in the
+    GPU and TPU kernels (interpreted): forward, residual and every gradient against the float64
+    reference given the equivalent mask."""
+    b, t, s, n, k, h = harness.WIDE
+    rng = np.random.default_rng(11)
+    q, q64 = rand(rng, (b, t, n, h), "float32")
+    key, k64 = rand(rng, (b, s, k, h), "float32")
+    v, v64 = rand(rng, (b, s, k, h), "float32")
+    bias, bias64 = rand(rng, (1, n, t, s), "float32")
+    cot, cot64 = rand(rng, (b, t, n, h), "float32")
+    key_mask = rng.random((b, 1, 1, s)) > 0.1
+    allowed = harness.allowed_by(t, s, harness.STRUCTURED) & key_mask
+    valid = (np.arange(t)[None] < harness.STRUCTURED["query_seq_lengths"][:, None])[..., None, None]
+
+    def ours(q, key, v, bias):
+        return ga.dot_product_attention(
+            q, key, v, bias, jnp.asarray(key_mask), implementation=impl,
+            return_residual=True, **harness.STRUCTURED,
+        )  # fmt: skip
+
+    def expected(q, key, v, bias):
+        out = reference.dot_product_attention(
+            q, key, v, bias, jnp.asarray(allowed), soft_cap=3.0, xp=jnp
+        )
+        return jnp.where(jnp.asarray(valid), out, 0.0)
+
+    out, vjp, res = jax.vjp(ours, q, key, v, bias, has_aux=True)
+    want, want_vjp = jax.vjp(expected, q64, k64, v64, bias64)
+    assert_close(out, want, reference.tolerance("float32"))
+    has_key = np.swapaxes(allowed.any(axis=-1), 1, 2)  # [B, T, 1]
+    assert has_key.sum() < has_key.size  # rows beyond the lengths have none
+    logits = np.einsum("btnh,bsnh->bnts", q64, np.repeat(k64, n // k, axis=2)) / np.sqrt(h) + bias64
+    logits = np.where(allowed, 3.0 * np.tanh(logits / 3.0), -np.inf)
+    with np.errstate(divide="ignore"):
+        lse = np.log(np.exp(logits).sum(-1)).transpose(0, 2, 1)  # [B, T, N]
+    live = np.broadcast_to(has_key, lse.shape)
+    assert_close(np.asarray(res)[live], lse[live], reference.tolerance("float32"))
+    for name, g, e in zip(("dq", "dk", "dv", "dbias"), vjp(cot), want_vjp(cot64), strict=True):
+        e = np.asarray(e)
+        assert_close(g, e, reference.grad_tolerance("float32", e), err_msg=name)

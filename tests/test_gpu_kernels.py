@@ -3,8 +3,8 @@ ptxas, deviceless (gated_attention_tools/gpu_kernels.py): with the tiles of pall
 kernel of a case compiles with 0 spill bytes, within the target's shared memory, and with
 tensor-core MMA instructions wherever the precision allows them. A covering subset of the matrix
 (every dtype, every padded head dim, every bias and mask form, both targets, lengths that are not
-multiples of the tiles, float32 at each precision); benchmark_results/gpu_kernels/ has the whole
-matrix."""
+multiples of the tiles, float32 at each precision, and the op's further arguments: GQA, causal,
+window, lengths, soft cap); benchmark_results/gpu_kernels/ has the whole matrix."""
 
 from __future__ import annotations
 
@@ -17,11 +17,15 @@ CASES = {
         dict(dtype="float32", head_dim=128, bias="shared", mask="key", precision="highest"),
         dict(dtype="float16", head_dim=16, bias="per_row", mask="none"),
         dict(dtype="bfloat16", head_dim=64, bias="both", mask="full"),
+        dict(dtype="bfloat16", head_dim=32, bias="both", mask="key", options=True),
     ],
     "h100": [
         dict(dtype="float32", head_dim=32, bias="none", mask="full"),
         dict(dtype="bfloat16", head_dim=128, bias="shared", mask="key"),
         dict(dtype="float32", head_dim=8, bias="both", mask="none", precision="high"),
+        dict(
+            dtype="float32", head_dim=16, bias="both", mask="key", options=True, precision="highest"
+        ),
     ],
 }
 

@@ -9,7 +9,7 @@ import pytest
 from jax import lax
 
 import gated_attention as ga
-from gated_attention import pallas
+from gated_attention import masking, pallas
 from tests import implementation_harness as harness
 from tests.helpers import rand
 from tests.implementation_harness import ImplementationTests
@@ -210,3 +210,37 @@ def test_tiles_come_from_the_table_and_oversized_ones_are_refused():
         q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu"
     )
     assert impl.name == "xla"
+
+
+def test_loops_skip_exactly_the_tiles_the_structure_masks_whole():
+    """_Tiles.key_blocks (forward, dq) and query_blocks (dk/dv) against the brute-force mask:
+    the loops cover every tile with an allowed (query, key) pair (values would be wrong) and
+    start and stop at the first and last such tile (the work a causal mask saves)."""
+    b, t, s, n, k, h = harness.WIDE
+    lengths = {
+        key: harness.STRUCTURED[key] for key in ("query_seq_lengths", "key_value_seq_lengths")
+    }
+    sd = jax.ShapeDtypeStruct
+    q, kv = sd((b, t, n, h), jnp.float32), sd((b, s, k, h), jnp.float32)
+    impl = ga.PallasAttention(block_q=64, block_k=32, interpret=True)
+    for kw in (dict(is_causal=True), dict(local_window_size=(150, 40)), harness.STRUCTURED):
+        kw = {**lengths, **kw}
+        structure = masking.Structure(kw.get("is_causal", False), kw.get("local_window_size"))
+        options = ga.base.Options(structure)
+        plan = pallas._Plan.make(impl, q, kv, kv, (), 1.0, jnp.float32, None, options=options)
+        tiles = pallas._Tiles(plan, t, s, 0)
+        allowed = harness.allowed_by(t, s, kw)[:, 0]
+        for row in range(b):
+            st = pallas._Structure(0, *(x[row] for x in lengths.values()))
+            per_tile = np.pad(allowed[row], ((0, -t % 64), (0, -s % 32)))
+            per_tile = per_tile.reshape(-(-t // 64), 64, -(-s // 32), 32).any(axis=(1, 3))
+            for i, tiles_row in enumerate(per_tile):
+                lo, hi = (int(x) for x in tiles.key_blocks(st, i))
+                live = tiles_row.nonzero()[0]
+                expected = (live[0], live[-1] + 1) if live.size else (lo, lo)
+                assert (lo, hi) == expected, (kw, row, i)
+            for j, tiles_column in enumerate(per_tile.T):
+                lo, hi = (int(x) for x in tiles.query_blocks(st, j))
+                live = tiles_column.nonzero()[0]
+                expected = (live[0], live[-1] + 1) if live.size else (lo, lo)
+                assert (lo, hi) == expected, (kw, row, j)

@@ -11,8 +11,7 @@ import pytest
 import gated_attention as ga
 from gated_attention import masking, pallas_tpu
 from tests import implementation_harness as harness
-from tests import reference
-from tests.helpers import assert_close, rand
+from tests.helpers import rand
 from tests.implementation_harness import ImplementationTests
 
 INTERPRETED = ga.PallasTpuAttention(interpret=True)
@@ -137,87 +136,22 @@ def test_shared_bias_gradient_is_never_per_row():
     assert (1, 2, 1, 1, 256, 256) in shapes, shapes
 
 
-# B, T, S, N (query heads), K (key/value heads), H: three query and key tiles of 128, partial.
-WIDE = (2, 300, 290, 2, 1, 16)
-STRUCTURED = dict(
-    is_causal=True,
-    local_window_size=(150, 40),
-    query_seq_lengths=np.array([300, 170], np.int32),
-    key_value_seq_lengths=np.array([290, 100], np.int32),
-    logits_soft_cap=3.0,
-)
-
-
-def _allowed(t, s, kw):
-    """bool [B, 1, T, S]: the causal, window and length masks of kw, brute force."""
-    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
-    ok = np.ones((t, s), bool)
-    if kw.get("is_causal"):
-        ok &= j <= i
-    if kw.get("local_window_size"):
-        left, right = kw["local_window_size"]
-        ok &= (j >= i - left) & (j <= i + right)
-    q_ok = i < kw["query_seq_lengths"][:, None, None]
-    return (ok & q_ok & (j < kw["key_value_seq_lengths"][:, None, None]))[:, None]
-
-
-def test_grouped_structured_and_capped_over_several_tiles():
-    """Grouped-query attention (2 query heads over 1), causal + window + both lengths, soft cap,
-    a shared bias and a key mask, over 3 x 3 tiles (some skipped whole, some partial): forward,
-    residual and every gradient against the float64 reference given the equivalent mask."""
-    b, t, s, n, k, h = WIDE
-    rng = np.random.default_rng(11)
-    q, q64 = rand(rng, (b, t, n, h), "float32")
-    key, k64 = rand(rng, (b, s, k, h), "float32")
-    v, v64 = rand(rng, (b, s, k, h), "float32")
-    bias, bias64 = rand(rng, (1, n, t, s), "float32")
-    cot, cot64 = rand(rng, (b, t, n, h), "float32")
-    key_mask = rng.random((b, 1, 1, s)) > 0.1
-    allowed = _allowed(t, s, STRUCTURED) & key_mask
-    valid = (np.arange(t)[None] < STRUCTURED["query_seq_lengths"][:, None])[..., None, None]
-
-    def ours(q, key, v, bias):
-        return ga.dot_product_attention(
-            q, key, v, bias, jnp.asarray(key_mask), implementation=INTERPRETED,
-            return_residual=True, **STRUCTURED,
-        )  # fmt: skip
-
-    def expected(q, key, v, bias):
-        out = reference.dot_product_attention(
-            q, key, v, bias, jnp.asarray(allowed), soft_cap=3.0, xp=jnp
-        )
-        return jnp.where(jnp.asarray(valid), out, 0.0)
-
-    out, vjp, res = jax.vjp(ours, q, key, v, bias, has_aux=True)
-    want, want_vjp = jax.vjp(expected, q64, k64, v64, bias64)
-    assert_close(out, want, reference.tolerance("float32"))
-    has_key = np.swapaxes(allowed.any(axis=-1), 1, 2)  # [B, T, 1]
-    assert has_key.sum() < has_key.size  # rows beyond the lengths have none
-    logits = np.einsum("btnh,bsnh->bnts", q64, np.repeat(k64, n // k, axis=2)) / np.sqrt(h) + bias64
-    logits = np.where(allowed, 3.0 * np.tanh(logits / 3.0), -np.inf)
-    with np.errstate(divide="ignore"):
-        lse = np.log(np.exp(logits).sum(-1)).transpose(0, 2, 1)  # [B, T, N]
-    live = np.broadcast_to(has_key, lse.shape)
-    assert_close(np.asarray(res)[live], lse[live], reference.tolerance("float32"))
-    for name, g, e in zip(("dq", "dk", "dv", "dbias"), vjp(cot), want_vjp(cot64), strict=True):
-        e = np.asarray(e)
-        assert_close(g, e, reference.grad_tolerance("float32", e), err_msg=name)
-
-
 def test_skips_exactly_the_tiles_the_structure_masks_whole():
     """pallas_tpu.any_allowed against the brute-force mask, tile by tile: no tile with an allowed
     (query, key) pair is skipped (values would be wrong), and every other one is (the work)."""
-    b, t, s, n, k, h = WIDE
+    b, t, s, n, k, h = harness.WIDE
     sd = jax.ShapeDtypeStruct
     q, kv = sd((b, t, n, h), jnp.float32), sd((b, s, k, h), jnp.float32)
-    lengths = {key: STRUCTURED[key] for key in ("query_seq_lengths", "key_value_seq_lengths")}
-    for kw in (dict(is_causal=True), dict(local_window_size=(150, 40)), STRUCTURED):
+    lengths = {
+        key: harness.STRUCTURED[key] for key in ("query_seq_lengths", "key_value_seq_lengths")
+    }
+    for kw in (dict(is_causal=True), dict(local_window_size=(150, 40)), harness.STRUCTURED):
         kw = {**lengths, **kw}
         structure = masking.Structure(kw.get("is_causal", False), kw.get("local_window_size"))
         options = ga.base.Options(structure)
         plan = pallas_tpu._Plan.make(INTERPRETED, q, kv, kv, (), None, 1.0, jnp.float32,
                                      options, None, None)  # fmt: skip
-        allowed = _allowed(t, s, kw)
+        allowed = harness.allowed_by(t, s, kw)
         skipped = 0
         for row in range(b):
             for i in range(plan.q_blocks):
