@@ -97,9 +97,27 @@ TILES = {
     ("half", "default", 64): (64, 32, 4, 2),
     ("half", "default", 128): (32, 32, 4, 1),
 }
+# With the op's further arguments (grouped-query attention, causal/window/length masks, soft cap:
+# more registers held in the dk/dv kernel), in the heaviest form (both biases, full mask, all of
+# them at once): these keys' TILES spilled 8-92 B on one target or both
+# (benchmark_results/gpu_kernels/*_options.md). Other keys take TILES' entry with 8 warps (IEEE
+# float32: one stage).
+OPTIONS_TILES = {
+    ("float32", "default", 16): (32, 32, 8, 1),
+    ("float32", "high", 16): (32, 32, 8, 1),
+    ("float32", "highest", 64): (16, 16, 4, 1),
+    ("half", "default", 32): (32, 32, 8, 1),
+    ("half", "default", 128): (32, 16, 8, 1),
+}
 # Anything else: the smallest tiles, which compile everywhere (may spill: see the results).
 FALLBACK_TILES = (16, 16, 4, 1)
 SHARED_MEMORY_LIMIT = 166_912  # an A100's opt-in shared memory per block, the smaller target's
+
+
+def _extra_options(options, query, key) -> bool:
+    """Whether the call asks for more than plain attention in the kernels' registers (the
+    residual and precision cost none)."""
+    return bool(options.asked(query, key).keys() - {"precision", "return_residual"})
 
 
 def _dtype_kind(dtype) -> str:
@@ -211,7 +229,8 @@ class PallasAttention(base.Implementation):
         )
         dims = (query.shape[-1], value.shape[-1])
         precision = dot_precision(options.precision, compute_dtype, self.interpret)
-        block_q, block_k, _, stages = self.tiles(compute_dtype, precision, max(dims))
+        extra = _extra_options(options, query, key)
+        block_q, block_k, _, stages = self.tiles(compute_dtype, precision, max(dims), extra)
         need = shared_memory_estimate(
             block_q, block_k, stages, max(dims), compute_dtype, biases, mask is not None
         )
@@ -222,10 +241,18 @@ class PallasAttention(base.Implementation):
                 f"{SHARED_MEMORY_LIMIT:,} an A100 block has: take smaller tiles"
             )
 
-    def tiles(self, compute_dtype, precision, head_dim: int) -> tuple[int, int, int, int]:
-        """(block_q, block_k, num_warps, num_stages): the fields where given, else TILES'."""
-        key = (_dtype_kind(compute_dtype), _precision_level(precision), _pow2_tile(head_dim))
+    def tiles(
+        self, compute_dtype, precision, head_dim: int, options: bool = False
+    ) -> tuple[int, int, int, int]:
+        """(block_q, block_k, num_warps, num_stages): the fields where given, else the table's
+        (OPTIONS_TILES when `options`, the op's further arguments, are asked)."""
+        level = _precision_level(precision)
+        key = (_dtype_kind(compute_dtype), level, _pow2_tile(head_dim))
         table = TILES.get(key, FALLBACK_TILES)
+        if options:
+            block_q, block_k, warps, stages = table
+            table = (block_q, block_k, max(warps, 8), 1 if level == "highest" else stages)
+            table = OPTIONS_TILES.get(key, table)
         given = (self.block_q, self.block_k, self.num_warps, self.num_stages)
         return tuple(g if g is not None else t for g, t in zip(given, table, strict=True))
 
@@ -304,16 +331,8 @@ class _Plan:
         batch, q_len, heads, head_dim = query.shape
         k_len, value_dim = key.shape[1], value.shape[-1]
         padded = max(_pow2_tile(head_dim), _pow2_tile(value_dim))
-        tile_q, tile_k, num_warps, num_stages = impl.tiles(compute_dtype, precision, padded)
-        extra = options.asked(query, key).keys() - {"precision", "return_residual"}
-        if extra:
-            # The masks' iotas, the soft cap's derivative and a group's heads hold more registers:
-            # 8 warps (IEEE float32: one stage) keep the dk/dv kernel spill-free
-            # (benchmark_results/gpu_kernels/*_options.md).
-            if impl.num_warps is None:
-                num_warps = max(num_warps, 8)
-            if impl.num_stages is None and _precision_level(precision) == "highest":
-                num_stages = 1
+        extra = _extra_options(options, query, key)
+        tile_q, tile_k, num_warps, num_stages = impl.tiles(compute_dtype, precision, padded, extra)
         block_q = min(tile_q, _pow2_tile(q_len))
         groups = batch
         if any(b.shape[0] == 1 for b in biases) and batch > 1:
