@@ -109,6 +109,30 @@ OPTIONS_TILES = {
     ("half", "default", 32): (32, 32, 8, 1),
     ("half", "default", 128): (32, 16, 8, 1),
 }
+# Where a lighter bias/mask form spilled 4-24 B with TILES' entry (ptxas is not monotone in the
+# work), by (dtype kind, precision level, head dim padded, bias form, mask form) (kernel_form):
+# the candidate nearest TILES' that compiled clean for both targets in every case of the key.
+FORM_TILES = {
+    ("float32", "default", 16, "none", "key"): (64, 64, 8, 2),
+    ("float32", "default", 64, "per_row", "full"): (32, 32, 8, 1),
+    ("float32", "default", 64, "shared", "full"): (32, 32, 8, 1),
+    ("float32", "high", 16, "both", "key"): (32, 32, 4, 2),
+    ("float32", "high", 16, "none", "key"): (64, 32, 8, 2),
+    ("float32", "high", 16, "per_row", "key"): (64, 16, 8, 1),
+    ("float32", "high", 16, "shared", "key"): (64, 16, 8, 1),
+    ("float32", "high", 32, "none", "key"): (16, 16, 8, 1),
+    ("float32", "high", 32, "per_row", "full"): (16, 16, 8, 1),
+    ("float32", "high", 128, "both", "key"): (16, 16, 8, 2),
+    ("float32", "high", 128, "per_row", "key"): (16, 16, 8, 2),
+    ("float32", "high", 128, "shared", "key"): (16, 16, 8, 2),
+    ("float32", "highest", 16, "per_row", "full"): (32, 16, 8, 2),
+    ("float32", "highest", 16, "shared", "full"): (32, 16, 8, 2),
+    ("float32", "highest", 32, "per_row", "key"): (64, 32, 8, 1),
+    ("float32", "highest", 32, "per_row", "none"): (64, 32, 8, 1),
+    ("float32", "highest", 32, "shared", "key"): (64, 32, 8, 1),
+    ("half", "default", 16, "both", "key"): (64, 64, 8, 2),
+    ("half", "default", 32, "both", "key"): (64, 64, 8, 2),
+}
 # Anything else: the smallest tiles, which compile everywhere (may spill: see the results).
 FALLBACK_TILES = (16, 16, 4, 1)
 SHARED_MEMORY_LIMIT = 166_912  # an A100's opt-in shared memory per block, the smaller target's
@@ -118,6 +142,16 @@ def _extra_options(options, query, key) -> bool:
     """Whether the call asks for more than plain attention in the kernels' registers (the
     residual and precision cost none)."""
     return bool(options.asked(query, key).keys() - {"precision", "return_residual"})
+
+
+def kernel_form(biases, mask) -> tuple[str, str]:
+    """(bias form, mask form) of a call, the names of gpu_kernels' matrix: 'shared' (batch
+    dimension 1), 'per_row', 'both' or 'none'; 'key' ([B|1, 1, 1, S]), 'full' or 'none'."""
+    shared = any(b.shape[0] == 1 for b in biases)
+    per_row = any(b.shape[0] != 1 for b in biases)
+    bias = {(True, True): "both", (True, False): "shared", (False, True): "per_row"}
+    masks = "none" if mask is None else "key" if mask.shape[1] == mask.shape[2] == 1 else "full"
+    return bias.get((shared, per_row), "none"), masks
 
 
 def _dtype_kind(dtype) -> str:
@@ -230,7 +264,8 @@ class PallasAttention(base.Implementation):
         dims = (query.shape[-1], value.shape[-1])
         precision = dot_precision(options.precision, compute_dtype, self.interpret)
         extra = _extra_options(options, query, key)
-        block_q, block_k, _, stages = self.tiles(compute_dtype, precision, max(dims), extra)
+        form = kernel_form(biases, mask)
+        block_q, block_k, _, stages = self.tiles(compute_dtype, precision, max(dims), extra, form)
         need = shared_memory_estimate(
             block_q, block_k, stages, max(dims), compute_dtype, biases, mask is not None
         )
@@ -242,13 +277,21 @@ class PallasAttention(base.Implementation):
             )
 
     def tiles(
-        self, compute_dtype, precision, head_dim: int, options: bool = False
+        self,
+        compute_dtype,
+        precision,
+        head_dim: int,
+        options: bool = False,
+        form: tuple[str, str] | None = None,
     ) -> tuple[int, int, int, int]:
         """(block_q, block_k, num_warps, num_stages): the fields where given, else the table's
-        (OPTIONS_TILES when `options`, the op's further arguments, are asked)."""
+        (OPTIONS_TILES when `options`, the op's further arguments, are asked; else FORM_TILES
+        for the call's kernel_form where it has an entry, else TILES)."""
         level = _precision_level(precision)
         key = (_dtype_kind(compute_dtype), level, _pow2_tile(head_dim))
         table = TILES.get(key, FALLBACK_TILES)
+        if form is not None and not options:
+            table = FORM_TILES.get((*key, *form), table)
         if options:
             block_q, block_k, warps, stages = table
             table = (block_q, block_k, max(warps, 8), 1 if level == "highest" else stages)
@@ -332,7 +375,10 @@ class _Plan:
         k_len, value_dim = key.shape[1], value.shape[-1]
         padded = max(_pow2_tile(head_dim), _pow2_tile(value_dim))
         extra = _extra_options(options, query, key)
-        tile_q, tile_k, num_warps, num_stages = impl.tiles(compute_dtype, precision, padded, extra)
+        form = kernel_form(biases, mask)
+        tile_q, tile_k, num_warps, num_stages = impl.tiles(
+            compute_dtype, precision, padded, extra, form
+        )
         block_q = min(tile_q, _pow2_tile(q_len))
         groups = batch
         if any(b.shape[0] == 1 for b in biases) and batch > 1:

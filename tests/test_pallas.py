@@ -193,7 +193,8 @@ def test_bad_tuning_is_refused(kwargs, match):
 
 
 def test_tiles_come_from_the_table_and_oversized_ones_are_refused():
-    """Tiles not given come from TILES (by dtype, precision and head dim); tiles whose shared
+    """Tiles not given come from TILES (by dtype, precision and head dim; FORM_TILES for a bias
+    and mask form that spilled with those); tiles whose shared
     memory would pass an A100's are refused by check (so 'auto' moves on), never a compile error."""
     impl = ga.PallasAttention()
     assert (
@@ -201,6 +202,17 @@ def test_tiles_come_from_the_table_and_oversized_ones_are_refused():
         == pallas.TILES[("float32", "default", 128)]
     )
     assert ga.PallasAttention(block_q=32).tiles(jnp.bfloat16, None, 64)[0] == 32
+    # A form that spilled with TILES' entry takes FORM_TILES'; the op's further arguments don't.
+    high = lax.Precision.HIGH
+    form = pallas.kernel_form((jnp.zeros((1, 2, 3, 4)),), jnp.zeros((2, 1, 1, 4), bool))
+    assert form == ("shared", "key")
+    assert impl.tiles(jnp.float32, high, 128, form=form) == (16, 16, 8, 2)
+    assert (
+        impl.tiles(jnp.float32, high, 128, form=("both", "full"))
+        == pallas.TILES[("float32", "high", 128)]
+    )
+    assert impl.tiles(jnp.float32, high, 128, True, form)[:2] == (16, 16)
+    assert pallas.kernel_form((), jnp.zeros((2, 1, 3, 4), bool)) == ("none", "full")
     q, k, v, bias, mask = _specs(jnp.float32, head_dim=128)
     impl.check(q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu")
     big = ga.PallasAttention(block_q=128, block_k=128, num_stages=2)
