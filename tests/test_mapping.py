@@ -133,6 +133,48 @@ def test_gradients_match():
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6), got, expected)
 
 
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, recursing into sub-jaxprs (loops, custom rules)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _eqns(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _eqns(sub)
+
+
+def test_recomputed_tiles_give_the_gradients_from_fresh_buffers():
+    """remat=True (each tile recomputed in the backward pass): the gradients of cut, shared and
+    closed-over values are the single call's, over full tiles and a remainder; and no
+    batch-sized buffer is constant zeros (the output and the cut args' cotangents are written
+    into zeros made from the data, mapping._fresh_zeros): XLA merges constant zeros of one shape
+    across a model and creates them for the earliest user, so they are held far too long."""
+    q, k, v, bias, mask = _inputs()
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((H, H), dtype=np.float32))
+
+    def loss(q, k, bias, w, size):
+        fn = lambda q, k, v, bias, mask: attention(q @ w, k, v, bias, mask)  # noqa: E731
+        out = subbatch(fn, [q, k, v, bias, mask], subbatch_size=size, remat=True)
+        return jnp.sum(jnp.sin(out))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    expected = jax.jit(grad, static_argnums=4)(q, k, bias, w, None)
+    got = jax.jit(grad, static_argnums=4)(q, k, bias, w, 4)  # 4, 4 and a remainder of 2
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6), got, expected)
+    jaxpr = jax.make_jaxpr(grad, static_argnums=4)(q, k, bias, w, 4).jaxpr
+    constant_zeros = [
+        e.params["shape"]
+        for e in _eqns(jaxpr)
+        if e.primitive.name == "broadcast_in_dim"
+        and isinstance(e.invars[0], jax.extend.core.Literal)
+        and e.invars[0].val == 0
+        and e.params["shape"][0] == B
+    ]
+    assert constant_zeros == []
+
+
 def test_scalar_output_is_rejected():
     q, k, v, bias, mask = _inputs()
     with pytest.raises(
