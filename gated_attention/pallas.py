@@ -103,7 +103,7 @@ TILES = {
 # (benchmark_results/gpu_kernels/*_options.md). Other keys take TILES' entry with 8 warps (IEEE
 # float32: one stage).
 OPTIONS_TILES = {
-    ("float32", "default", 16): (32, 32, 8, 1),
+    ("float32", "default", 16): (32, 32, 8, 2),
     ("float32", "high", 16): (32, 32, 8, 1),
     ("float32", "highest", 64): (16, 16, 4, 1),
     ("half", "default", 32): (32, 32, 8, 1),
