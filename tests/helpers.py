@@ -5,6 +5,7 @@ own test class (tests/implementation_harness.py), with its capabilities as class
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
@@ -43,3 +44,15 @@ def assert_close(actual, expected, tol, err_msg=""):
         err_msg=err_msg,
         **tol,
     )
+
+
+def all_eqns(jaxpr):
+    """Every equation of a jaxpr, recursing into sub-jaxprs (loops, checkpoints, custom rules)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from all_eqns(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from all_eqns(sub)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import gated_attention as ga
 from gated_attention.chunked import DEFAULT_MEMORY_BUDGET_BYTES, choose_chunk_sizes, tile_bytes
 from tests import reference
-from tests.helpers import as_f64, assert_close, rand
+from tests.helpers import all_eqns, as_f64, assert_close, rand
 from tests.implementation_harness import (
     SHAPE,
     Case,
@@ -293,15 +293,7 @@ def test_random_shapes_and_chunks(
 
 def _all_shapes(jaxpr):
     """Shapes of every equation output in a jaxpr, recursing into sub-jaxprs (loops, custom_vjp)."""
-    for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            yield tuple(getattr(var.aval, "shape", ()))
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _all_shapes(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _all_shapes(sub)
+    return (tuple(getattr(v.aval, "shape", ())) for e in all_eqns(jaxpr) for v in e.outvars)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

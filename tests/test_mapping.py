@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from gated_attention.mapping import subbatch, subbatch_size_for_budget
+from tests.helpers import all_eqns
 
 B, N, T, S, H = 10, 2, 5, 6, 4  # batch, heads, queries, keys, channels
 
@@ -133,18 +134,6 @@ def test_gradients_match():
     jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6), got, expected)
 
 
-def _eqns(jaxpr):
-    """Every equation of a jaxpr, recursing into sub-jaxprs (loops, custom rules)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _eqns(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _eqns(sub)
-
-
 def test_recomputed_tiles_give_the_gradients_from_fresh_buffers():
     """remat=True (each tile recomputed in the backward pass): the gradients of cut, shared and
     closed-over values are the single call's, over full tiles and a remainder; and no
@@ -166,7 +155,7 @@ def test_recomputed_tiles_give_the_gradients_from_fresh_buffers():
     jaxpr = jax.make_jaxpr(grad, static_argnums=4)(q, k, bias, w, 4).jaxpr
     constant_zeros = [
         e.params["shape"]
-        for e in _eqns(jaxpr)
+        for e in all_eqns(jaxpr)
         if e.primitive.name == "broadcast_in_dim"
         and isinstance(e.invars[0], jax.extend.core.Literal)
         and e.invars[0].val == 0

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gated_attention as ga
-from tests.helpers import assert_close, rand
+from tests.helpers import all_eqns, assert_close, rand
 from tests.implementation_harness import SHAPE, Case, ImplementationTests, reference_run, run
 
 BATCH, T, S, N, H, HV = SHAPE  # 5 rows
@@ -26,18 +26,6 @@ class TestXlaAttentionRowTiles(ImplementationTests):
 
     IMPL = ga.XlaAttention(tile_bytes=ROWS_BYTES)
     DTYPES = ("float32",)
-
-
-def _eqns(jaxpr):
-    """Every equation of a jaxpr, recursing into sub-jaxprs (loops, checkpoints, custom rules)."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (list, tuple)) else [param]:
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _eqns(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _eqns(sub)
 
 
 def _outside_loops(jaxpr):
@@ -91,7 +79,9 @@ def test_row_tiles_loop_without_whole_batch_transposes():
         assert "scan" in names or "while" in names, names
         outside = [e.invars[0].aval.shape for e in top if e.primitive.name == "transpose"]
         assert all(shape[0] == 1 for shape in outside), outside  # the remainder's single row
-        inside = [e.invars[0].aval.shape for e in _eqns(jaxpr) if e.primitive.name == "transpose"]
+        inside = [
+            e.invars[0].aval.shape for e in all_eqns(jaxpr) if e.primitive.name == "transpose"
+        ]
         assert (2, T, N, H) in inside, inside  # the check above sees the tiles' transposes
 
 
@@ -104,7 +94,7 @@ def test_row_tiles_compute_bfloat16_in_float32():
         q, k, v, biases, case.mask, implementation=impl, compute_dtype="float32"
     )
     jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(attend(*a).astype(jnp.float32))))(*case[:4])
-    dots = [e for e in _eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    dots = [e for e in all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
     assert dots and all(x.aval.dtype == jnp.float32 for e in dots for x in e.invars)
 
     out, grads = run(impl, [case], compute_dtype="float32")[0]
