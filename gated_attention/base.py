@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, NamedTuple
 
@@ -229,3 +230,21 @@ def in_row_tiles(fn: Callable[..., Any], rows: int, args: Sequence[jax.Array | N
         return fn(*args)
     batched = [x is not None and x.shape[0] == batch for x in args]
     return mapping.subbatch(fn, args, subbatch_size=rows, batched=batched, remat=True)
+
+
+def kernel_attention(forward: Callable, backward: Callable) -> Callable:
+    """attention(plan, q, k, v, biases, extras) -> (out, log-sum-exp) for a kernel pair, as a
+    custom VJP: forward(plan, q, k, v, biases, extras) -> (out, lse); backward(plan, residuals,
+    (d_out, d_lse)) -> (dq, dk, dv, dbiases, None), residuals (q, k, v, biases, extras, out, lse).
+    The log-sum-exp carries no gradient (as in xla.dense); plan is static."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def attention(plan, q, k, v, biases, extras):
+        return forward(plan, q, k, v, biases, extras)
+
+    def attention_fwd(plan, q, k, v, biases, extras):
+        out, lse = forward(plan, q, k, v, biases, extras)
+        return (out, lse), (q, k, v, biases, extras, out, lse)
+
+    attention.defvjp(attention_fwd, backward)
+    return attention

@@ -33,6 +33,8 @@ select of step 2 from its per-tile block, and step 3 uses the live queries.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -203,3 +205,16 @@ def uniform_where_no_key(out, value, has_key, *, head_major: bool = True):
         has_key = jnp.expand_dims(has_key, heads_axis + 1)
     uniform = jnp.expand_dims(uniform, heads_axis + 1)  # [.., K, 1, ..]
     return jnp.where(has_key, split(out, kv_heads), uniform).reshape(out.shape)
+
+
+def kernel_result(out, lse, value, live_q, return_residual: bool):
+    """A kernel's (out [B, T, N, Hv], lse [B, N, T]) as the op returns it: rows with no key to
+    attend to get the uniform average of the values and the log-sum-exp MASK_VALUE + log(S), as
+    every implementation; out alone unless return_residual."""
+    out = uniform_where_no_key(out, value, live_q, head_major=False)
+    if not return_residual:
+        return out
+    if live_q is not None:
+        dead = jnp.asarray(MASK_VALUE + math.log(value.shape[1]), jnp.float32)
+        lse = jnp.where(live_q, lse, dead)
+    return out, lse

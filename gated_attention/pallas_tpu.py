@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple
 
 import jax
@@ -164,13 +163,7 @@ class PallasTpuAttention(base.Implementation):
             tuple(extras),
         )
         out = out.reshape(batch, q_len, heads, value_dim)
-        out = numerics.uniform_where_no_key(out, value, live_q, head_major=False)
-        if not options.return_residual:
-            return out
-        if live_q is not None:  # rows with no key: MASK_VALUE + log(S), as every implementation
-            dead = jnp.asarray(numerics.MASK_VALUE + math.log(k_len), jnp.float32)
-            lse = jnp.where(live_q, lse, dead)
-        return out, lse
+        return numerics.kernel_result(out, lse, value, live_q, options.return_residual)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -738,17 +731,6 @@ def _dbias(plan: _Plan, common):
     ]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(plan, q, k, v, biases, extras):
-    """(out, log-sum-exp [B, N, T]); the log-sum-exp carries no gradient (as in xla.dense)."""
-    return _forward(plan, q, k, v, biases, extras)
-
-
-def _attention_fwd(plan, q, k, v, biases, extras):
-    out, lse = _forward(plan, q, k, v, biases, extras)
-    return (out, lse), (q, k, v, biases, extras, out, lse)
-
-
 def _attention_bwd(plan, residuals, cotangents):
     pl, pltpu = _pallas()
     q, k, v, biases, extras, out, lse = residuals
@@ -794,4 +776,4 @@ def _attention_bwd(plan, residuals, cotangents):
     return dq, dk, dv, dbiases, tuple(None for _ in extras)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = base.kernel_attention(_forward, _attention_bwd)
