@@ -185,6 +185,20 @@ def assert_matches(result, expected, dtype, name: str = ""):
             assert_close(gi, ri, reference.grad_tolerance(dtype, ri), err_msg=f"{name}: {label}")
 
 
+# The forms an interpreted kernel runs in a half dtype (compile time: ~2 s each): every bias
+# broadcast, whose gradient the kernels reduce and cast; the float32 harness runs all FORMS.
+BIASED_FORMS = tuple(name for name, (bias, _) in FORMS.items() if bias is not None)
+
+
+def assert_forms_match(impl, shape, dtype, forms=BIASED_FORMS):
+    """`forms`, forward and vjp, computed in `dtype` itself, against the float64 reference."""
+    probs = problem_set(shape, dtype, calling_conventions=False)
+    results = run(impl, [probs.cases[name] for name in forms])
+    for name, result in zip(forms, results, strict=True):
+        check_types(result, probs.cases[name], name)
+        assert_matches(result, probs.expected[name], dtype, name)
+
+
 def check_types(result, case: Case, name: str = ""):
     """The output has query's dtype; each gradient its input's dtype and shape."""
     out, grads = result
@@ -366,7 +380,8 @@ class ImplementationTests:
       SUPPORTS_VALUE_HEAD_DIM: it takes a value head dim Hv != H (else it must raise
         NotImplementedError for one, and is tested with Hv = H).
       BITWISE_DETERMINISTIC: two runs of one compiled program give equal bits.
-      BATCH, HEAD_DIM: B and H of the problems (SHAPE's; e.g. H a multiple of 8 for cuDNN).
+      BATCH, HEADS, HEAD_DIM: B, N and H of the problems (SHAPE's; e.g. H a multiple of 8 for
+        cuDNN, fewer heads for a kernel that unrolls them: compile time).
 
     One test per dtype runs every check that needs that dtype's compiled program (a finer split
     would let pytest-xdist's two workers compile the same program twice); in one dtype
@@ -378,6 +393,7 @@ class ImplementationTests:
     SUPPORTS_VALUE_HEAD_DIM: ClassVar[bool] = True
     BITWISE_DETERMINISTIC: ClassVar[bool] = True
     BATCH: ClassVar[int] = SHAPE[0]
+    HEADS: ClassVar[int] = SHAPE[3]
     HEAD_DIM: ClassVar[int] = SHAPE[4]
 
     def pytest_generate_tests(self, metafunc):
@@ -386,9 +402,9 @@ class ImplementationTests:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        _, t, s, n, _, hv = SHAPE
+        _, t, s, _, _, hv = SHAPE
         h = self.HEAD_DIM
-        return (self.BATCH, t, s, n, h, hv if self.SUPPORTS_VALUE_HEAD_DIM else h)
+        return (self.BATCH, t, s, self.HEADS, h, hv if self.SUPPORTS_VALUE_HEAD_DIM else h)
 
     @property
     def one_dtype(self) -> str:
