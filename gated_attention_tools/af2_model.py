@@ -213,8 +213,8 @@ def random_params(t: hk.Transformed, batch: dict[str, Any], seed: int, gain: flo
                 x = 0.1 * rng.standard_normal(spec.shape, np.float32) + (name == "scale")
             else:
                 x = gain / np.sqrt(fan_in) * rng.standard_normal(spec.shape, np.float32)
-            params[module][name] = jnp.asarray(x, spec.dtype)
-    return params
+            params[module][name] = x.astype(spec.dtype)
+    return jax.device_put(params)  # not jnp.asarray per leaf: a copy program per shape (jax 0.10)
 
 
 def counting_calls(fn: Callable, calls: collections.Counter) -> Callable:

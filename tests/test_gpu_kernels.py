@@ -38,7 +38,7 @@ def test_kernels_compile_without_spills_and_use_the_tensor_cores(target):
         pytest.skip(f"cannot compile for {target}: {reason}")
     cases = [dict(dict(precision="default"), **case) for case in CASES[target]]
     results = targets.in_child("tests.target_cases:kernel_cases", dict(target=target, cases=cases))
-    if not any(stats["ptx_files"] for stats in results):
+    if not results[0]["ptx_files"]:  # then the only result (tests/target_cases.py)
         import jax
 
         pytest.skip(
