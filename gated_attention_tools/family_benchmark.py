@@ -157,9 +157,15 @@ def random_params(t: hk.Transformed, specs, seed: int = 3) -> dict[str, Any]:
     def draw(path, spec):
         scale = 1 / np.sqrt(spec.shape[0]) if len(spec.shape) > 1 else 0.2
         x = scale * rng.normal(size=spec.shape) + (path[-1].key == "scale")
-        return jnp.asarray(x, spec.dtype)
+        return x.astype(spec.dtype)
 
-    return jax.tree_util.tree_map_with_path(draw, shapes)
+    return _to_device(jax.tree_util.tree_map_with_path(draw, shapes))
+
+
+def _to_device(tree):
+    """NumPy leaves as device arrays, in one transfer: jnp.asarray(x, dtype) compiles a copy
+    program per shape and dtype (jax 0.10), hundreds for a model's parameters."""
+    return jax.device_put(tree)
 
 
 def random_inputs(specs, seed: int = 0) -> tuple[jax.Array, ...]:
@@ -167,11 +173,13 @@ def random_inputs(specs, seed: int = 0) -> tuple[jax.Array, ...]:
     rng = np.random.default_rng(seed)
     msa, pair, msa_mask, pair_mask = specs
     residues = rng.random(pair_mask.shape[0]) > 0.02
-    return (
-        jnp.asarray(rng.normal(size=msa.shape), msa.dtype),
-        jnp.asarray(rng.normal(size=pair.shape), pair.dtype),
-        jnp.asarray((rng.random(msa_mask.shape) > 0.1) & residues, msa_mask.dtype),
-        jnp.asarray(residues[:, None] & residues[None, :], pair_mask.dtype),
+    return _to_device(
+        (
+            rng.normal(size=msa.shape).astype(msa.dtype),
+            rng.normal(size=pair.shape).astype(pair.dtype),
+            ((rng.random(msa_mask.shape) > 0.1) & residues).astype(msa_mask.dtype),
+            (residues[:, None] & residues[None, :]).astype(pair_mask.dtype),
+        )
     )
 
 
@@ -199,7 +207,7 @@ def cotangent(t: hk.Transformed, params, specs, seed: int = 5):
     """A unit-normal cotangent of the update (or the block's outputs), in the output's dtypes."""
     out = jax.eval_shape(lambda p, *a: t.apply(p, jax.random.PRNGKey(1), *a), params, *specs)
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s.shape), s.dtype), out)
+    return _to_device(jax.tree.map(lambda s: rng.normal(size=s.shape).astype(s.dtype), out))
 
 
 def cotangent_specs(t: hk.Transformed, param_specs, specs):
