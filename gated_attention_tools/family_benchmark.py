@@ -159,13 +159,9 @@ def random_params(t: hk.Transformed, specs, seed: int = 3) -> dict[str, Any]:
         x = scale * rng.normal(size=spec.shape) + (path[-1].key == "scale")
         return x.astype(spec.dtype)
 
-    return _to_device(jax.tree_util.tree_map_with_path(draw, shapes))
-
-
-def _to_device(tree):
-    """NumPy leaves as device arrays, in one transfer: jnp.asarray(x, dtype) compiles a copy
-    program per shape and dtype (jax 0.10), hundreds for a model's parameters."""
-    return jax.device_put(tree)
+    # One transfer of NumPy leaves: jnp.asarray(x, dtype) per leaf compiles a copy program per
+    # shape and dtype (jax 0.10), hundreds for a model's parameters.
+    return jax.device_put(jax.tree_util.tree_map_with_path(draw, shapes))
 
 
 def random_inputs(specs, seed: int = 0) -> tuple[jax.Array, ...]:
@@ -173,7 +169,7 @@ def random_inputs(specs, seed: int = 0) -> tuple[jax.Array, ...]:
     rng = np.random.default_rng(seed)
     msa, pair, msa_mask, pair_mask = specs
     residues = rng.random(pair_mask.shape[0]) > 0.02
-    return _to_device(
+    return jax.device_put(
         (
             rng.normal(size=msa.shape).astype(msa.dtype),
             rng.normal(size=pair.shape).astype(pair.dtype),
@@ -207,7 +203,7 @@ def cotangent(t: hk.Transformed, params, specs, seed: int = 5):
     """A unit-normal cotangent of the update (or the block's outputs), in the output's dtypes."""
     out = jax.eval_shape(lambda p, *a: t.apply(p, jax.random.PRNGKey(1), *a), params, *specs)
     rng = np.random.default_rng(seed)
-    return _to_device(jax.tree.map(lambda s: rng.normal(size=s.shape).astype(s.dtype), out))
+    return jax.device_put(jax.tree.map(lambda s: rng.normal(size=s.shape).astype(s.dtype), out))
 
 
 def cotangent_specs(t: hk.Transformed, param_specs, specs):

@@ -66,9 +66,7 @@ def kernel_cases(target: str, cases: list[dict]) -> list[dict]:
     only the first where its compile dumps no PTX to read (jax 0.12: the rest would say nothing)."""
     from gated_attention_tools import gpu_kernels
 
-    results = []
-    for case in cases:
-        results.append(gpu_kernels.kernel_stats(target, **case))
-        if not results[0]["ptx_files"]:
-            break
-    return results
+    first = gpu_kernels.kernel_stats(target, **cases[0])
+    if not first["ptx_files"]:
+        return [first]
+    return [first, *(gpu_kernels.kernel_stats(target, **case) for case in cases[1:])]
