@@ -6,6 +6,7 @@
   python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
   python scripts/benchmark.py --config=configs/benchmark.py:gpu     # on a GPU: the op vs kernels
   python scripts/benchmark.py --config=configs/benchmark.py:family  # AF2's modules and Evoformer
+  python scripts/benchmark.py --config=configs/benchmark.py:family_remat  # training: save or recompute
   python scripts/benchmark.py --config=configs/benchmark.py:device_memory  # compiled for H100/v5e
   python scripts/benchmark.py --config=configs/benchmark.py:options # causal time, GQA memory
 
@@ -92,6 +93,7 @@ PRESETS = (
     "gpu_smoke",
     "family",
     "family_smoke",
+    "family_remat",
     "device_memory",
     "device_memory_smoke",
     "options",
@@ -104,7 +106,7 @@ def get_config(preset="full"):
         raise ValueError(f"configs/benchmark.py preset must be one of {PRESETS}, got {preset!r}")
     if preset in ("gpu", "gpu_smoke"):
         return _gpu_config(preset)
-    if preset in ("family", "family_smoke"):
+    if preset in ("family", "family_smoke", "family_remat"):
         return _family_config(preset)
     if preset in ("device_memory", "device_memory_smoke"):
         return _device_memory_config(preset)
@@ -189,6 +191,14 @@ def _family_config(preset):
     cfg.output_dir = "benchmark_results/family"
     cfg.allocator = "steady"  # malloc policy of every child (measure.ALLOCATOR_POLICIES)
     cfg.baseline_tolerance = 0.10  # AF2 in the harness against AF2 alone: flagged beyond this
+    # Our modules' global_config.remat_policy in the training cells, one cell per policy.
+    cfg.remat_policies = ("nothing",)
+    if preset == "family_remat":  # the training step with each policy: what saving buys on CPU
+        cfg.family_shapes = tuple(s for s in FAMILY_SHAPES if s[0] not in ("evoformer", "model"))
+        cfg.dtypes, cfg.modes = ("float32",), ("training",)
+        cfg.remat_policies = ("nothing", "projections", "everything")
+        cfg.goals, cfg.memory_scaling = (), ()
+        cfg.output_dir = "benchmark_results/family_remat"
     if preset == "family_smoke":  # seconds: checks the suite runs
         cfg.family_shapes = (("triangle_start", 1, 8), ("evoformer", 4, 8))
         cfg.goals = (("time", "triangle_start", "training", "float32", 100.0),) + (

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gated_attention import af2_package, numerics
+from gated_attention import af2_package, checks, config, numerics
 from gated_attention_tools import child, measure
 
 MODULES = ("msa_row", "msa_column", "msa_column_global", "triangle_start", "triangle_end")
@@ -50,6 +50,8 @@ class Cell:
       n_res: residues.
       dtype: 'float32' or 'bfloat16' (activations and parameters; LayerNorm params float32).
       mode: 'inference' or 'training'.
+      remat_policy: our modules' global_config.remat_policy (config.REMAT_POLICIES): what their
+        row tiles save for the backward pass; AF2's modules save everything.
     """
 
     what: str
@@ -57,11 +59,13 @@ class Cell:
     n_res: int
     dtype: str
     mode: str
+    remat_policy: str = "nothing"
 
     @property
     def name(self) -> str:
         rows = "" if self.what.startswith("triangle") else f"{self.n_seq}x"
-        return f"{self.what} {rows}{self.n_res}"
+        saves = "" if self.remat_policy == "nothing" else f" (saving {self.remat_policy})"
+        return f"{self.what} {rows}{self.n_res}{saves}"
 
 
 def model_config():
@@ -79,14 +83,18 @@ def _channels(what: str, c) -> tuple[int, int]:
     return (c_e if what in ("msa_column_global", "extra_evoformer") else c_m), c_z
 
 
-def _body(what: str, is_training: bool, implementation: str | None = None) -> Callable[..., Any]:
+def _body(
+    what: str, is_training: bool, implementation: str | None = None, remat_policy: str = "nothing"
+) -> Callable[..., Any]:
     """fn(msa, pair, msa_mask, pair_mask) -> the module's update or the block's output, built from
     the package's classes as the caller's modules.py names them when traced; `implementation`
-    (our modules' global_config.attention_implementation; None: 'auto') where ours are in."""
+    (our modules' global_config.attention_implementation; None: 'auto') and `remat_policy`
+    (theirs too) where ours are in."""
     c = model_config()
     evo, gc = c.embeddings_and_evoformer.evoformer, c.global_config
-    if implementation is not None:
-        with gc.unlocked():
+    with gc.unlocked():
+        gc.remat_policy = remat_policy
+        if implementation is not None:
             gc.attention_implementation = implementation
     modules = af2_package.alphafold_modules()
 
@@ -125,11 +133,15 @@ class ZeroUpdate(hk.Module):
 
 
 def transformed(
-    what: str, variant: str, is_training: bool, implementation: str | None = None
+    what: str,
+    variant: str,
+    is_training: bool,
+    implementation: str | None = None,
+    remat_policy: str = "nothing",
 ) -> hk.Transformed:
     """The cell's function for a variant: AF2's classes, ours swapped in (running
-    `implementation`, None: 'auto'), or attention removed."""
-    body = _body(what, is_training, implementation)
+    `implementation`, None: 'auto', with `remat_policy`), or attention removed."""
+    body = _body(what, is_training, implementation, remat_policy)
     if variant == OURS:
         body = af2_package.use_gated_attention()(body)
     elif variant == FLOOR:
@@ -246,7 +258,9 @@ def run_cell(
     if cell.what == MODEL:
         return _model_cell(cell, rounds, steps, log, variants)
     is_training = cell.mode == "training"
-    fns = {v: transformed(cell.what, v, is_training) for v in variants}
+    fns = {
+        v: transformed(cell.what, v, is_training, remat_policy=cell.remat_policy) for v in variants
+    }
     specs = input_specs(cell)
     params = random_params(fns[variants[0]], specs)
     args = (params, *random_inputs(specs))
@@ -306,6 +320,7 @@ def _timed_rows(cell, jitted, args, rounds, steps, log, compile_s, temp, outputs
                 n_res=cell.n_res,
                 dtype=cell.dtype,
                 mode=cell.mode,
+                remat_policy=cell.remat_policy,
                 variant=v,
                 time_ms=statistics.median(per_round[v]) * 1e3,
                 ratio_to_af2=statistics.median(ratios),
@@ -389,12 +404,19 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
     then memory scaling."""
     from importlib import metadata
 
+    for policy in cfg.remat_policies:
+        checks.check_one_of("config.remat_policies entries", policy, config.REMAT_POLICIES)
     cells = []
     for what, n_seq, n_res in cfg.family_shapes:
         if what == MODEL:  # AF2's whole model: float32 inference (its monomer default)
             cells.append(Cell(what, n_seq, n_res, "float32", "inference"))
             continue
-        cells += [Cell(what, n_seq, n_res, d, m) for d in cfg.dtypes for m in cfg.modes]
+        cells += [
+            Cell(what, n_seq, n_res, d, m, policy)
+            for d in cfg.dtypes
+            for m in cfg.modes
+            for policy in (cfg.remat_policies if m == "training" else ("nothing",))
+        ]
     rows = []
     for i, cell in enumerate(cells):
         log(f"[{i + 1}/{len(cells)}] {cell.name} {cell.dtype} {cell.mode}")

@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from gated_attention import config
 from gated_attention_tools import (
     benchmark,
     device_memory,
@@ -24,6 +26,18 @@ from gated_attention_tools import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _bench_module():
+    """configs/benchmark.py as a module (configs/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_cfg", ROOT / "configs" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench_config(preset: str):
+    return _bench_module().get_config(preset)
 
 
 def test_run_cell_rows_are_consistent():
@@ -255,11 +269,7 @@ def test_benchmark_script_smoke(tmp_path):
 
 
 def test_benchmark_presets_share_one_schema():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_cfg", ROOT / "configs" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _bench_module()
     keys = {}
     for preset in module.PRESETS:  # one schema per suite
         cfg = module.get_config(preset)
@@ -318,12 +328,7 @@ def test_gpu_benchmark_script_smoke_on_cpu(tmp_path):
 
 
 def test_gpu_benchmark_rejects_unknown_variants():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_cfg", ROOT / "configs" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config("gpu_smoke")
+    cfg = _bench_config("gpu_smoke")
     cfg.variants = ("pallas", "flash")
     with pytest.raises(ValueError, match=r"config.variants entries must be in .*got 'flash'"):
         gpu_benchmark.run(cfg)
@@ -331,8 +336,9 @@ def test_gpu_benchmark_rejects_unknown_variants():
 
 def test_family_cell_times_af2_and_ours_on_the_same_params():
     """A training-step cell of AF2's own MSAColumnGlobalAttention (the extra MSA's) against ours
-    swapped in: per-round ratios, the same gradients, and the goal and memory tables from them."""
-    cell = family_benchmark.Cell("msa_column_global", 8, 8, "float32", "training")
+    swapped in, ours saving everything for the backward pass (remat_policy): per-round ratios,
+    the same gradients, and the goal and memory tables from them."""
+    cell = family_benchmark.Cell("msa_column_global", 8, 8, "float32", "training", "everything")
     rows = family_benchmark.run_cell(cell, rounds=2, steps=1, log=lambda s: None)
     by_variant = {r["variant"]: r for r in rows}
     assert set(by_variant) == {family_benchmark.AF2, family_benchmark.OURS}
@@ -353,8 +359,18 @@ def test_family_cell_times_af2_and_ours_on_the_same_params():
     assert [g["met"] for g in judged] == [False, True]
     results = dict(baseline="alphafold-colabfold x", jax="y", cells=rows, memory=memory)
     table = family_benchmark.markdown(results | dict(goals=judged))
-    assert "| msa_column_global 8x8 | float32 | training | ours |" in table
+    assert "| msa_column_global 8x8 (saving everything) | float32 | training | ours |" in table
     assert "| msa_column_global 8x8 | ours |" in table
+
+
+def test_family_remat_preset_times_each_policy_and_checks_them():
+    """configs/benchmark.py:family_remat: the training cells once per remat policy; a policy the
+    modules do not know is refused before any cell runs."""
+    cfg = _bench_config("family_remat")
+    assert cfg.modes == ("training",) and set(cfg.remat_policies) == set(config.REMAT_POLICIES)
+    cfg.remat_policies = ("nothing", "all")
+    with pytest.raises(ValueError, match=r"config.remat_policies entries must be one of .*'all'"):
+        family_benchmark.run(cfg, log=lambda s: None)
 
 
 def test_family_floor_removes_every_attention_module():
