@@ -365,16 +365,19 @@ def _gated_output(weighted_avg, q_data, params):
         gate = jnp.einsum("...qa,ahc->...qhc", q_data, params["gating_w"])  # [..., b, q, h, cv]
         weighted_avg = weighted_avg * jax.nn.sigmoid(gate + params["gating_b"])
     # '...qhc,hco->...qo' as one matmul over the flattened (h, c), so XLA:CPU need not transpose
-    # the activations to (c, h) order. With heads sharded over devices, the sum over them is an
-    # all-reduce into the batch's sharding.
+    # the activations to (c, h) order; unsharded, over the flattened rows too, so the weight
+    # gradient has one contracting dimension (XLA:CPU's fast dot). With heads sharded over
+    # devices, the sum over them is an all-reduce into the batch's sharding.
     *lead, h, c = weighted_avg.shape
-    output_w = params["output_w"]
-    out = jnp.einsum(
-        "...k,ko->...o",
-        weighted_avg.reshape(*lead, h * c),  # [..., b, q, h * cv]
-        output_w.reshape(h * c, output_w.shape[-1]),  # [h * cv, o]
-        out_sharding=sharding.out_sharding(weighted_avg, keep=weighted_avg.ndim - 2),
-    )  # [..., b, q, o]
+    output_w = params["output_w"].reshape(h * c, -1)  # [h * cv, o]
+    placed = sharding.out_sharding(weighted_avg, keep=weighted_avg.ndim - 2)
+    if placed is None:
+        out = weighted_avg.reshape(-1, h * c) @ output_w  # [rows, o]
+    else:
+        out = jnp.einsum(
+            "...k,ko->...o", weighted_avg.reshape(*lead, h * c), output_w, out_sharding=placed
+        )
+    out = out.reshape(*lead, output_w.shape[-1])  # [..., b, q, o]
     return out + params["output_b"]
 
 
