@@ -22,6 +22,7 @@ from gated_attention_tools import (
     gpu_benchmark,
     measure,
     options_benchmark,
+    profile,
     targets,
 )
 
@@ -389,6 +390,49 @@ def test_family_floor_removes_every_attention_module():
     assert set(shapes["floor"]) == set(shapes["af2"]) - attention
     with pytest.raises(ValueError, match=r"variant must be one of \('af2', 'ours', 'floor'\)"):
         family_benchmark.transformed("evoformer", "fast", False)
+
+
+def test_profile_places_hlo_instructions_by_kind():
+    """The profiler's reading of compiled HLO: names, metadata and output ranks (tuples by their
+    largest element), loops left out; and each kind from metadata and rank."""
+    hlo = "\n".join(
+        [
+            '  %ynn_fusion.2 = f32[5376,256]{1,0} fusion(%p), metadata={op_name="a/...qa,ahc->...qhc/dot_general"}',
+            '  dot.7 = f32[2,4,256,32]{3,2,1,0} dot(%x, %y), metadata={op_name="a/transpose(jvp())/transpose"}',
+            "  ROOT ynn_fusion.3 = f32[8,256,32]{2,1,0} fusion(%a, %b), kind=kCustom",
+            '  fusion.1 = (f32[4,8,128,128]{3,2,1,0}, f32[4]{0}) fusion(%c), metadata={op_name="a/reduce_max"}',
+            "  while.5 = (s32[], f32[4]{0}) while(%t), condition=%cond, body=%body",
+            '  wrapped_broadcast = f32[256,1024,64]{2,1,0} fusion(), metadata={op_name="a/broadcast_in_dim"}',
+            '  ynn_fusion.9 = f32[1024,64]{1,0} fusion(%d), metadata={op_name="query_norm/jit(_var)/reduce_sum"}',
+            "  add.1 = f32[] add(%e, %f)",
+        ]
+    )
+    ops = profile.hlo_instructions(hlo)
+    assert "while.5" not in ops and ops["add.1"] == ("", 0)
+    assert ops["fusion.1"] == ("a/reduce_max", 4) and ops["ynn_fusion.3"] == ("", 3)
+    kinds = {name: profile.kind(name, *ops[name]) for name in ops}
+    assert kinds == {
+        "ynn_fusion.2": "projection",
+        "dot.7": "attention",
+        "ynn_fusion.3": "attention",
+        "fusion.1": "attention",
+        "wrapped_broadcast": "copy",
+        "ynn_fusion.9": "layernorm",
+        "add.1": "other",
+    }
+
+
+def test_profile_cell_traces_both_variants_ops():
+    """A small MSA row cell profiled: every variant's traced ops are found in its HLO, and its
+    projections and attention core have time."""
+    cell = family_benchmark.Cell("msa_row", 4, 16, "float32", "inference")
+    result = profile.profile_cell(cell, calls=1)
+    assert set(result) == {"af2", "ours"}
+    for r in result.values():
+        assert r["wall_ms"] > 0 and set(r["kinds"]) == set(profile.KINDS)
+        assert r["kinds"]["projection"] > 0 and r["kinds"]["attention"] > 0
+    table = profile.markdown(cell, result)
+    assert table.startswith("| msa_row 4x16 inference | wall | projection | attention |")
 
 
 # ------------------------------------------------------------------ allocator policy and baseline
