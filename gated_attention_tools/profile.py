@@ -11,9 +11,9 @@ softmax, weighted sum and their gradients), LayerNorm, copies (transposes, broad
 and the rest. Run it under the steady allocator (README, "On CPU"), as the benchmarks do.
 
 XLA:CPU runs some ops side by side, so a variant's op times can add up to more than its wall
-time: read them as shares. Which Haiku module an op belongs to is put into its metadata by
-wrapping every module call in jax.named_scope; ops with no metadata (XLA:CPU's fused dots of the
-attention core) are placed by their output's rank.
+time: read them as shares. Every Haiku module call runs inside jax.named_scope(its name), so an
+op's metadata names its module (how LayerNorm is found); ops with no metadata (XLA:CPU's fused
+dots of the attention core) are placed by their output's rank.
 """
 
 from __future__ import annotations
