@@ -1,6 +1,7 @@
 """AlphaFold 2's whole monomer model (the alphafold-colabfold package's model_1) as a user runs it:
 features from the package's own data pipeline, RunModel's forward and recycling loop, with AF2's
-attention ('af2') or ours swapped in by gated_attention.af2_package ('ours').
+attention ('af2'), ours swapped in by gated_attention.af2_package ('ours'), or the five family
+modules' updates zero ('floor': what the rest of the model costs).
 
     fns, params, batch = problem(n_res=64, n_seq=32, n_extra_seq=64, n_templates=2,
                                  num_recycle=1, dtype="float32")
@@ -25,7 +26,8 @@ import numpy as np
 
 from gated_attention import af2_package
 
-AF2, OURS = "af2", "ours"
+AF2, OURS, FLOOR = "af2", "ours", "floor"
+VARIANTS = (AF2, OURS, FLOOR)
 DTYPES = ("float32", "bfloat16", "float16")
 # Modules whose parameters AF2's layer_stack stacks over blocks (a leading block axis): the
 # Evoformer and extra MSA blocks (built outside the stack, so named by their own module), and
@@ -159,16 +161,39 @@ def features(cfg, raw: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray
     return af2_features.np_example_to_features(raw, cfg, random_seed=seed)
 
 
-def transformed(cfg, ours: bool) -> hk.Transformed:
+class ZeroUpdate(hk.Module):
+    """An attention module whose update is zero: the floor variant's stand-in for the family's."""
+
+    def __init__(self, config, global_config, name="zero_update"):
+        super().__init__(name=name)
+        self.config = config
+
+    def __call__(self, act, mask, *args, **kwargs):
+        return jnp.zeros_like(act)
+
+
+def with_variant(fn: Callable, variant: str) -> Callable:
+    """fn (which builds AF2's modules when traced) as it is ('af2'), with our attention ('ours'),
+    or with the five family modules' updates zero and no attention parameters ('floor')."""
+    if variant == OURS:
+        return af2_package.use_gated_attention()(fn)
+    if variant == FLOOR:
+        return af2_package.use_gated_attention(dict.fromkeys(af2_package.FAMILY, ZeroUpdate))(fn)
+    if variant != AF2:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    return fn
+
+
+def transformed(cfg, variant: str) -> hk.Transformed:
     """RunModel's forward for num_ensemble 1: one recycling iteration of AlphaFold_noE on a batch
     with a leading size-1 axis and 'prev' (the previous iteration's outputs), without RunModel's
-    float16 cast of the results. With `ours` it is traced inside use_gated_attention()."""
+    float16 cast of the results, traced as `variant` (with_variant)."""
 
     def forward(batch):
         modules = af2_package.alphafold_modules()
         return modules.AlphaFold_noE(cfg.model)(dict(batch), is_training=False)
 
-    return hk.transform(af2_package.use_gated_attention()(forward) if ours else forward)
+    return hk.transform(with_variant(forward, variant))
 
 
 def one_recycle(batch: dict[str, Any], r: int = 0) -> dict[str, Any]:
@@ -196,7 +221,7 @@ def random_params(t: hk.Transformed, batch: dict[str, Any], seed: int, gain: flo
     AF2's zero_init would make every attention update zero, and a comparison meaningless.
 
     Args:
-      t: transformed(cfg, ours) for either variant (they create the same parameters).
+      t: transformed(cfg, AF2) (the others create the same parameters or, the floor, fewer).
       batch: features(...) (all recycles) or one_recycle(...) of them.
       seed: numpy seed.
       gain: the weights' scale; small enough that 48 blocks and recycling stay finite.
@@ -252,7 +277,7 @@ def predictor(
 
     Args:
       cfg: model_config(...).
-      apply: transformed(cfg, ours).apply (jitted here), or a wrapper of it (counting_calls).
+      apply: transformed(cfg, variant).apply (jitted here), or a wrapper of it (counting_calls).
       jit_kwargs: passed to jax.jit, as RunModel's (e.g. compiler_options).
     """
     apply = jax.jit(apply, **(jit_kwargs or {}))
@@ -291,10 +316,11 @@ def problem(
     num_recycle: int,
     dtype: str = "float32",
     seed: int = 0,
+    variants: tuple[str, ...] = (AF2, OURS),
 ):
-    """({'af2': fn, 'ours': fn}, params, batch): the whole model with AF2's attention and with ours,
+    """({variant: fn}, params, batch): the whole model as each of `variants` (with_variant),
     fn(params, batch) -> the last recycle's raw outputs (predictor), taking the same random params
-    and processed features (on the device).
+    (AF2's) and processed features (on the device).
 
     The raw MSA has n_seq + n_extra_seq rows, so the model sees n_seq clusters and n_extra_seq
     extra rows, all of them real sequences. Compare outputs with family_benchmark.relative_diff.
@@ -302,6 +328,6 @@ def problem(
     cfg = model_config(n_res, n_seq, n_extra_seq, num_recycle, dtype)
     raw = raw_features(n_res, n_seq + n_extra_seq, n_templates, seed)
     batch = jax.device_put(features(cfg, raw, seed))
-    ts = {AF2: transformed(cfg, ours=False), OURS: transformed(cfg, ours=True)}
-    params = random_params(ts[AF2], batch, seed)
+    ts = {v: transformed(cfg, v) for v in variants}
+    params = random_params(transformed(cfg, AF2), batch, seed)
     return {v: predictor(cfg, t.apply) for v, t in ts.items()}, params, batch

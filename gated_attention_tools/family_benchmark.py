@@ -4,10 +4,11 @@ same code with our attention swapped in (gated_attention.af2_package.use_gated_a
 
 Cells (configs/benchmark.py:family):
   * each of AF2's five attention modules in inference (is_training=False, AF2's subbatch_size 4)
-    and as a training step (is_training=True, forward+backward of sum(update), no subbatching),
-    float32 and bfloat16;
-  * EvoformerIteration, the same two modes, with AF2's attention ('af2'), ours ('ours') and none
-    ('floor': every attention module's update is zero, so its cost is the rest of the block);
+    and as a training step (is_training=True, forward and backward with the update's cotangent
+    passed in, no subbatching), float32 and bfloat16;
+  * EvoformerIteration, the same two modes, and AF2's whole model at inference, with AF2's
+    attention ('af2'), ours ('ours') and none ('floor': every family module's update is zero, so
+    its cost is the rest of the block or model);
   * memory scaling: a training step of TriangleAttention and MSA row attention at growing crops:
     XLA temp bytes (compiled on shapes, nothing run) and resident memory (VmHWM in a fresh process).
 
@@ -29,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from gated_attention import af2_package, checks, config, numerics
-from gated_attention_tools import child, measure
+from gated_attention_tools import af2_model, child, measure
 
 MODULES = ("msa_row", "msa_column", "msa_column_global", "triangle_start", "triangle_end")
-AF2, OURS, FLOOR = "af2", "ours", "floor"
+AF2, OURS, FLOOR = af2_model.AF2, af2_model.OURS, af2_model.FLOOR
 # AF2's whole monomer model (af2_model.py), inference: n_seq MSA clusters, 4 * n_seq extra MSA rows,
 # MODEL_TEMPLATES templates, MODEL_RECYCLES recycling iterations after the first.
 MODEL, MODEL_TEMPLATES, MODEL_RECYCLES = "model", 4, 1
@@ -121,17 +122,6 @@ def _body(
     return fn
 
 
-class ZeroUpdate(hk.Module):
-    """An attention module whose update is zero: the floor variant's stand-in for all four."""
-
-    def __init__(self, config, global_config, name="zero_update"):
-        super().__init__(name=name)
-        self.config = config
-
-    def __call__(self, act, mask, *args, **kwargs):
-        return jnp.zeros_like(act)
-
-
 def transformed(
     what: str,
     variant: str,
@@ -141,14 +131,9 @@ def transformed(
 ) -> hk.Transformed:
     """The cell's function for a variant: AF2's classes, ours swapped in (running
     `implementation`, None: 'auto', with `remat_policy`), or attention removed."""
-    body = _body(what, is_training, implementation, remat_policy)
-    if variant == OURS:
-        body = af2_package.use_gated_attention()(body)
-    elif variant == FLOOR:
-        body = af2_package.use_gated_attention(dict.fromkeys(af2_package.FAMILY, ZeroUpdate))(body)
-    elif variant != AF2:
-        raise ValueError(f"variant must be one of {(AF2, OURS, FLOOR)}, got {variant!r}")
-    return hk.transform(body)
+    return hk.transform(
+        af2_model.with_variant(_body(what, is_training, implementation, remat_policy), variant)
+    )
 
 
 def input_specs(cell: Cell) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -254,7 +239,8 @@ def run_cell(
         called in the process, as a user runs it: the baseline check of run()).
     """
     if variants is None:
-        variants = (AF2, OURS, FLOOR) if "evoformer" in cell.what else (AF2, OURS)
+        with_floor = "evoformer" in cell.what or cell.what == MODEL
+        variants = (AF2, OURS, FLOOR) if with_floor else (AF2, OURS)
     if cell.what == MODEL:
         return _model_cell(cell, rounds, steps, log, variants)
     is_training = cell.mode == "training"
@@ -278,16 +264,20 @@ def run_cell(
 
 
 def _model_cell(cell: Cell, rounds: int, steps: int, log, variants) -> list:
-    """AF2's whole model, AF2's attention against ours (af2_model.problem): each variant is its
-    recycling loop of jitted forwards, so no one program's XLA temp is recorded."""
-    from gated_attention_tools import af2_model
-
-    if cell.mode != "inference" or cell.dtype != "float32" or FLOOR in variants:
+    """AF2's whole model, AF2's attention against ours and the floor (af2_model.problem): each
+    variant is its recycling loop of jitted forwards, so no one program's XLA temp is recorded."""
+    if cell.mode != "inference" or cell.dtype != "float32":
         raise ValueError(
             f"the whole-model cell times AF2 and ours at float32 inference, got {cell}"
         )
     fns, params, batch = af2_model.problem(
-        cell.n_res, cell.n_seq, 4 * cell.n_seq, MODEL_TEMPLATES, MODEL_RECYCLES, cell.dtype
+        cell.n_res,
+        cell.n_seq,
+        4 * cell.n_seq,
+        MODEL_TEMPLATES,
+        MODEL_RECYCLES,
+        cell.dtype,
+        variants=variants,
     )
     jitted = {v: fns[v] for v in variants}
     args = (params, batch)

@@ -5,6 +5,7 @@ templates, extra MSA and recycling), in which no attention module stays AF2's. T
 gradients against AF2's are checked per module (tests/test_benchmarking.py's family cell)."""
 
 import collections
+import re
 import types
 
 import haiku as hk
@@ -81,8 +82,8 @@ def test_swap_is_scoped_and_reentrant():
         assert {name: getattr(modules, name) for name in originals} == af2_package.REPLACEMENTS
         assert modules.Attention is af2_package.AF2Attention
         assert modules.GlobalAttention is af2_package.AF2GlobalAttention
-        with af2_package.use_gated_attention({"TriangleAttention": family_benchmark.ZeroUpdate}):
-            assert modules.TriangleAttention is family_benchmark.ZeroUpdate
+        with af2_package.use_gated_attention({"TriangleAttention": af2_model.ZeroUpdate}):
+            assert modules.TriangleAttention is af2_model.ZeroUpdate
             assert modules.MSAColumnAttention is ga.MSAColumnAttention
             assert modules.Attention is af2_package.AF2Attention
         assert modules.TriangleAttention is ga.TriangleAttention
@@ -258,19 +259,19 @@ def whole_model():
     cfg.model.heads.structure_module.num_layer = 1  # its layers repeat one module: compile time
     raw = af2_model.raw_features(n_res=16, n_seq=16, n_templates=2, seed=0)
     batch = jax.device_put(af2_model.features(cfg, raw, seed=0))
-    ts = {v: af2_model.transformed(cfg, ours=v == af2_model.OURS) for v in ("af2", "ours")}
+    ts = {v: af2_model.transformed(cfg, v) for v in ("af2", "ours")}
     params = af2_model.random_params(ts["af2"], batch, seed=0)
     outputs, calls = {}, {}
     for v, t in ts.items():
         calls[v] = collections.Counter()
         apply = af2_model.counting_calls(t.apply, calls[v])
         outputs[v] = af2_model.predictor(cfg, apply)(params, batch)
-    return batch, outputs, calls
+    return batch, outputs, calls, cfg
 
 
 def test_whole_model_matches_af2(whole_model):
     """Every output leaf: max|ours - AF2| / max|AF2| <= 1e-5 (float32)."""
-    batch, outputs, _ = whole_model
+    batch, outputs, _, _ = whole_model
     assert np.asarray(batch["template_mask"][0]).tolist() == [1, 1, 0, 0]
     ours = jax.tree_util.tree_flatten_with_path(outputs["ours"])[0]
     af2 = jax.tree_util.tree_flatten_with_path(outputs["af2"])[0]
@@ -285,8 +286,25 @@ def test_whole_model_matches_af2(whole_model):
 
 
 def test_whole_model_calls_no_af2_attention(whole_model):
-    _, _, calls = whole_model
+    _, _, calls, _ = whole_model
     assert af2_model.af2_attention_calls(calls["ours"]) == {}
     assert set(af2_model.af2_attention_calls(calls["af2"])) == set(af2_package.REPLACEMENTS)
     ours = {cls for cls in calls["ours"] if cls.__module__.startswith("gated_attention")}
     assert set(af2_package.FAMILY.values()) | {af2_package.AF2Attention} <= ours
+
+
+def test_whole_model_floor_has_no_family_attention(whole_model):
+    """The floor variant (the benchmark's 'rest of the model'): AF2's model with the five family
+    modules' updates zero, so their parameters are gone and every other module's are AF2's."""
+    batch, _, _, cfg = whole_model
+
+    def shapes(variant):
+        t = af2_model.transformed(cfg, variant)
+        with jax.enable_x64(False):
+            return jax.eval_shape(t.init, jax.random.PRNGKey(0), af2_model.one_recycle(batch))
+
+    af2, floor = shapes(af2_model.AF2), shapes(af2_model.FLOOR)
+    family = {k for k in af2 if re.search(r"(msa_row|msa_column(_global)?|triangle)_attention", k)}
+    assert family and set(floor) == set(af2) - family
+    with pytest.raises(ValueError, match=r"variant must be one of \('af2', 'ours', 'floor'\)"):
+        af2_model.transformed(cfg, "fast")
