@@ -266,7 +266,7 @@ def whole_model():
         calls[v] = collections.Counter()
         apply = af2_model.counting_calls(t.apply, calls[v])
         outputs[v] = af2_model.predictor(cfg, apply)(params, batch)
-    return batch, outputs, calls, cfg
+    return batch, outputs, calls, (cfg, params)
 
 
 def test_whole_model_matches_af2(whole_model):
@@ -285,26 +285,21 @@ def test_whole_model_matches_af2(whole_model):
         assert diff <= TOL, (jax.tree_util.keystr(path), diff)
 
 
-def test_whole_model_calls_no_af2_attention(whole_model):
-    _, _, calls, _ = whole_model
+def test_whole_model_calls_no_af2_attention_and_its_floor_none_of_the_family(whole_model):
+    """With the swap no attention class of AF2's is called; the floor variant (the benchmark's
+    'rest of the model': the five family modules' updates zero) has AF2's parameters less the
+    family modules'. One test: the fixture compiles the model, once per xdist worker."""
+    batch, _, calls, (cfg, params) = whole_model
     assert af2_model.af2_attention_calls(calls["ours"]) == {}
     assert set(af2_model.af2_attention_calls(calls["af2"])) == set(af2_package.REPLACEMENTS)
     ours = {cls for cls in calls["ours"] if cls.__module__.startswith("gated_attention")}
     assert set(af2_package.FAMILY.values()) | {af2_package.AF2Attention} <= ours
-
-
-def test_whole_model_floor_has_no_family_attention(whole_model):
-    """The floor variant (the benchmark's 'rest of the model'): AF2's model with the five family
-    modules' updates zero, so their parameters are gone and every other module's are AF2's."""
-    batch, _, _, cfg = whole_model
-
-    def shapes(variant):
-        t = af2_model.transformed(cfg, variant)
-        with jax.enable_x64(False):
-            return jax.eval_shape(t.init, jax.random.PRNGKey(0), af2_model.one_recycle(batch))
-
-    af2, floor = shapes(af2_model.AF2), shapes(af2_model.FLOOR)
-    family = {k for k in af2 if re.search(r"(msa_row|msa_column(_global)?|triangle)_attention", k)}
-    assert family and set(floor) == set(af2) - family
+    t = af2_model.transformed(cfg, af2_model.FLOOR)
+    with jax.enable_x64(False):
+        floor = jax.eval_shape(t.init, jax.random.PRNGKey(0), af2_model.one_recycle(batch))
+    family = {
+        k for k in params if re.search(r"(msa_row|msa_column(_global)?|triangle)_attention", k)
+    }
+    assert family and set(floor) == set(params) - family
     with pytest.raises(ValueError, match=r"variant must be one of \('af2', 'ours', 'floor'\)"):
         af2_model.transformed(cfg, "fast")
