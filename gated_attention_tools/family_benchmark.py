@@ -225,6 +225,22 @@ def relative_diff(tree, reference) -> float:
     )
 
 
+def cell_problem(cell: Cell, variants: tuple[str, ...]) -> tuple[dict[str, Callable], tuple]:
+    """({variant: its step function (step_fn), not jitted}, args): a module or block cell's
+    variants on the same random parameters (the first variant's), inputs and, for a training step,
+    cotangent."""
+    is_training = cell.mode == "training"
+    fns = {
+        v: transformed(cell.what, v, is_training, remat_policy=cell.remat_policy) for v in variants
+    }
+    specs = input_specs(cell)
+    params = random_params(fns[variants[0]], specs)
+    args = (params, *random_inputs(specs))
+    if is_training:
+        args += (cotangent(fns[variants[0]], params, specs),)
+    return {v: step_fn(t, cell.what, cell.mode) for v, t in fns.items()}, args
+
+
 def run_cell(
     cell: Cell,
     rounds: int,
@@ -243,16 +259,8 @@ def run_cell(
         variants = (AF2, OURS, FLOOR) if with_floor else (AF2, OURS)
     if cell.what == MODEL:
         return _model_cell(cell, rounds, steps, log, variants)
-    is_training = cell.mode == "training"
-    fns = {
-        v: transformed(cell.what, v, is_training, remat_policy=cell.remat_policy) for v in variants
-    }
-    specs = input_specs(cell)
-    params = random_params(fns[variants[0]], specs)
-    args = (params, *random_inputs(specs))
-    if is_training:
-        args += (cotangent(fns[variants[0]], params, specs),)
-    jitted = {v: jax.jit(step_fn(fns[v], cell.what, cell.mode)) for v in variants}
+    step_fns, args = cell_problem(cell, variants)
+    jitted = {v: jax.jit(fn) for v, fn in step_fns.items()}
     compile_s, temp, outputs = {}, {}, {}
     for v, fn in jitted.items():
         (compile_s[v],), outputs[v] = measure.time_calls(fn, args, 1)

@@ -36,7 +36,7 @@ _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\(")
 _ARRAY = re.compile(r"\w+\[([\d,]*)\]")
 _CONTROL = ("while", "conditional", "call")  # their bodies' ops are traced on their own
 _COPIES = re.compile(r"transpose|broadcast|copy|dynamic_slice|dynamic_update_slice|concatenate|pad")
-_ATTENTION = re.compile(r"reduce_max|reduce_sum|exp|select_n|sub|div|mul|max")
+_ATTENTION = re.compile(r"reduce_sum|exp|select_n|sub|div|mul|max")  # max: reduce_max too
 
 
 def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, int]]:
@@ -107,16 +107,10 @@ def _module_scopes(fn: Callable) -> Callable:
 def profile_cell(cell: family_benchmark.Cell, calls: int = 3, variants=("af2", "ours")) -> dict:
     """{variant: {'wall_ms': mean wall time per call, untraced, 'kinds': {kind: ms per call}}}
     for a family module or block cell (not the whole model)."""
-    is_training = cell.mode == "training"
-    fns = {v: family_benchmark.transformed(cell.what, v, is_training) for v in variants}
-    specs = family_benchmark.input_specs(cell)
-    params = family_benchmark.random_params(fns[variants[0]], specs)
-    args = (params, *family_benchmark.random_inputs(specs))
-    if is_training:
-        args += (family_benchmark.cotangent(fns[variants[0]], params, specs),)
+    step_fns, args = family_benchmark.cell_problem(cell, variants)
     result = {}
-    for v, t in fns.items():
-        fn = jax.jit(_module_scopes(family_benchmark.step_fn(t, cell.what, cell.mode)))
+    for v, step in step_fns.items():
+        fn = jax.jit(_module_scopes(step))
         ops = hlo_instructions(fn.lower(*args).compile().as_text())
         times = op_times(fn, args, calls)
         start = time.perf_counter()
