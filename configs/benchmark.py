@@ -4,7 +4,8 @@
   python scripts/benchmark.py --config=configs/benchmark.py:quick   # goal shapes, float32 forward only
   python scripts/benchmark.py --config=configs/benchmark.py:smoke   # seconds: checks the script runs
   python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
-  python scripts/benchmark.py --config=configs/benchmark.py:gpu     # on a GPU: the op vs kernels
+  python scripts/benchmark.py --config=configs/benchmark.py:device  # a GPU/TPU, ~5 min: the issue shapes
+  python scripts/benchmark.py --config=configs/benchmark.py:gpu     # on a GPU: every shape below
   python scripts/benchmark.py --config=configs/benchmark.py:family  # AF2's modules and Evoformer
   python scripts/benchmark.py --config=configs/benchmark.py:family_remat  # training: save or recompute
   python scripts/benchmark.py --config=configs/benchmark.py:device_memory  # compiled for H100/v5e
@@ -38,8 +39,24 @@ TRIANGLE_SHAPES = (
 SWEEP_LENGTHS = (512, 1024, 2048, 4096)  # self-attention 1 x L, c=256, 8 heads of 32: the plot
 
 
-# The GPU preset's op shapes (gpu_benchmark.OpShape): q, k, v [batch, length, heads, head dim],
-# a [1, heads, length, length] bias shared over the batch, a key mask.
+# The device presets' shapes (device_benchmark.OpShape): q, k, v [batch, length, heads, head dim],
+# a bias shared over the batch, a key mask; the module level projects from [batch, length,
+# heads * head dim]. The device preset's, in priority order (a time budget cuts from the end):
+DEVICE_SHAPES = (
+    ("msa_row 512x384 h8x32", 512, 384, 8, 32),  # MSA row attention with pair bias
+    ("triangle 1024 h4x32", 1024, 1024, 4, 32),  # triangle attention at N_res 1,024
+    ("triangle 512 h4x32", 512, 512, 4, 32),
+    ("long 1x16384 h8x32", 1, 16384, 8, 32),  # one sequence of 16,384 tokens, shared bias
+)
+_OURS = ("auto", "pallas", "cudnn", "xla", "chunked", "pallas_tpu")
+DEVICE_VARIANTS = (*_OURS, "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold", "ours", "af2")
+# (level, shape, dtype, mode, variant, against, largest ratio): ours ('auto') against jax.nn.
+DEVICE_GOALS = tuple(
+    ("op", shape, "bfloat16", "forward_backward", "auto", against, limit)
+    for shape in ("msa_row 512x384 h8x32", "triangle 1024 h4x32")
+    for against, limit in (("jax_nn_cudnn", 1.0), ("jax_nn_xla", 0.5))
+) + tuple(("op", s[0], "float32", "forward", "auto", "jax_nn_xla", 0.7) for s in DEVICE_SHAPES)
+# The gpu preset's, a longer sweep:
 GPU_SHAPES = (
     ("msa_row 512x384 h8x32", 512, 384, 8, 32),  # MSA row attention with pair bias
     ("extra_msa 1024x384 h8x8", 1024, 384, 8, 8),  # extra MSA row attention (training crop)
@@ -89,8 +106,9 @@ PRESETS = (
     "full",
     "quick",
     "smoke",
+    "device",
+    "device_smoke",
     "gpu",
-    "gpu_smoke",
     "family",
     "family_smoke",
     "family_remat",
@@ -104,8 +122,8 @@ PRESETS = (
 def get_config(preset="full"):
     if preset not in PRESETS:
         raise ValueError(f"configs/benchmark.py preset must be one of {PRESETS}, got {preset!r}")
-    if preset in ("gpu", "gpu_smoke"):
-        return _gpu_config(preset)
+    if preset in ("device", "device_smoke", "gpu"):
+        return _device_config(preset)
     if preset in ("family", "family_smoke", "family_remat"):
         return _family_config(preset)
     if preset in ("device_memory", "device_memory_smoke"):
@@ -144,35 +162,46 @@ def get_config(preset="full"):
     return cfg
 
 
-def _gpu_config(preset):
-    """The op on a GPU against jax.nn, ColabFold's kernels and tokamax (gpu_benchmark.py)."""
+def _device_config(preset):
+    """The op and the Attention module on a GPU or TPU against jax.nn (XLA and cuDNN), ColabFold's
+    kernels and AF2's Attention as installed (device_benchmark.py); scripts/device_check.py runs the
+    device preset after the device tests."""
     cfg = ml_collections.ConfigDict()
-    cfg.suite = "gpu"
-    cfg.op_shapes = GPU_SHAPES
-    cfg.variants = (
-        "pallas",
-        "xla",
-        "cudnn",
-        "jax_nn_cudnn",
-        "jax_nn_xla",
-        "af2_colabfold",
-        "tokamax",
-    )
-    cfg.dtypes = ("float32", "bfloat16")
-    cfg.modes = ("forward", "forward_backward")
-    cfg.rounds = 5
-    cfg.steps = 5
-    cfg.device_memory = True  # peak device memory of each variant in a fresh process
+    cfg.suite = "device"
+    cfg.levels = ("op", "module")
+    cfg.op_shapes = DEVICE_SHAPES
+    cfg.variants = DEVICE_VARIANTS
+    cfg.goals = DEVICE_GOALS
+    cfg.dtypes = ("bfloat16", "float32")
+    cfg.modes = ("forward_backward", "forward")
+    cfg.rounds = 3  # interleaved; the time is the median over rounds
+    cfg.steps = 3  # calls per round per variant; a round keeps their median
+    cfg.device_memory = True  # each call's peak memory, in a fresh process per cell
+    cfg.memory_share = 0.25  # of a time budget, kept for the peak memory after the timed cells
+    cfg.time_budget_s = 300.0  # no cell starts past it (0: no budget)
+    cfg.compile_workers = 8  # threads compiling a cell's variants
     cfg.interpret_pallas = False  # run the Pallas kernels interpreted (CPU smoke runs)
-    cfg.output_dir = "benchmark_results/gpu"
-    if preset == "gpu_smoke":  # seconds on CPU: checks the script runs
+    # Shared by the timing process and the peak-memory children: they load, not recompile.
+    cfg.compilation_cache_dir = "/tmp/gated_attention_device_jax_cache"
+    cfg.output_dir = "benchmark_results/device"
+    if preset == "gpu":  # every GPU shape, tokamax too, no budget
+        cfg.op_shapes = GPU_SHAPES
+        cfg.variants = DEVICE_VARIANTS + ("tokamax",)
+        cfg.goals = DEVICE_GOALS[:4]
+        cfg.rounds = cfg.steps = 5
+        cfg.time_budget_s = 0.0
+        cfg.output_dir = "benchmark_results/gpu"
+    if preset == "device_smoke":  # seconds on CPU: checks the pipeline runs
         cfg.op_shapes = (("tiny 2x32 h2x16", 2, 32, 2, 16),)
-        cfg.variants = ("pallas", "xla", "jax_nn_xla", "cudnn", "tokamax")
-        cfg.dtypes, cfg.modes = ("float32",), ("forward", "forward_backward")
+        cfg.goals = (
+            ("op", "tiny 2x32 h2x16", "float32", "forward_backward", "auto", "jax_nn_xla", 100.0),
+        )
+        cfg.dtypes = ("float32",)
         cfg.rounds, cfg.steps = 1, 1
-        cfg.device_memory = False
+        cfg.compile_workers = 2
         cfg.interpret_pallas = True
-        cfg.output_dir = "/tmp/gated_attention_gpu_smoke"
+        cfg.time_budget_s = 0.0
+        cfg.output_dir = "/tmp/gated_attention_device_smoke"
     return cfg
 
 

@@ -2,7 +2,7 @@
 
 The experiment schema of configs/*.py (schema), config-driven forward passes (run), the benchmark
 (benchmark, each cell in a fresh process: benchmark_cell) with AlphaFold 2's own modules (the
-alphafold-colabfold package) as its baseline, the GPU benchmark (gpu_benchmark), and the
+alphafold-colabfold package) as its baseline, the GPU and TPU benchmark (device_benchmark), and the
 measurements they share (measure). `import gated_attention` never loads it; import its modules by
 name.
 """

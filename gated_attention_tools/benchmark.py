@@ -120,7 +120,7 @@ def _inputs(shape: Shape, dtype, seed: int = 0):
     return x, jnp.asarray(keep), bias
 
 
-def _forward_fns(shape: Shape, implementations: Iterable[str]) -> dict[str, hk.Transformed]:
+def forward_fns(shape: Shape, implementations: Iterable[str]) -> dict[str, hk.Transformed]:
     """Transformed fns(x, mask, bias) for each implementation of ours and for AF2's Attention
     (alphafold-colabfold's module; AF2 = the key)."""
     h, c = shape.num_head, shape.channels
@@ -177,7 +177,7 @@ def _check_same_params(fns: dict[str, hk.Transformed], params, args) -> None:
             )
 
 
-def _timed_fn(transformed: hk.Transformed, mode: str) -> Callable:
+def timed_fn(transformed: hk.Transformed, mode: str) -> Callable:
     """fn(params, x, mask, bias): the forward, or with mode 'forward_backward'
     fn(params, x, mask, bias, cotangent): the gradients for the parameters and x of the output with
     that cotangent (an argument, as a model's backward pass receives it: the gradient of
@@ -224,7 +224,7 @@ def run_cell(
     it; no roofline, no accuracy reference): the baseline check of run().
     """
     x, mask, bias = _inputs(shape, jnp.dtype(dtype))
-    fns = _forward_fns(shape, [] if baseline_only else implementations)
+    fns = forward_fns(shape, [] if baseline_only else implementations)
     params = jax.jit(fns[AF2].init)(jax.random.PRNGKey(0), x, mask, bias)
     _check_same_params(fns, params, (x, mask, bias))
     params = jax.tree.map(lambda p: (p + 0.1).astype(dtype), params)  # a gate that varies
@@ -232,7 +232,7 @@ def run_cell(
     if mode == "forward_backward":  # a unit-normal cotangent of the output
         rng = np.random.default_rng(2)
         args += (jnp.asarray(rng.normal(size=(*x.shape[:-1], shape.channels)), dtype),)
-    variants = {name: (jax.jit(_timed_fn(fn, mode)), args) for name, fn in fns.items()}
+    variants = {name: (jax.jit(timed_fn(fn, mode)), args) for name, fn in fns.items()}
     flops = shape.flops() * (3 if mode == "forward_backward" else 1)
     mm, mm_args, mm_flops = _roofline(shape.flops(), jnp.dtype(dtype), mode)
     if not baseline_only:
@@ -244,7 +244,7 @@ def run_cell(
     # The accuracy reference: AF2's module in float32 on the same (rounded) params and inputs.
     reference = outputs[AF2]
     if jnp.dtype(dtype) != jnp.float32 and not baseline_only:
-        reference = jax.jit(_timed_fn(fns[AF2], mode))(
+        reference = jax.jit(timed_fn(fns[AF2], mode))(
             *numerics.cast_floats(variants[AF2][1], jnp.float32)
         )
     reference = jax.tree.leaves(reference)

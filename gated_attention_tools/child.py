@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,10 +31,13 @@ def call(
     kwargs: dict[str, Any],
     log: Callable[[str], None] = print,
     allocator: str | None = None,
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
 ) -> Any:
     """target(**kwargs) ('module:function', importable with this process's sys.path) computed in a
     fresh process; its printed lines go to `log` as they come. `allocator` names the child's malloc
-    policy (measure.ALLOCATOR_POLICIES; None: this process's environment as it is).
+    policy (measure.ALLOCATOR_POLICIES; None: this process's environment as it is), `env` variables
+    set on top. A child still running after timeout_s seconds is killed (a RuntimeError).
 
     Raises:
       RuntimeError: the child failed or printed no result (its stderr's tail included).
@@ -46,18 +52,29 @@ def call(
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,
-            env=measure.child_env(allocator),
+            env=measure.child_env(allocator, **(env or {})),
+            start_new_session=timeout_s is not None,  # a group: its own children die with it
         ) as child:
-            for line in child.stdout:
-                if line.startswith(_RESULT):
-                    result = line[len(_RESULT) :]
-                else:
-                    log(line.rstrip("\n"))
+            kill = lambda: os.killpg(child.pid, signal.SIGKILL)
+            timer = threading.Timer(timeout_s, kill) if timeout_s is not None else None
+            if timer is not None:
+                timer.start()
+            try:
+                for line in child.stdout:
+                    if line.startswith(_RESULT):
+                        result = line[len(_RESULT) :]
+                    else:
+                        log(line.rstrip("\n"))
+            finally:
+                if timer is not None:
+                    timer.cancel()
         if child.returncode != 0 or result is None:
             stderr.seek(0)
+            killed = timeout_s is not None and child.returncode == -9
+            timed_out = f" (killed after its {timeout_s:.0f} s)" if killed else ""
             raise RuntimeError(
                 f"{target}({kwargs}) failed in its child process with exit code "
-                f"{child.returncode}:\n{stderr.read()[-3000:]}"
+                f"{child.returncode}{timed_out}:\n{stderr.read()[-3000:]}"
             )
     return json.loads(result)
 

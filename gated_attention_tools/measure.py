@@ -295,6 +295,44 @@ def _resident_child(spec_json: str) -> dict[str, Any]:
     )
 
 
+def call_peak(call: Callable[[], Any]) -> tuple[dict[str, Any], Any]:
+    """What one call adds to the memory in use at its peak (its temporaries and outputs), measured
+    in this process, and the call's output.
+
+    On a device with memory_stats() (a GPU): peak_bytes_in_use, which never resets, so the figure
+    is exact only when the call raises the process's peak; otherwise it is the old peak over the
+    bytes in use before the call, an upper bound (exact False). Measure calls in rising order of
+    their expected peak (and compile before) to keep them exact. On CPU: VmHWM after resetting it
+    through /proc/self/clear_refs (exact unless the reset is refused).
+
+    Returns:
+      (dict(added_bytes, exact, how), output).
+    """
+    device = jax.devices()[0]
+    stats = device.memory_stats() if jax.default_backend() != "cpu" else None
+    if stats is not None:
+        before, old_peak = stats["bytes_in_use"], stats["peak_bytes_in_use"]
+        out = jax.block_until_ready(call())
+        peak = device.memory_stats()["peak_bytes_in_use"]
+        exact = peak > old_peak
+        how = "device peak_bytes_in_use" + ("" if exact else " (an upper bound: an older peak)")
+        return dict(added_bytes=max(peak, old_peak) - before, exact=exact, how=how), out
+    if not sys.platform.startswith("linux"):
+        return dict(added_bytes=None, exact=False, how="needs Linux's /proc"), call()
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        exact = True
+    except OSError:
+        exact = False
+    before = _proc_status_bytes()["VmRSS"]
+    out = jax.block_until_ready(call())
+    added = _proc_status_bytes()["VmHWM"] - before
+    how = "resident memory (VmHWM)" + ("" if exact else ", peak not reset: an upper bound")
+    return dict(added_bytes=max(0, added), exact=exact, how=how), out
+
+
 # Device memory: what a call adds to the device's peak bytes in use, in a fresh process.
 
 

@@ -108,19 +108,28 @@ def missing(name: str) -> str | None:
     t = target(name)
     hint = "install the targets extra: pip install -e '.[targets]'"
     if t.kind == "tpu":
-        if importlib.util.find_spec("libtpu") is None:
+        if not installed("libtpu"):
             return f"libtpu is not installed ({hint})"
         return None
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not installed("jax_plugins.xla_cuda12"):
         return f"JAX's CUDA plugin is not installed ({hint})"
     if ptxas() is None:
         return f"ptxas (nvidia-cuda-nvcc-cu12) is not installed ({hint})"
     return None
 
 
+def installed(module: str) -> bool:
+    """Whether `module` is importable, without importing it (find_spec of a submodule raises
+    when its parent package is missing: jax_plugins without JAX's CUDA plugin)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def ptxas() -> str | None:
     """The path of ptxas from the nvidia-cuda-nvcc-cu12 wheel, or None."""
-    spec = importlib.util.find_spec("nvidia.cuda_nvcc")
+    spec = importlib.util.find_spec("nvidia.cuda_nvcc") if installed("nvidia.cuda_nvcc") else None
     if spec is None or not spec.submodule_search_locations:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / "bin" / "ptxas"

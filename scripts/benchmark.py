@@ -4,7 +4,7 @@ and the GPU suite.
 
   python scripts/benchmark.py                                     # configs/benchmark.py
   python scripts/benchmark.py --config=configs/benchmark.py:quick --config.rounds=3
-  python scripts/benchmark.py --config=configs/benchmark.py:gpu    # on a GPU: gpu_benchmark.py
+  python scripts/benchmark.py --config=configs/benchmark.py:device # GPU/TPU: device_benchmark.py
   python scripts/benchmark.py --config=configs/benchmark.py:family # AF2's modules and Evoformer
 
 Writes results.json, results.md and (with matplotlib, the 'bench' extra) the suite's pictures
@@ -31,9 +31,9 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from gated_attention_tools import (
         benchmark,
+        device_benchmark,
         device_memory,
         family_benchmark,
-        gpu_benchmark,
         options_benchmark,
     )
 
@@ -41,9 +41,9 @@ def main(argv):
     out_dir = pathlib.Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     log = lambda s: print(s, flush=True)
-    if cfg.suite == "gpu":
-        results = gpu_benchmark.run(cfg, log=log)
-        table = gpu_benchmark.markdown(results)
+    if cfg.suite == "device":
+        results = device_benchmark.run(cfg, log=log)
+        table = device_benchmark.markdown(results)
     elif cfg.suite == "device_memory":
         results = device_memory.run(cfg, log=log)
         table = device_memory.markdown(results)
@@ -76,7 +76,7 @@ def _plot(cfg, results, out_dir):
             plots.training_memory(results["memory"], str(out_dir / "training_memory.png"))
         if any(r["variant"] == "ours" and r["dtype"] == "float32" for r in results["cells"]):
             plots.family_ratios(results["cells"], results["goals"], str(out_dir / "ratios.png"))
-    elif cfg.suite not in ("gpu", "device_memory", "options") and cfg.sweep_lengths:
+    elif cfg.suite not in ("device", "device_memory", "options") and cfg.sweep_lengths:
         plots.op_sweep(results["cells"], str(out_dir / "results.png"))
 
 

@@ -12,6 +12,8 @@ def _add_xla_flag(flag: str, value: str) -> None:
 
 # Before jax is imported (XLA reads XLA_FLAGS once, at backend start-up; child processes inherit).
 _add_xla_flag("--xla_force_host_platform_device_count", "8")
+# On a GPU each pytest-xdist worker is a process of its own: none may take 75 % of the memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # jaxlib 0.10 (the Python 3.11 stack): XLA:CPU's legacy fusion emitter, whose compiles take ~20 %
 # less of this suite's time (compiling is most of it: 270 s against 305-339 s cold, 2 cores). Results
 # are HLO's either way; XLA's current emitter is what the Python 3.12 stack's jaxlib (0.12: no such

@@ -8,6 +8,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -56,3 +57,27 @@ def all_eqns(jaxpr):
                     yield from all_eqns(sub.jaxpr)
                 elif isinstance(sub, jax.extend.core.Jaxpr):
                     yield from all_eqns(sub)
+
+
+def device_marks(kind: str) -> list:
+    """The marks of a test that runs compiled kernels on a `kind` device ('gpu' or 'tpu'):
+    `pytest -m device` selects it (scripts/device_check.py); elsewhere it skips saying why."""
+    backend = jax.default_backend()
+    reason = f"runs the compiled kernels on a {kind.upper()}; the backend here is {backend!r}"
+    return [pytest.mark.device, pytest.mark.skipif(backend != kind, reason=reason)]
+
+
+def on_device(kind: str):
+    """Decorates a test function or class with device_marks(kind)."""
+
+    def mark(test):
+        for m in device_marks(kind):
+            test = m(test)
+        return test
+
+    return mark
+
+
+def device_param(*values, kind: str, id: str):
+    """A pytest.param of a parametrized test that runs compiled kernels on a `kind` device."""
+    return pytest.param(*values, marks=device_marks(kind), id=id)

@@ -464,11 +464,15 @@ _TOLERANCES = {
     "float32": dict(rtol=1e-5, atol=1e-5),
     "float16": dict(rtol=5e-3, atol=5e-3),
     "bfloat16": dict(rtol=4e-2, atol=4e-2),
+    # float32 with TF32 dots (a GPU's default: inputs rounded to 10 mantissa bits): needed 7.9e-4
+    # forward, 6.5e-4 for gradients (tests/test_reference.py emulates it with lax.reduce_precision).
+    "tf32": dict(rtol=4e-3, atol=4e-3),
 }
 _FAMILY_TOLERANCES = {
     **_TOLERANCES,
     "float16": dict(rtol=1.2e-2, atol=1.2e-2),
     "bfloat16": dict(rtol=8e-2, atol=8e-2),
+    "tf32": dict(rtol=8e-3, atol=8e-3),
 }
 # Gradients w.r.t. weights are sums over every position with cancellation, so their elementwise error
 # scales with the LARGEST gradient entry, not with each entry: atol is relative to
@@ -479,7 +483,24 @@ _GRAD_TOLERANCES = {
     "float32": dict(rtol=2e-5, atol=2e-5),
     "float16": dict(rtol=1.2e-2, atol=1.2e-2),
     "bfloat16": dict(rtol=1e-1, atol=1e-1),
+    "tf32": dict(rtol=5e-3, atol=5e-3),
 }
+# What a float32 dot at JAX's default precision rounds its inputs to, per platform: one TF32 pass on
+# a GPU's tensor cores, one bfloat16 pass on a TPU's MXU (XLA's dots and the kernels alike).
+FLOAT32_DOTS = {"cpu": "float32", "gpu": "tf32", "tpu": "bfloat16"}
+
+
+def computed_as(dtype: Any, platform: str | None = None) -> str:
+    """The tolerance key of results computed in `dtype` on `platform` ('cpu', 'gpu', 'tpu'; None:
+    JAX's default backend): float32 takes FLOAT32_DOTS' rounding there, other dtypes their name."""
+    name = _dtype_name(dtype)
+    if name != "float32":
+        return name
+    if platform is None:
+        import jax  # only here: the reference itself is NumPy
+
+        platform = jax.default_backend()
+    return FLOAT32_DOTS["gpu" if platform in ("cuda", "rocm") else platform]
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -500,34 +521,39 @@ def _lookup(table: Mapping[str, dict[str, float]], dtype: Any) -> dict[str, floa
     return dict(table[name])
 
 
-def tolerance(dtype: Any, *, family: bool = False) -> dict[str, float]:
+def tolerance(dtype: Any, *, family: bool = False, platform: str | None = None) -> dict[str, float]:
     """Tolerances to compare an output computed in `dtype` against this float64 reference.
 
     Feed the reference the same dtype-rounded inputs and params the implementation saw.
 
     Args:
-      dtype: float64, float32, float16 or bfloat16 (a dtype, scalar type, name, or an array).
+      dtype: float64, float32, float16, bfloat16 (a dtype, scalar type, name, or an array) or tf32.
       family: True for AF2's family modules (their LayerNorm and pair-bias projection also round).
+      platform: where it was computed (None: JAX's default backend); float32 there is judged as
+        its default dots round it (computed_as: TF32 on a GPU).
 
     Returns:
       dict(rtol=..., atol=...) for np.testing.assert_allclose, for O(1)-magnitude values.
     """
-    return _lookup(_FAMILY_TOLERANCES if family else _TOLERANCES, dtype)
+    return _lookup(_FAMILY_TOLERANCES if family else _TOLERANCES, computed_as(dtype, platform))
 
 
-def grad_tolerance(dtype: Any, expected: Array | None = None) -> dict[str, float]:
+def grad_tolerance(
+    dtype: Any, expected: Array | None = None, *, platform: str | None = None
+) -> dict[str, float]:
     """Like `tolerance`, for gradients computed in `dtype` (looser; same for op, modules, family).
 
     Args:
-      dtype: float64, float32, float16 or bfloat16.
+      dtype: float64, float32, float16, bfloat16 or tf32.
       expected: the reference gradient. If given, atol is scaled by max(1, max |expected|), because
         a weight gradient's elementwise error scales with its largest entry. Pass it whenever the
         gradient is not O(1) (weight gradients summed over many positions).
+      platform: as for `tolerance`.
 
     Returns:
       dict(rtol=..., atol=...) for np.testing.assert_allclose.
     """
-    tol = _lookup(_GRAD_TOLERANCES, dtype)
+    tol = _lookup(_GRAD_TOLERANCES, computed_as(dtype, platform))
     if expected is not None:
         tol["atol"] *= max(1.0, float(np.max(np.abs(np.asarray(expected, dtype=np.float64)))))
     return tol

@@ -17,9 +17,9 @@ import pytest
 from gated_attention import config
 from gated_attention_tools import (
     benchmark,
+    device_benchmark,
     device_memory,
     family_benchmark,
-    gpu_benchmark,
     measure,
     options_benchmark,
     profile,
@@ -275,7 +275,7 @@ def test_benchmark_presets_share_one_schema():
     for preset in module.PRESETS:  # one schema per suite
         cfg = module.get_config(preset)
         keys.setdefault(cfg.suite, set()).add(frozenset(cfg.keys()))
-    assert sorted(keys) == ["device_memory", "family", "gpu", "modules", "options"], keys
+    assert sorted(keys) == ["device", "device_memory", "family", "modules", "options"], keys
     assert all(len(k) == 1 for k in keys.values()), keys
     for preset in module.PRESETS:
         cfg = module.get_config(preset)
@@ -297,42 +297,14 @@ def test_benchmark_presets_share_one_schema():
             assert cfg.goal_implementation in cfg.implementations
             assert cfg.goal_implementation in cfg.gqa_implementations
             continue
-        if cfg.suite == "gpu":
-            assert all(gpu_benchmark.OpShape(*s).batch >= 1 for s in cfg.op_shapes)
-            assert set(cfg.variants) <= set(gpu_benchmark.VARIANTS)
+        if cfg.suite == "device":
+            device_benchmark.check_config(cfg)
+            assert all(device_benchmark.OpShape(*s).batch >= 1 for s in cfg.op_shapes)
             continue
         shapes = [benchmark.Shape(*s) for s in (*cfg.shapes, *cfg.triangle_shapes)]
         assert all(s.module != "triangle_attention" or s.batch == s.length for s in shapes)
     with pytest.raises(ValueError, match=r"preset must be one of"):
         module.get_config("fast")
-
-
-def test_gpu_benchmark_script_smoke_on_cpu(tmp_path):
-    """The GPU preset's pipeline on CPU: the Pallas kernels interpreted, what needs a GPU or a
-    package not installed reported with the reason, the environment recorded."""
-    # Forward only (suite time): the kernels' backward runs interpreted in tests/test_pallas.py.
-    _, results = _run_benchmark_script("gpu_smoke", tmp_path, "--config.modes=('forward',)")
-    env_keys = {"jax", "jaxlib", "backend", "device_kind", "date_utc", "command"}
-    assert env_keys <= set(results["environment"]) and results["environment"]["backend"] == "cpu"
-    rows = {(r["mode"], r["variant"]): r for r in results["cells"]}
-    assert len(rows) == 5
-    for mode in ("forward",):
-        for variant in ("pallas", "xla", "jax_nn_xla"):
-            row = rows[mode, variant]
-            assert row["time_ms"] > 0 and row["rel_diff_vs_float32"] < 1e-5, row
-            assert row["temp_bytes"] is not None
-        assert rows[mode, "xla"]["ratio_to_xla"] == 1.0
-        assert "GPU only" in rows[mode, "cudnn"]["unavailable"]
-        assert "GPU only" in rows[mode, "tokamax"]["unavailable"]
-    table = (tmp_path / "results.md").read_text()
-    assert "| tiny 2x32 h2x16 | float32 | forward | pallas |" in table
-
-
-def test_gpu_benchmark_rejects_unknown_variants():
-    cfg = _bench_config("gpu_smoke")
-    cfg.variants = ("pallas", "flash")
-    with pytest.raises(ValueError, match=r"config.variants entries must be in .*got 'flash'"):
-        gpu_benchmark.run(cfg)
 
 
 def test_family_cell_times_af2_and_ours_on_the_same_params():

@@ -35,7 +35,7 @@ import gated_attention as ga
 from gated_attention import chunked, masking
 from tests import implementation_harness as harness
 from tests import reference
-from tests.helpers import as_f64, assert_close, rand
+from tests.helpers import as_f64, assert_close, device_param, rand
 
 B, N, H = 2, 4, 8  # jax.nn needs the value head dim equal to H
 
@@ -117,6 +117,10 @@ IMPLEMENTATIONS = {
     "cudnn adapter": ga.CudnnAttention(jax_nn_implementation="xla"),  # takes no soft cap
     "pallas_tpu": ga.PallasTpuAttention(interpret=True),  # the TPU kernels, interpreted
     "pallas": ga.PallasAttention(block_q=16, block_k=16, interpret=True),  # the GPU kernels
+    # Compiled and run on a device (`pytest -m device`): the kernels with their own tiles, cuDNN.
+    "pallas compiled": ga.PallasAttention(),
+    "cudnn": ga.CudnnAttention(),
+    "pallas_tpu compiled": ga.PallasTpuAttention(),
 }
 # bfloat16, 'auto' (on CPU: XlaAttention() at these sizes) and the cudnn adapter run the scenarios
 # with the most arguments at once (compile time: each program costs ~10-30 s on 2 busy cores).
@@ -136,8 +140,18 @@ RUNS = [
     ("pallas_tpu", "float32", CORE[1:]),
     ("pallas", "float32", CORE[1:]),
 ]
+# cuDNN takes jax.nn's arguments but a window right of the query without causal (its check says so).
+CUDNN = tuple(n for n in NAMES if SCENARIOS[n].jax_nn and not n.startswith("window (2, 1)"))
+# On a device: every scenario in each dtype the compiled kernels take (cuDNN: jax.nn's arguments).
+DEVICE_RUNS = [
+    ("gpu", "pallas compiled", "float32", NAMES),
+    ("gpu", "pallas compiled", "bfloat16", NAMES),
+    ("gpu", "cudnn", "bfloat16", CUDNN),
+    ("tpu", "pallas_tpu compiled", "float32", NAMES),
+    ("tpu", "pallas_tpu compiled", "bfloat16", NAMES),
+]
 # Their float32 runs (of every scenario) also check masked garbage beyond the lengths.
-GARBAGE_RUNS = ("xla", "chunked", "pallas_tpu", "pallas")
+GARBAGE_RUNS = ("xla", "chunked", "pallas_tpu", "pallas", "pallas compiled", "pallas_tpu compiled")
 
 
 class Case(NamedTuple):
@@ -299,7 +313,9 @@ def _failures(names, results, expected, dtype, cases) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("impl_name", "dtype", "names"), RUNS, ids=[f"{i}-{d}" for i, d, _ in RUNS]
+    ("impl_name", "dtype", "names"),
+    [pytest.param(*run, id=f"{run[0]}-{run[1]}") for run in RUNS]
+    + [device_param(*run, kind=kind, id=f"{run[0]}-{run[1]}") for kind, *run in DEVICE_RUNS],
 )
 def test_matches_jax_nn_or_the_reference(impl_name, dtype, names):
     """Every scenario of `names` against jax.nn or the reference; for 'xla' and 'chunked' in
@@ -617,10 +633,11 @@ def test_cudnn_takes_jax_nns_arguments_and_refuses_the_rest():
 @pytest.mark.parametrize(
     "impl",
     [
-        ga.PallasTpuAttention(interpret=True),  # 3 x 3 tiles of 128
-        ga.PallasAttention(block_q=64, block_k=64, interpret=True),  # 5 x 5 tiles of 64
+        pytest.param(ga.PallasTpuAttention(interpret=True), id="pallas_tpu"),  # 3 x 3 tiles of 128
+        pytest.param(ga.PallasAttention(block_q=64, block_k=64, interpret=True), id="pallas"),
+        device_param(ga.PallasTpuAttention(), kind="tpu", id="pallas_tpu compiled"),
+        device_param(ga.PallasAttention(block_q=64, block_k=64), kind="gpu", id="pallas compiled"),
     ],
-    ids=["pallas_tpu", "pallas"],
 )
 def test_kernels_grouped_structured_and_capped_over_several_tiles(impl):
     """Grouped-query attention (2 query heads over 1), causal + window + both lengths, soft cap,

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import gated_attention as ga
+from tests.helpers import on_device
 from tests.implementation_harness import ImplementationTests
 
 B, T, S, N, H = 2, 6, 8, 2, 16
@@ -22,7 +23,7 @@ class TestCudnnAdapterThroughXla(ImplementationTests):
     SUPPORTS_VALUE_HEAD_DIM = False
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN runs on GPU only")
+@on_device("gpu")
 class TestCudnnOnGpu(ImplementationTests):
     """cuDNN itself: half precision, head dims a multiple of 8 (not run on a machine without GPU)."""
 

@@ -11,7 +11,7 @@ from jax import lax
 import gated_attention as ga
 from gated_attention import masking, pallas
 from tests import implementation_harness as harness
-from tests.helpers import rand
+from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
 
 # Tiles of 16 (the smallest) and two groups of batch rows for a shared bias's gradient, so the
@@ -28,6 +28,27 @@ class TestPallasInterpreted(ImplementationTests):
     DTYPES = ("float32",)
 
 
+@on_device("gpu")
+class TestPallasCompiled(ImplementationTests):
+    """The kernels compiled by Triton and run on the GPU, with the tiles of pallas.TILES: the whole
+    contract in every dtype they take, float32 at JAX's default precision (TF32 dots:
+    reference.FLOAT32_DOTS' tolerances)."""
+
+    IMPL = ga.PallasAttention()
+    DTYPES = ("float32", "bfloat16", "float16")
+
+
+@on_device("gpu")
+def test_compiled_float32_at_highest_precision_is_ieee():
+    """precision 'highest' (here jax.default_matmul_precision): IEEE float32 dots in the compiled
+    kernels, within float32's own tolerances (as on a CPU), forward and vjp."""
+    probs = harness.problem_set(TestPallasCompiled().shape, "float32", calling_conventions=False)
+    with jax.default_matmul_precision("highest"):
+        results = harness.run(TestPallasCompiled.IMPL, probs.replaced(), scale=probs.scales)
+    for name, result in zip(probs.names, results, strict=True):  # IEEE dots, as on a CPU:
+        harness.assert_matches(result, probs.expected[name], "float32", name, platform="cpu")
+
+
 # bfloat16 only (suite time): float16 runs the same kernels, rounded as the float16 harness cases of
 # the other implementations check.
 @pytest.mark.parametrize("dtype", ["bfloat16"])
@@ -36,7 +57,14 @@ def test_half_precision_against_the_reference(dtype):
     harness.assert_forms_match(INTERPRETED, TestPallasInterpreted().shape, dtype)
 
 
-def test_several_uneven_tiles_against_the_reference():
+@pytest.mark.parametrize(
+    "impl",
+    [
+        pytest.param(INTERPRETED, id="interpreted"),
+        device_param(ga.PallasAttention(block_q=16, block_k=16), kind="gpu", id="compiled"),
+    ],
+)
+def test_several_uneven_tiles_against_the_reference(impl):
     """T = 37 and S = 21 in tiles of 16 (partial last tiles), head dims 8 and 4 padded to 16, a
     shared pair bias and a per-row key bias, a key mask; float32 forward and every gradient."""
     shape = (3, 37, 21, 2, 8, 4)  # B, T, S, N, H, Hv
@@ -44,7 +72,7 @@ def test_several_uneven_tiles_against_the_reference():
     key_bias, key_bias64 = rand(np.random.default_rng(5), (3, 1, 1, 21), "float32")
     case = case._replace(bias=[case.bias, key_bias])
     case64 = case64._replace(bias=[case64.bias, key_bias64])
-    [result] = harness.run(INTERPRETED, [case])
+    [result] = harness.run(impl, [case])
     [expected] = harness.reference_run([case64])
     harness.assert_matches(result, expected, "float32", "uneven tiles")
 

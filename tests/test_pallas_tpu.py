@@ -11,7 +11,7 @@ import pytest
 import gated_attention as ga
 from gated_attention import masking, pallas_tpu
 from tests import implementation_harness as harness
-from tests.helpers import rand
+from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
 
 INTERPRETED = ga.PallasTpuAttention(interpret=True)
@@ -29,11 +29,28 @@ class TestPallasTpuInterpreted(ImplementationTests):
     HEADS = 2
 
 
+@on_device("tpu")
+class TestPallasTpuCompiled(ImplementationTests):
+    """The kernels compiled by Mosaic and run on the TPU: the whole contract in float32 (its dots
+    at JAX's default precision: reference.FLOAT32_DOTS' tolerances) and bfloat16."""
+
+    IMPL = ga.PallasTpuAttention()
+    DTYPES = ("float32", "bfloat16")
+    HEADS = 2
+
+
 def test_bfloat16_against_the_reference():
     """The harness's forms with a bias, forward and vjp, computed in bfloat16 itself."""
     harness.assert_forms_match(INTERPRETED, TestPallasTpuInterpreted().shape, "bfloat16")
 
 
+@pytest.mark.parametrize(
+    "impl",
+    [
+        pytest.param(TPU_INTERPRETED, id="interpreted"),
+        device_param(ga.PallasTpuAttention(), kind="tpu", id="compiled"),
+    ],
+)
 @pytest.mark.parametrize(
     "shape, biases, mask",
     [
@@ -42,7 +59,7 @@ def test_bfloat16_against_the_reference():
         ((2, 260, 140, 1, 16, 16), ("BNT1", "1N1S"), "BNTS"),
     ],
 )
-def test_several_partial_tiles_against_the_reference(shape, biases, mask):
+def test_several_partial_tiles_against_the_reference(shape, biases, mask, impl):
     """Several tiles with partial last ones, head dims padded to the lanes, biases shared over
     the batch and per row, broadcast over queries or keys (their gradients summed over tiles in
     the kernel); float32 forward and every gradient, in the TPU interpreter (an accumulator or
@@ -56,7 +73,7 @@ def test_several_partial_tiles_against_the_reference(shape, biases, mask):
     mask_value[0, ..., -1] = False  # the last key (a partial tile's) masked in row 0
     case = case._replace(bias=[p[0] for p in pairs], mask=jnp.asarray(mask_value))
     case64 = case64._replace(bias=[p[1] for p in pairs], mask=mask_value)
-    [result] = harness.run(TPU_INTERPRETED, [case])
+    [result] = harness.run(impl, [case])
     [expected] = harness.reference_run([case64])
     harness.assert_matches(result, expected, "float32", "partial tiles")
 

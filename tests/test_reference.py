@@ -668,16 +668,62 @@ def test_gradient_through_fully_masked_rows_is_finite(x64, rng):
 
 
 def test_tolerances_are_ordered_by_precision():
-    dtypes = [np.float64, np.float32, np.float16, jnp.bfloat16]
-    rtols = [ref.tolerance(d)["rtol"] for d in dtypes]
-    assert rtols == sorted(rtols) and len(set(rtols)) == 4
+    dtypes = [np.float64, np.float32, "tf32", np.float16, jnp.bfloat16]
+    rtols = [ref.tolerance(d, platform="cpu")["rtol"] for d in dtypes]
+    assert rtols == sorted(rtols) and len(set(rtols)) == 5
     for d in dtypes:
-        tol, fam, grad = ref.tolerance(d), ref.tolerance(d, family=True), ref.grad_tolerance(d)
+        tol, fam = ref.tolerance(d, platform="cpu"), ref.tolerance(d, family=True, platform="cpu")
+        grad = ref.grad_tolerance(d, platform="cpu")
         assert fam["rtol"] >= tol["rtol"] and grad["rtol"] >= tol["rtol"]
         assert grad["atol"] >= tol["atol"]
-    assert ref.tolerance(np.float32) == dict(rtol=1e-5, atol=1e-5)
+    assert ref.tolerance(np.float32, platform="cpu") == dict(rtol=1e-5, atol=1e-5)
     assert ref.tolerance("bfloat16") == ref.tolerance(jnp.zeros(2, jnp.bfloat16))
     assert ref.tolerance(jnp.dtype("float16")) == ref.tolerance(np.float16)
+
+
+def test_float32_is_judged_as_the_platforms_default_dots_round_it():
+    assert [ref.computed_as(np.float32, p) for p in ("cpu", "gpu", "cuda", "tpu")] == [
+        "float32",
+        "tf32",
+        "tf32",
+        "bfloat16",
+    ]
+    assert ref.computed_as("bfloat16", "gpu") == "bfloat16"
+    assert ref.tolerance(np.float32, platform="gpu") == ref.tolerance("tf32")
+    assert ref.grad_tolerance(np.float32, platform="tpu") == ref.grad_tolerance(jnp.bfloat16)
+    assert ref.computed_as(np.float32) == ref.computed_as(np.float32, jax.default_backend())
+
+
+def test_tf32_tolerances_hold_tf32_dots_and_float32_ones_do_not(x64):
+    """Attention with every dot's inputs rounded to TF32's 10 mantissa bits (lax.reduce_precision,
+    forward and backward dots alike, as a GPU's default float32 dots) against exact float64: within
+    the tf32 tolerances, and beyond float32's (so the key matters)."""
+    rng = np.random.default_rng(0)
+    b, t, s, n, h = 2, 37, 21, 2, 8
+    q, k, v, cot = (rng.normal(size=(b, x, n, h)) for x in (t, s, s, t))
+    bias = rng.normal(size=(1, n, t, s))
+    tf32 = lambda x: jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=10)
+
+    @jax.jit
+    def run(q, k, v, bias, cot):
+        results = []
+        for r in (lambda x: x, tf32):
+
+            def attend(q, k, v, bias, r=r):
+                logits = jnp.einsum("btnh,bsnh->bnts", r(q), r(k)) / math.sqrt(h) + bias
+                weights = jax.nn.softmax(logits, axis=-1)
+                return jnp.einsum("bnts,bsnh->btnh", r(weights), r(v))
+
+            out, vjp = jax.vjp(attend, q, k, v, bias)
+            results.append((out, vjp(cot)))
+        return results
+
+    (exact, exact_grads), (rounded, rounded_grads) = run(q, k, v, bias, cot)
+    close = lambda a, e, tol: np.testing.assert_allclose(np.asarray(a), np.asarray(e), **tol)
+    close(rounded, exact, ref.tolerance("tf32"))
+    assert not np.allclose(rounded, exact, **ref.tolerance("float32", platform="cpu"))
+    for g, e in zip(rounded_grads, exact_grads, strict=True):
+        close(g, e, ref.grad_tolerance("tf32", e))
 
 
 def test_tolerance_rejects_unknown_dtypes():

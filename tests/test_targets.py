@@ -16,6 +16,16 @@ def _need(name: str) -> None:
         pytest.skip(f"cannot compile for {name}: {reason}")
 
 
+def test_a_missing_extra_is_a_reason_to_skip_not_an_error(monkeypatch):
+    """Without the targets extra the target tests skip with what to install: a plugin whose
+    parent package (jax_plugins) is missing is 'not installed', not a ModuleNotFoundError."""
+    assert not targets.installed("gated_attention_no_such_package.plugin")
+    assert targets.installed("jax.numpy")
+    monkeypatch.setattr(targets, "installed", lambda module: False)
+    for name in ("h100", "v5e"):
+        assert "install the targets extra" in targets.missing(name)
+
+
 @pytest.mark.parametrize(
     "target, dtype, chosen, kernel, compute",
     [
