@@ -176,7 +176,7 @@ def _device_config(preset):
     cfg.modes = ("forward_backward", "forward")
     cfg.rounds = 3  # interleaved; the time is the median over rounds
     cfg.steps = 3  # calls per round per variant; a round keeps their median
-    cfg.device_memory = True  # each call's peak memory, in a fresh process per cell
+    cfg.device_memory = True  # each call's peak memory, in fresh processes
     cfg.memory_share = 0.25  # of a time budget, kept for the peak memory after the timed cells
     cfg.time_budget_s = 300.0  # no cell starts past it (0: no budget)
     cfg.compile_workers = 8  # threads compiling a cell's variants

@@ -28,9 +28,9 @@ device run's time), called once (its largest relative difference from the refere
 is finite recorded, then its output dropped), and timed in interleaved rounds: the time is the
 median over rounds, the ratio to the baseline the median of per-round ratios. XLA's memory analysis
 is recorded per variant, and with cfg.device_memory the memory each call adds at its peak, measured
-in a fresh process per cell (measure.call_peak; the variants in rising order of XLA's estimate, so
-that the device's never-reset peak counter reads exact; a persistent compilation cache, when set,
-spares the child the compiles).
+in a fresh process per level and shape (measure.call_peak; the calls in rising order of XLA's
+estimate, so that the device's never-reset peak counter reads exact; a persistent compilation
+cache, when set, spares the children the compiles).
 
 A variant that cannot run here (no GPU, a dtype it does not take, a package not installed, out of
 memory) is a row with the reason, not a failure. With a deadline, run() starts no cell past it and
@@ -353,20 +353,24 @@ def run_cell(cell: Cell, cfg, log=print) -> list[dict[str, Any]]:
     start = time.perf_counter()
     compiled = _compile_all(lowered, cfg.compile_workers)
     log(f"  {cell.label}: {len(lowered)} compiled in {time.perf_counter() - start:.1f} s")
-    with jax.default_matmul_precision("highest"):
-        reference = jax.jit(reference_fn)(*_float32(args))
+    try:
+        with jax.default_matmul_precision("highest"):
+            reference = jax.jit(reference_fn)(*_float32(args))
+    except Exception as e:  # e.g. out of memory in float32: the variants are still timed
+        reference = None
+        log(f"  {cell.label}: no float32 reference ({_reason(e)})")
     ready = {}
     for variant, exe in compiled.items():
         try:
             if isinstance(exe, Exception):
                 raise exe
             (first_s,), out = measure.time_calls(exe, args, 1)
-            worst, finite = _difference(out, reference)
+            worst, finite = _difference(out, reference) if reference is not None else (None, None)
             del out
             rows[variant] |= dict(
                 first_call_s=first_s,
-                rel_diff_vs_float32=float(worst),
-                finite=bool(finite),
+                rel_diff_vs_float32=None if worst is None else float(worst),
+                finite=None if finite is None else bool(finite),
                 **_memory_analysis(exe),
             )
             ready[variant] = exe
@@ -391,55 +395,61 @@ def run_cell(cell: Cell, cfg, log=print) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Peak memory, in a fresh process per cell
+# Peak memory, in a fresh process per level and shape
 # ------------------------------------------------------------------------------------------------
 
 
-def cell_peaks(cell: dict[str, Any], variants: list[str], interpret: bool = False) -> dict:
-    """{variant: dict(peak_mib, added_mib, exact, how)} of one cell, the variants called in the
-    given order (child.call's target: a fresh process). peak_mib counts the inputs too."""
-    cell = Cell.from_dict(cell)
-    args, fns, _ = problem(cell, variants, interpret=interpret)
-    compiled = {v: jax.jit(fns[v]).lower(*args).compile() for v in variants}  # before any peak
-    inputs_mib = _tree_mib(args)
-    result = {}
-    for variant in variants:
+def peaks(calls: list[list], interpret: bool = False) -> list[dict]:
+    """dict(peak_mib, added_mib, exact, how) of each [cell, variant] in `calls`, called in that
+    order in this process (child.call's target: a fresh one); peak_mib counts the inputs too. One
+    cell's inputs are held at a time, made again when a later call needs them."""
+    results, current, args, compiled = [], None, None, {}
+    for cell_dict, variant in calls:
+        if cell_dict != current:
+            args = compiled = None  # freed before the next cell's inputs are made
+            cell = Cell.from_dict(cell_dict)
+            needed = [v for c, v in calls if c == cell_dict]
+            args, fns, _ = problem(cell, needed, interpret=interpret)
+            compiled = {v: jax.jit(fns[v]).lower(*args).compile() for v in needed}  # no peak yet
+            current = cell_dict
         try:
-            peak, out = measure.call_peak(lambda variant=variant: compiled[variant](*args))
+            peak, out = measure.call_peak(functools.partial(compiled[variant], *args))
             del out
         except Exception as e:
-            result[variant] = dict(note=_reason(e))
+            results.append(dict(note=_reason(e)))
             continue
         added = None if peak["added_bytes"] is None else peak["added_bytes"] / 2**20
-        result[variant] = dict(
-            peak_mib=None if added is None else inputs_mib + added,
-            added_mib=added,
-            exact=peak["exact"],
-            how=peak["how"],
+        results.append(
+            dict(
+                peak_mib=None if added is None else _tree_mib(args) + added,
+                added_mib=added,
+                exact=peak["exact"],
+                how=peak["how"],
+            )
         )
-    return result
+    return results
 
 
-def _measure_peaks(cell: Cell, rows: list[dict], cfg, deadline, env, log) -> None:
-    """Adds each timed row's peak memory (cell_peaks in a child process), in place."""
-    timed = [r for r in rows if "time_ms" in r]
-    timed.sort(key=lambda r: r.get("xla_peak_mib") or 0.0)  # rising: the peak counter reads exact
+def _measure_peaks(rows: list[dict], cfg, deadline, env, log) -> None:
+    """Adds each timed row's peak memory, in place: one child process (peaks) per level and shape,
+    its calls in rising order of XLA's estimate, so that a device's peak counter reads exact."""
+    timed = sorted((r for r in rows if "time_ms" in r), key=lambda r: r.get("xla_peak_mib") or 0.0)
     if not timed:
         return
+    shapes = {s[0]: OpShape(*s) for s in cfg.op_shapes}
+    cell = lambda r: Cell(r["level"], shapes[r["shape"]], r["dtype"], r["mode"])
+    calls = [[cell(r).as_dict(), r["variant"]] for r in timed]
     timeout = None if deadline is None else max(1.0, deadline - time.monotonic())
-    kwargs = dict(
-        cell=cell.as_dict(), variants=[r["variant"] for r in timed], interpret=cfg.interpret_pallas
-    )
+    kwargs = dict(calls=calls, interpret=cfg.interpret_pallas)
     try:
-        peaks = child.call(f"{__name__}:cell_peaks", kwargs, log=log, env=env, timeout_s=timeout)
+        got = child.call(f"{__name__}:peaks", kwargs, log=log, env=env, timeout_s=timeout)
     except Exception as e:
         for r in timed:
             r["memory_note"] = f"not measured: {type(e).__name__}: {str(e)[-300:]}"
         return
-    for r in timed:
-        got = peaks[r["variant"]]
-        r["peak_mib"], r["peak_exact"] = got.get("peak_mib"), got.get("exact")
-        r["memory_note"] = got.get("how", got.get("note"))
+    for r, peak in zip(timed, got, strict=True):
+        r["peak_mib"], r["peak_exact"] = peak.get("peak_mib"), peak.get("exact")
+        r["memory_note"] = peak.get("how", peak.get("note"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -498,7 +508,7 @@ def check_config(cfg) -> None:
 
 def run(cfg: ml_collections.ConfigDict, log=print, deadline: float | None = None) -> dict:
     """Every cell of the config timed in one child process (time_cells), then, with
-    cfg.device_memory, each cell's peak memory in a child of its own (cell_peaks): a process that
+    cfg.device_memory, the peak memory of each call in children (peaks, one per level and shape): a process that
     timed the cells keeps the device memory its allocator took, so none is measured there, and
     this process never starts the device's backend.
 
@@ -519,14 +529,16 @@ def run(cfg: ml_collections.ConfigDict, log=print, deadline: float | None = None
     )
     rows = timed["rows"]
     if cfg.device_memory:
-        for cell in map(Cell.from_dict, timed["done"]):
-            cell_rows = [r for r in rows if _in_cell(r, cell)]
+        groups = {}  # one child per level and shape: a child's start costs seconds on a device
+        for r in rows:
+            groups.setdefault((r["level"], r["shape"]), []).append(r)
+        for (level, shape), group in groups.items():
             if deadline is not None and time.monotonic() > deadline:
-                for r in cell_rows:
+                for r in group:
                     r.setdefault("memory_note", "not measured: the time budget was spent")
                 continue
-            log(f"peak memory: {cell.label}")
-            _measure_peaks(cell, cell_rows, cfg, deadline, env, log)
+            log(f"peak memory: {level} {shape}")
+            _measure_peaks(group, cfg, deadline, env, log)
     environment = timed["environment"] | dict(command=" ".join(sys.argv))  # not the child's
     goals = judge_goals(cfg.goals, rows, environment["backend"])
     return dict(environment=environment, cells=rows, goals=goals)
@@ -548,24 +560,21 @@ def child_env(cfg) -> dict[str, str]:
 
 def time_cells(config: dict[str, Any], seconds: float | None) -> dict[str, Any]:
     """child.call's target: run_cell for every cell of the config until `seconds` have passed
-    (those left are not run): dict(environment, rows, done), done the cells run."""
+    (those left are not run): dict(environment, rows)."""
     cfg = ml_collections.ConfigDict(config)
     deadline = None if seconds is None else time.monotonic() + seconds
-    todo, rows, done = cells(cfg), [], []
+    todo, rows = cells(cfg), []
     for i, cell in enumerate(todo):
         if deadline is not None and time.monotonic() > deadline:
             rows += _not_run(cell, cfg, "not run: the time budget was spent")
             continue
         print(f"[{i + 1}/{len(todo)}] {cell.label}", flush=True)
-        rows += run_cell(cell, cfg, log=lambda line: print(line, flush=True))
-        done.append(cell.as_dict())
-    return dict(environment=environment(), rows=rows, done=done)
-
-
-def _in_cell(row: dict, cell: Cell) -> bool:
-    return (row["level"], row["shape"], row["dtype"], row["mode"]) == (
-        cell.level, cell.shape.name, cell.dtype, cell.mode
-    )  # fmt: skip
+        try:
+            rows += run_cell(cell, cfg, log=lambda line: print(line, flush=True))
+        except Exception as e:  # its inputs or the module's parameters did not fit, say
+            rows += _not_run(cell, cfg, _reason(e))
+            continue
+    return dict(environment=environment(), rows=rows)
 
 
 def _not_run(cell: Cell, cfg, why: str) -> list[dict]:
@@ -645,7 +654,9 @@ def markdown(results: dict[str, Any]) -> str:
         peak = fmt(r.get("peak_mib"), ".0f")
         if peak and r.get("peak_exact") is False:
             peak = "~" + peak
-        diff = fmt(r["rel_diff_vs_float32"], ".1e") + ("" if r["finite"] else " NOT FINITE")
+        diff = fmt(r["rel_diff_vs_float32"], ".1e") + (
+            " NOT FINITE" if r["finite"] is False else ""
+        )
         lines.append(
             f"{head} {r['time_ms']:.3g} | {ratio} | {peak} | {fmt(r['xla_temp_mib'], '.0f')} "
             f"| {diff} |"
