@@ -13,6 +13,7 @@ tiling rule (rows_per_tile) decides whether the whole forward runs in tiles of b
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gated_attention import attention, checks, mapping, numerics, sharding
+from gated_attention import attention, checks, mapping, numerics, platforms, sharding
 from gated_attention import config as config_lib
 
 
@@ -125,31 +126,47 @@ class _AttentionModule(hk.Module):
         checks.check_int("output_dim", output_dim)
         self.output_dim = output_dim
 
-    def _setup(self, params: dict[str, jax.Array], dtype) -> tuple[Any, str, Any, dict]:
-        """(implementation, precision policy, compute dtype, params cast to it once)."""
+    def _run(self, make_forward, params, dtype, args, subbatch_size, axis=0, **row):
+        """make_forward(implementation, policy, compute dtype, params cast to it) -> forward,
+        called on args in tiles of rows along `axis` (the batch rows) by rows_per_tile(**row).
+
+        The compute dtype (numerics.compute_dtype) and the tile rule follow the platform the
+        program is compiled for, as the op's choice does (platforms.py): decided for every kind
+        the call may be compiled for, kinds that decide alike sharing one traced branch.
+        args: arrays with the batch along `axis`, or with size 1 there (shared), or None. Under
+        differentiation each tile saves what global_config.remat_policy says and recomputes the
+        rest in the backward pass (remat_saveable).
+        """
         implementation, policy = config_lib.attention_implementation(
             self.config, self.global_config
         )
-        compute = numerics.compute_dtype(dtype, policy)
-        return implementation, policy, compute, numerics.cast_floats(params, compute)
-
-    def _in_row_tiles(self, forward, args, subbatch_size, axis=0, **row):
-        """forward(*args) on tiles of rows along `axis` (the batch rows), by rows_per_tile(**row).
-
-        args: arrays with the batch along `axis`, or with size 1 there (shared), or None.
-        Under differentiation each tile saves what global_config.remat_policy says and
-        recomputes the rest in the backward pass (remat_saveable).
-        """
         budget = int(self.global_config.memory_budget_mib * 2**20)
         batch = args[0].shape[axis]
-        rows = rows_per_tile(batch, subbatch_size, budget, **row)
-        if rows is None:
-            return forward(*args)
         batched = [x is not None and x.shape[axis] == batch for x in args]
         remat = remat_saveable(self.global_config.remat_policy)
-        return mapping.subbatch(
-            forward, args, subbatch_size=rows, batched=batched, axis=axis, remat=remat
-        )
+
+        @functools.cache
+        def branch(compute, rows):
+            def run(*args):
+                forward = make_forward(
+                    implementation, policy, compute, numerics.cast_floats(params, compute)
+                )
+                if rows is None:
+                    return forward(*args)
+                return mapping.subbatch(
+                    forward, args, subbatch_size=rows, batched=batched, axis=axis, remat=remat
+                )
+
+            return run
+
+        plans = {
+            kind: (
+                numerics.compute_dtype(dtype, policy, backend=kind),
+                rows_per_tile(batch, subbatch_size, budget, platform=kind, **row),
+            )
+            for kind in platforms.candidates(args)
+        }
+        return platforms.dispatch({kind: branch(*plan) for kind, plan in plans.items()}, *args)
 
 
 # The module's own tiling for speed on CPU, where a tile whose logits stay near TILE_BYTES stays
@@ -168,6 +185,7 @@ def rows_per_tile(
     tile_row_bytes: int,
     row_queries: int,
     row_logits: int | None,
+    platform: str | None = None,
 ) -> int | None:
     """Rows of the leading axis per tile of a module's whole forward, or None (one call).
 
@@ -193,12 +211,14 @@ def rows_per_tile(
         time (xla: tile_bytes, chunked: its chunks, pallas: its blocks).
       row_queries: query positions in one row.
       row_logits: logits (heads x queries x keys) in one row, or None: too few to tile for.
+      platform: the kind the program is compiled for (platforms.py; None: the host's).
     """
     bound = max(1, memory_budget_bytes // 2)  # the other half: the loop's stacked outputs
     if subbatch_size not in (None, "auto"):
         bound = max(bound, subbatch_size * row_bytes)
     rows = mapping.subbatch_size_for_budget(batch, tile_row_bytes, bound)
-    if row_logits is not None and jax.default_backend() == "cpu":
+    platform = platforms.host() if platform is None else platform
+    if row_logits is not None and platform == "cpu":
         cache_rows = TILE_BYTES // (4 * row_logits)
         if cache_rows >= 1 and cache_rows * row_queries >= MIN_TILE_QUERIES:
             rows = min(rows, cache_rows)
@@ -269,25 +289,27 @@ class Attention(_AttentionModule):
         mask, biases = _mask_and_biases(mask, nonbatched_bias, bias, batch, h, q_len, k_len)
         shapes = (a, h, key_dim), (m, h, key_dim), (m, h, value_dim)
         params = _create_params(self, *shapes, q_data.dtype)
-        implementation, policy, compute, p = self._setup(params, q_data.dtype)
 
-        def forward(q_data, m_data, mask, *biases):  # pure: parameters are closed over
-            q_data, m_data = _transformed(input_transform, q_data, m_data)
-            out_dtype = q_data.dtype
-            q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
-            q = _project(q_data, p["query_w"])  # [..., b, q, h, c]
-            k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # [.., k, h, c]
-            weighted_avg = attention.dot_product_attention(
-                q,
-                k,
-                v,
-                biases or None,
-                mask,
-                scale=key_dim**-0.5,
-                implementation=implementation,
-                compute_dtype=policy,
-            )  # [..., b, q, h, cv]
-            return _gated_output(weighted_avg, q_data, p).astype(out_dtype)  # [..., b, q, o]
+        def make_forward(implementation, policy, compute, p):
+            def forward(q_data, m_data, mask, *biases):  # pure: parameters are closed over
+                q_data, m_data = _transformed(input_transform, q_data, m_data)
+                out_dtype = q_data.dtype
+                q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
+                q = _project(q_data, p["query_w"])  # [..., b, q, h, c]
+                k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # [.., k, h, c]
+                weighted_avg = attention.dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    biases or None,
+                    mask,
+                    scale=key_dim**-0.5,
+                    implementation=implementation,
+                    compute_dtype=policy,
+                )  # [..., b, q, h, cv]
+                return _gated_output(weighted_avg, q_data, p).astype(out_dtype)  # [..., b, q, o]
+
+            return forward
 
         # Per row: float32 logits and weights, q, gate and the weighted average per query, k and
         # v per key (key_dim and value_dim per head).
@@ -300,8 +322,10 @@ class Attention(_AttentionModule):
         per_key = m + 2 * h * (key_dim + value_dim)
         tile_row_bytes = 2 * 4 * (queries * per_query + keys * per_key)
         args = [q_data, None if m_data is q_data else m_data, mask, *biases]
-        return self._in_row_tiles(
-            forward,
+        return self._run(
+            make_forward,
+            params,
+            q_data.dtype,
             args,
             subbatch_size,
             row_bytes=row_bytes,
@@ -440,35 +464,37 @@ class GlobalAttention(_AttentionModule):
         h = self.config.num_head
         key_dim, value_dim = _head_dims(self.config, a, m)
         params = _create_params(self, (a, h, key_dim), (m, key_dim), (m, value_dim), q_data.dtype)
-        implementation, policy, compute, p = self._setup(params, q_data.dtype)
 
-        def forward(q_data, m_data, q_mask):  # pure: parameters are closed over
-            q_data, m_data = _transformed(input_transform, q_data, m_data)
-            out_dtype = q_data.dtype
-            q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
-            q = _project(_masked_mean(q_data, q_mask, pos), p["query_w"])  # [..., b, h, c]
-            k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # positions, c
-            mask = q_mask.astype(bool)
-            if positions_first:  # [k, b, c] -> [b, k, c]: the narrow projections, not the data
-                k, v, mask = (jnp.swapaxes(x, -3, -2) for x in (k, v, mask))
-            key_mask = jnp.swapaxes(mask, -1, -2)[..., None, :, :]  # [..., b, 1, 1, k]
-            # The h heads attend as h query positions of one head (the shared key/value head).
-            avg = attention.dot_product_attention(
-                q[..., None, :],
-                k[..., None, :],
-                v[..., None, :],
-                None,
-                key_mask,
-                scale=key_dim**-0.5,
-                implementation=implementation,
-                compute_dtype=policy,
-            )  # [..., b, h, 1, cv]
-            avg = jnp.swapaxes(avg, -3, -2)  # [..., b, 1, h, cv]
-            if positions_first:
-                avg = jnp.swapaxes(avg, -4, -3)  # [1, b, h, cv]
-            out = _gated_output(avg, q_data, p)  # [..., b, q|1, o] ([q|1, b, o])
-            out = jnp.broadcast_to(out, (*q_data.shape[:-1], self.output_dim))
-            return out.astype(out_dtype)
+        def make_forward(implementation, policy, compute, p):
+            def forward(q_data, m_data, q_mask):  # pure: parameters are closed over
+                q_data, m_data = _transformed(input_transform, q_data, m_data)
+                out_dtype = q_data.dtype
+                q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
+                q = _project(_masked_mean(q_data, q_mask, pos), p["query_w"])  # [..., b, h, c]
+                k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # positions, c
+                mask = q_mask.astype(bool)
+                if positions_first:  # [k, b, c] -> [b, k, c]: the narrow projections, not the data
+                    k, v, mask = (jnp.swapaxes(x, -3, -2) for x in (k, v, mask))
+                key_mask = jnp.swapaxes(mask, -1, -2)[..., None, :, :]  # [..., b, 1, 1, k]
+                # The h heads attend as h query positions of one head (the shared key/value head).
+                avg = attention.dot_product_attention(
+                    q[..., None, :],
+                    k[..., None, :],
+                    v[..., None, :],
+                    None,
+                    key_mask,
+                    scale=key_dim**-0.5,
+                    implementation=implementation,
+                    compute_dtype=policy,
+                )  # [..., b, h, 1, cv]
+                avg = jnp.swapaxes(avg, -3, -2)  # [..., b, 1, h, cv]
+                if positions_first:
+                    avg = jnp.swapaxes(avg, -4, -3)  # [1, b, h, cv]
+                out = _gated_output(avg, q_data, p)  # [..., b, q|1, o] ([q|1, b, o])
+                out = jnp.broadcast_to(out, (*q_data.shape[:-1], self.output_dim))
+                return out.astype(out_dtype)
+
+            return forward
 
         # Per row: gate and gated average per query, k and v per key.
         if positions_first:
@@ -479,8 +505,10 @@ class GlobalAttention(_AttentionModule):
         row_bytes += 4 * keys * (key_dim + value_dim)
         tile_row_bytes = 2 * (row_bytes + 4 * (queries * a + keys * m))  # and the cotangents
         args = [q_data, None if m_data is q_data else m_data, q_mask]
-        return self._in_row_tiles(
-            forward,
+        return self._run(
+            make_forward,
+            params,
+            q_data.dtype,
             args,
             subbatch_size,
             axis=1 if positions_first else 0,

@@ -11,6 +11,7 @@ Platform kinds are 'cpu', 'gpu' (CUDA or ROCm) and 'tpu', as jax.default_backend
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib.util
 from collections.abc import Callable, Mapping
@@ -57,12 +58,23 @@ def compilable() -> tuple[str, ...]:
     return tuple(k for k in KINDS if k in found)
 
 
+# The kinds the branch being traced serves, inside dispatch: code traced there (the op inside a
+# module's branch) decides for them alone instead of staging every kind again.
+_STAGED: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "gated_attention_staged_platforms", default=None
+)
+
+
 def candidates(arrays) -> tuple[str, ...]:
     """The kinds a call on these inputs may be compiled for, the likeliest first: the arrays' own
-    when they are concrete, else the host's and then every other kind compilable here."""
+    when they are concrete, else those of the dispatch branch being traced, else the host's and
+    then every other kind compilable here."""
     known = of_arrays(arrays)
     if known is not None:
         return (known,)
+    staged = _STAGED.get()
+    if staged is not None:
+        return staged
     first = host()
     return (first, *(k for k in compilable() if k != first))
 
@@ -72,13 +84,28 @@ def dispatch(branches: Mapping[str, Callable], *args):
 
     One branch (or the same callable for every kind) is simply called; otherwise the branches are
     staged with lax.platform_dependent, the host's branch (where there is one) the default for
-    any other platform.
+    any other platform. A branch is traced with candidates() answering the kinds it serves.
     """
     fns = list(dict.fromkeys(branches.values()))
     if len(fns) == 1:
         return fns[0](*args)
+    served = {fn: tuple(k for k, f in branches.items() if f is fn) for fn in fns}
+    staged = {fn: _traced_for(fn, kinds) for fn, kinds in served.items()}
     default = branches.get(host())  # None: lowering for a kind without a branch fails in JAX
     per_platform = {
-        name: fn for k, fn in branches.items() if k != host() for name in _LOWERING_NAMES[k]
+        name: staged[fn] for k, fn in branches.items() if k != host() for name in _LOWERING_NAMES[k]
     }
-    return jax.lax.platform_dependent(*args, default=default, **per_platform)
+    return jax.lax.platform_dependent(
+        *args, default=None if default is None else staged[default], **per_platform
+    )
+
+
+def _traced_for(fn: Callable, kinds: tuple[str, ...]) -> Callable:
+    def branch(*args):
+        token = _STAGED.set(kinds)
+        try:
+            return fn(*args)
+        finally:
+            _STAGED.reset(token)
+
+    return branch

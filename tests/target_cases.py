@@ -3,6 +3,7 @@ tests/test_targets.py: each returns plain data the test asserts on."""
 
 from __future__ import annotations
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 
@@ -39,6 +40,28 @@ def auto_choice(target: str, dtype: str) -> dict:
         target=kernels(on_target),
         host=kernels(on_host),
         memory=targets.memory(on_target),
+    )
+
+
+def module_choice(target: str) -> dict:
+    """A bfloat16 Attention module's training step compiled for `target` from this host: the
+    compute dtype of each op call, per platform kind (the module's cast decided for the target)."""
+    x = jax.ShapeDtypeStruct((4, 64, 64), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((4, 1, 1, 64), jnp.bool_)
+    bias = jax.ShapeDtypeStruct((4, 64, 64), jnp.bfloat16)
+    fn = hk.without_apply_rng(
+        hk.transform(lambda x, mask, bias: ga.Attention(dict(num_head=4), {}, 64)(x, x, mask, bias))
+    )
+    params = jax.eval_shape(fn.init, jax.random.PRNGKey(0), x, mask, bias)
+
+    def step(params, x, mask, bias, cotangent):
+        _, vjp = jax.vjp(lambda p, x: fn.apply(p, x, mask, bias), params, x)
+        return vjp(cotangent)
+
+    with ga.record_implementation_choices() as record:
+        targets.compile(step, params, x, mask, bias, x, target=target)
+    return dict(
+        calls=[{k: v["compute_dtype"] for k, v in r["by_platform"].items()} for r in record]
     )
 
 

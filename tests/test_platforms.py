@@ -1,0 +1,50 @@
+"""Choices per compile target (gated_attention/platforms.py): code traced inside a dispatch branch
+decides for that branch's kinds, and the modules' compute dtype and tile rule follow the target,
+as the op's choice does (the deviceless compile for an H100: tests/test_targets.py)."""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gated_attention as ga
+from gated_attention import platforms
+
+
+def test_a_branch_is_traced_for_the_kinds_it_serves(monkeypatch):
+    monkeypatch.setattr(platforms, "compilable", lambda: ("cpu", "gpu", "tpu"))
+    seen = {}
+
+    def branch(name):
+        def fn(x):
+            seen[name] = platforms.candidates(x)
+            return x + (1.0 if name == "cpu" else 2.0)
+
+        return fn
+
+    cpu, accelerators = branch("cpu"), branch("accelerators")
+    fn = jax.jit(lambda x: platforms.dispatch(dict(cpu=cpu, gpu=accelerators, tpu=accelerators), x))
+    assert fn(jnp.zeros(3)).tolist() == [1.0, 1.0, 1.0]  # compiled for this CPU
+    assert seen == dict(cpu=("cpu",), accelerators=("gpu", "tpu"))
+    jax.jit(lambda x: platforms.candidates(x) and x)(jnp.zeros(3))  # outside: every kind again
+    assert platforms.candidates(jax.ShapeDtypeStruct((3,), jnp.float32)) == ("cpu", "gpu", "tpu")
+
+
+def test_a_bfloat16_module_computes_as_each_target_would(monkeypatch):
+    """With a GPU compilable too, a bfloat16 Attention module stages a float32 branch for the CPU
+    and a bfloat16 one for the GPU (before, the host's float32 cast reached the GPU's op); compiled
+    for this CPU it gives the float32 program's result."""
+    fn = hk.without_apply_rng(
+        hk.transform(lambda x, m: ga.Attention(dict(num_head=2), {}, 16)(x, x, m))
+    )
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 8, 16)), jnp.bfloat16)
+    mask = jnp.ones((3, 1, 1, 8), bool)
+    params = fn.init(jax.random.PRNGKey(0), x, mask)
+    alone = jax.jit(fn.apply)(params, x, mask)
+    monkeypatch.setattr(platforms, "compilable", lambda: ("cpu", "gpu"))
+    with ga.record_implementation_choices() as record:
+        staged = jax.jit(lambda *a: fn.apply(*a))(params, x, mask)  # traced anew
+    compute = {k: v["compute_dtype"] for r in record for k, v in r["by_platform"].items()}
+    assert compute == dict(cpu="float32", gpu="bfloat16"), record
+    assert staged.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(staged, np.float32), np.asarray(alone, np.float32))
