@@ -66,7 +66,8 @@ def compile_cell(**fields) -> dict[str, Any]:
     with attention.record_implementation_choices() as choices:
         compiled = targets.compile(fn, *specs, target=cell.target)
     kind = targets.target(cell.target).kind
-    chosen = sorted({c["by_platform"].get(kind, {}).get("chosen", "?") for c in choices})
+    # Calls traced in another platform's branch (the host's, staged beside it) are not this one's.
+    chosen = sorted({c["by_platform"][kind]["chosen"] for c in choices if kind in c["by_platform"]})
     pair = cell.n_res**2 * PAIR_CHANNELS * jnp.dtype(cell.dtype).itemsize
     return dict(
         memory=targets.memory(compiled),
