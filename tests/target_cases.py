@@ -12,9 +12,10 @@ from gated_attention import platforms
 from gated_attention_tools import targets
 
 
-def auto_choice(target: str, dtype: str) -> dict:
+def auto_choice(target: str, dtype: str, module: bool = False) -> dict:
     """The op's gradient under 'auto' (shared bias, key mask) compiled for `target` and for the
-    host: what was chosen for each kind, and the kernels in each compiled program."""
+    host: what was chosen for each kind, and the kernels in each compiled program; with `module`
+    also module_choice's (one child process for both: the compilers start once)."""
     dt = jnp.dtype(dtype)
     qkv = jax.ShapeDtypeStruct((2, 96, 4, 32), dt)
     bias = jax.ShapeDtypeStruct((1, 4, 96, 96), dt)
@@ -40,6 +41,7 @@ def auto_choice(target: str, dtype: str) -> dict:
         target=kernels(on_target),
         host=kernels(on_host),
         memory=targets.memory(on_target),
+        module=module_choice(target) if module else None,
     )
 
 
