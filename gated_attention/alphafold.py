@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from gated_attention import config as config_lib
-from gated_attention import mapping, modules, numerics
+from gated_attention import mapping, modules, numerics, sharding
 
 # Axis whose dropout mask is shared when config.shared_dropout, per orientation (AF2: per_row -> 0,
 # per_column -> 1 of [N_seq|N_res, N_res, c]); counted from the end so leading axes may be added.
@@ -192,6 +192,27 @@ def _fused_pair_bias_bwd(rows, residuals, cotangents):
     pair, scale, offset, weights = residuals
     d_pair, d_bias = cotangents
     d_bias = jnp.moveaxis(d_bias, 0, -1)  # [q, k, h]
+    args = (pair, d_pair, d_bias, scale, offset, weights)
+    # Pair rows over devices: each device adds its own rows' share, its parameters' partial sums
+    # added over the devices.
+    out = sharding.map_rows(
+        functools.partial(_pair_bias_grads, rows),
+        args,
+        rows=(True, True, True, False, False, False),
+        sums=(False, True, True, True),
+    )
+    d_pair, d_scale, d_offset, d_weights = out or _pair_bias_grads(rows, *args)
+    return (
+        d_pair,
+        d_scale.astype(scale.dtype),
+        d_offset.astype(offset.dtype),
+        d_weights.astype(weights.dtype),
+    )
+
+
+def _pair_bias_grads(rows, pair, d_pair, d_bias, scale, offset, weights):
+    """(d_pair with each tile's bias cotangent added, the parameters' cotangents in the
+    accumulation dtype) over these pair rows, `rows` at a time."""
     acc = numerics.accumulation_dtype(pair.dtype)
 
     def tile(start, size: int, carry):
@@ -203,18 +224,13 @@ def _fused_pair_bias_bwd(rows, residuals, cotangents):
         d_pair = jax.lax.dynamic_update_slice_in_dim(d_pair, total, start, 0)
         return d_pair, *(a + b.astype(acc) for a, b in zip(d_params, d_tile, strict=True))
 
+    rows = min(rows, pair.shape[0])  # one device's rows may be fewer than a tile
     num_full, remainder = divmod(pair.shape[0], rows)
     carry = (d_pair, *(jnp.zeros(x.shape, acc) for x in (scale, offset, weights)))
     carry = jax.lax.fori_loop(0, num_full, lambda t, c: tile(t * rows, rows, c), carry)
     if remainder:
         carry = tile(num_full * rows, remainder, carry)
-    d_pair, d_scale, d_offset, d_weights = carry
-    return (
-        d_pair,
-        d_scale.astype(scale.dtype),
-        d_offset.astype(offset.dtype),
-        d_weights.astype(weights.dtype),
-    )
+    return carry
 
 
 _fused_pair_bias.defvjp(_fused_pair_bias_fwd, _fused_pair_bias_bwd)

@@ -220,6 +220,44 @@ def shard_attention(
     )(*inputs)
 
 
+def map_rows(
+    fn: Callable[..., Any], args: Sequence[Any], *, rows: Sequence[bool], sums: Sequence[bool]
+) -> Any:
+    """fn(*args) with each device computing its own rows, or None when no row arg is sharded
+    along its first dimension over an explicit mesh axis (the caller then calls fn itself).
+
+    The args flagged in `rows` are split along their first dimension as the first of them is (the
+    others brought to that), every other arg replicated; fn returns a tuple whose entries are
+    rows, sharded so, or (`sums`) sums over rows, added up over the devices (one all-reduce each).
+    For a loop of its own over rows (a custom backward): under explicit axes a dynamic slice of a
+    sharded dimension is refused, and a loop over it would gather the rows onto every device."""
+    flagged = [x for x, r in zip(args, rows, strict=True) if r and x is not None]
+    mesh, axes = next(
+        ((m, a[0]) for m, a in map(explicit_axes, flagged) if m is not None and a[0]), (None, ())
+    )
+    if mesh is None:
+        return None
+    _, manual = _mesh_and_axes(flagged)
+    wanted = [[axes if (r and d == 0) else () for d in range(len(x.shape))] for x, r in
+              zip(args, rows, strict=True)]  # fmt: skip
+    inputs = [_conform(x, mesh, w) for x, w in zip(args, wanted, strict=True)]
+
+    def local(*args):
+        out = fn(*args)
+        return tuple(
+            jax.lax.psum(o, tuple(axes)) if s else o for o, s in zip(out, sums, strict=True)
+        )
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=tuple(_spec(w) for w in wanted),
+        out_specs=tuple(P() if s else P(axes if len(axes) > 1 else axes[0]) for s in sums),
+        axis_names=manual,
+        check_vma=False,
+    )(*inputs)
+
+
 def out_sharding(x: Any, keep: int) -> NamedSharding | None:
     """The sharding for a contraction's output that keeps x's first `keep` dimensions as they are
     sharded and leaves the new last dimension replicated, or None when x has no explicit sharding.
