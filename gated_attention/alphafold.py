@@ -236,6 +236,25 @@ def _pair_bias_grads(rows, pair, d_pair, d_bias, scale, offset, weights):
 _fused_pair_bias.defvjp(_fused_pair_bias_fwd, _fused_pair_bias_bwd)
 
 
+def _to_columns(placement, act, mask):
+    """act [..., X, Y, c] and mask [..., X, Y] with X split over devices -> Y split instead (one
+    all-to-all each); unchanged when nothing is split."""
+    if placement is None:
+        return act, mask
+    axes = placement[1]
+    return (
+        sharding.rows_to_columns(act, axes, rows=act.ndim - 3, columns=act.ndim - 2),
+        sharding.rows_to_columns(mask, axes, rows=mask.ndim - 2, columns=mask.ndim - 1),
+    )
+
+
+def _to_rows(placement, out):
+    """_to_columns' way back for an update [..., X, Y, c]: Y split -> X split."""
+    if placement is None:
+        return out
+    return sharding.rows_to_columns(out, placement[1], rows=out.ndim - 2, columns=out.ndim - 3)
+
+
 def _check_msa(msa_act: Any, msa_mask: Any) -> None:
     _check_act("msa_act", msa_act, "[..., N_seq, N_res, c_m]")
     _check_mask("msa_mask", msa_mask, tuple(msa_act.shape[:-1]), "msa_act")
@@ -272,6 +291,24 @@ class _FamilyModule(hk.Module):
     def _pair_bias(self, pair_act, norm, dtype) -> jax.Array:
         budget = self.global_config.memory_budget_mib
         return _pair_bias(pair_act, norm, self.config.num_head, dtype, budget)
+
+    @hk.transparent
+    def _placement(self):
+        """(mesh, axes) the rows are split over (global_config.shard_rows_over), or None. Not while
+        Haiku initializes: parameters are created outside any shard_map."""
+        if hk.running_init():
+            return None
+        return sharding.rows_mesh(self.global_config.shard_rows_over)
+
+    @hk.transparent  # the parameters keep AF2's names: no '~_on_rows' scope
+    def _on_rows(self, update, args, row_dims):
+        """update(*args) -> [..., X, Y, c] with each device on its own rows X (row_dims: each
+        arg's row dimension), or as it is when no rows are split over devices."""
+        placement = self._placement()
+        if placement is None:
+            return update(*args)
+        out_dim = args[0].ndim - 3
+        return sharding.on_rows(update, args, placement, row_dims=row_dims, out_dims=out_dim)
 
     @hk.transparent
     def _attention(self, act, norm, mask, bias, is_training) -> jax.Array:
@@ -338,13 +375,21 @@ class MSARowAttentionWithPairBias(_FamilyModule):
                 f"msa_act's leading axes and N_res: {expected} + (c_z,)"
             )
 
+        placement = self._placement()
+
         def update(msa_act, msa_mask, pair_act):
             norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
             pair_norm = _norm_params("feat_2d_norm", pair_act.shape[-1], pair_act.dtype)
             bias = self._pair_bias(pair_act, pair_norm, msa_act.dtype)  # [h, r, r]
+            if placement is not None:  # this device's pair rows' bias: every row needs all
+                bias = jax.lax.all_gather(bias, placement[1], axis=1, tiled=True)
             return self._attention(msa_act, norm, _key_mask(msa_mask), bias, is_training)
 
-        return _map_leading(update, len(lead), msa_act, msa_mask, pair_act)
+        return self._on_rows(
+            lambda *a: _map_leading(update, len(lead), *a),
+            (msa_act, msa_mask, pair_act),
+            row_dims=(-3, -2, -3),
+        )
 
 
 class MSAColumnAttention(_FamilyModule):
@@ -369,13 +414,21 @@ class MSAColumnAttention(_FamilyModule):
         """
         _check_msa(msa_act, msa_mask)
 
+        placement = self._placement()
+
         def update(msa_act, msa_mask):
             norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
+            msa_act, msa_mask = _to_columns(placement, msa_act, msa_mask)
             cols = jnp.swapaxes(msa_act, -3, -2)  # [r, s, c_m]
             mask = _key_mask(jnp.swapaxes(msa_mask, -2, -1))  # [r, 1, 1, s]
-            return jnp.swapaxes(self._attention(cols, norm, mask, None, is_training), -3, -2)
+            out = jnp.swapaxes(self._attention(cols, norm, mask, None, is_training), -3, -2)
+            return _to_rows(placement, out)
 
-        return _map_leading(update, msa_act.ndim - 3, msa_act, msa_mask)
+        return self._on_rows(
+            lambda *a: _map_leading(update, msa_act.ndim - 3, *a),
+            (msa_act, msa_mask),
+            row_dims=(-3, -2),
+        )
 
 
 class MSAColumnGlobalAttention(_FamilyModule):
@@ -401,13 +454,16 @@ class MSAColumnGlobalAttention(_FamilyModule):
         """
         _check_msa(msa_act, msa_mask)
 
+        placement = self._placement()
+
         def update(msa_act, msa_mask):
             norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
             attention = modules.GlobalAttention(
                 self.config, self.global_config, msa_act.shape[-1], name="attention"
             )
+            msa_act, msa_mask = _to_columns(placement, msa_act, msa_mask)
             # Each column (residue) attends over the sequences, the MSA as it lies: [s, r, c_m].
-            return attention(
+            out = attention(
                 msa_act,
                 msa_act,
                 msa_mask.astype(bool),
@@ -415,8 +471,13 @@ class MSAColumnGlobalAttention(_FamilyModule):
                 input_transform=_normalizer(norm),
                 positions_first=True,
             )
+            return _to_rows(placement, out)
 
-        return _map_leading(update, msa_act.ndim - 3, msa_act, msa_mask)
+        return self._on_rows(
+            lambda *a: _map_leading(update, msa_act.ndim - 3, *a),
+            (msa_act, msa_mask),
+            row_dims=(-3, -2),
+        )
 
 
 class TriangleAttention(_FamilyModule):
@@ -449,10 +510,12 @@ class TriangleAttention(_FamilyModule):
             )
         _check_mask("pair_mask", pair_mask, tuple(pair_act.shape[:-1]), "pair_act")
         per_column = self.config.orientation == "per_column"
+        placement = self._placement()
 
         def update(pair_act, pair_mask):
             norm = _norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
-            if per_column:
+            if per_column:  # the transposed pair's rows: with rows over devices, one all-to-all
+                pair_act, pair_mask = _to_columns(placement, pair_act, pair_mask)
                 pair_act, pair_mask = (
                     jnp.swapaxes(pair_act, -3, -2),
                     jnp.swapaxes(pair_mask, -2, -1),
@@ -462,11 +525,17 @@ class TriangleAttention(_FamilyModule):
             # into the attention's in place (_with_pair_bias).
             pair_act, bias = _with_pair_bias(
                 pair_act, norm, self.config.num_head, pair_act.dtype, budget
-            )  # bias [h, r, r]
+            )  # bias [h, r, r] (this device's rows' [h, r / devices, r] with rows split)
+            if placement is not None:
+                bias = jax.lax.all_gather(bias, placement[1], axis=1, tiled=True)
             out = self._attention(pair_act, norm, _key_mask(pair_mask), bias, is_training)
-            return jnp.swapaxes(out, -3, -2) if per_column else out
+            return _to_rows(placement, jnp.swapaxes(out, -3, -2)) if per_column else out
 
-        return _map_leading(update, pair_act.ndim - 3, pair_act, pair_mask)
+        return self._on_rows(
+            lambda *a: _map_leading(update, pair_act.ndim - 3, *a),
+            (pair_act, pair_mask),
+            row_dims=(-3, -2),
+        )
 
 
 # --------------------------------------------------------------------------------------------------

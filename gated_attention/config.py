@@ -129,6 +129,10 @@ class GlobalConfig:
         'nothing' (the tile recomputed: the least memory, and on CPU the fastest), 'projections'
         (q/k/v/gate kept, attention recomputed) or 'everything' (nothing recomputed). See
         modules.remat_saveable.
+      shard_rows_over: None, or the mesh axis (or axes) of the context mesh (jax.set_mesh) that
+        the rows are split over: each device then computes the module for its own rows in a
+        shard_map (sharding.rows_mesh), under Auto axes as under Explicit ones; the column-wise
+        modules turn to columns and back with one all-to-all each way.
     """
 
     zero_init: bool = True
@@ -141,9 +145,22 @@ class GlobalConfig:
     memory_budget_mib: float = DEFAULT_MEMORY_BUDGET_MIB
     compute_dtype: str = "auto"
     remat_policy: str = "nothing"
+    shard_rows_over: str | tuple[str, ...] | None = None
 
     def __post_init__(self):
         where = "global_config"
+        axes = self.shard_rows_over
+        if isinstance(axes, list):
+            axes = tuple(axes)
+            object.__setattr__(self, "shard_rows_over", axes)
+        names = (axes,) if isinstance(axes, str) else axes
+        if axes is not None and (
+            not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names)
+        ):
+            raise ValueError(
+                f"{where}.shard_rows_over must be None, a mesh axis name or a tuple of them, "
+                f"got {axes!r}"
+            )
         checks.check_one_of(f"{where}.compute_dtype", self.compute_dtype, numerics.POLICIES)
         checks.check_one_of(f"{where}.remat_policy", self.remat_policy, REMAT_POLICIES)
         _check_bool(where, "zero_init", self.zero_init)

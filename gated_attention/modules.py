@@ -159,14 +159,26 @@ class _AttentionModule(hk.Module):
 
             return run
 
-        plans = {
-            kind: (
-                numerics.compute_dtype(dtype, policy, backend=kind),
-                rows_per_tile(batch, subbatch_size, budget, platform=kind, **row),
-            )
-            for kind in platforms.candidates(args)
-        }
-        return platforms.dispatch({kind: branch(*plan) for kind, plan in plans.items()}, *args)
+        placement = None
+        if not hk.running_init():  # parameters are created outside any shard_map
+            placement = sharding.rows_mesh(self.global_config.shard_rows_over)
+        if placement is not None:  # each device its own rows: the tiles' rule sees those
+            batch //= math.prod(placement[0].shape[a] for a in placement[1])
+
+        def run(*args):
+            plans = {
+                kind: (
+                    numerics.compute_dtype(dtype, policy, backend=kind),
+                    rows_per_tile(batch, subbatch_size, budget, platform=kind, **row),
+                )
+                for kind in platforms.candidates(args)
+            }
+            return platforms.dispatch({kind: branch(*plan) for kind, plan in plans.items()}, *args)
+
+        if placement is None:
+            return run(*args)
+        dims = [axis if flag else None for flag in batched]
+        return sharding.on_rows(run, args, placement, row_dims=dims, out_dims=axis % args[0].ndim)
 
 
 # The module's own tiling for speed on CPU, where a tile whose logits stay near TILE_BYTES stays

@@ -258,6 +258,75 @@ def map_rows(
     )(*inputs)
 
 
+def rows_mesh(names: str | Sequence[str] | None) -> tuple[Any, Axes] | None:
+    """(the context mesh, the axes) for global_config.shard_rows_over, or None when it names none
+    or when every named axis is already manual (inside a shard_map over them: a family module's,
+    around the attention it calls).
+
+    Raises:
+      ValueError: axes named but no mesh set (jax.set_mesh), or an axis the mesh lacks.
+    """
+    if names is None:
+        return None
+    axes = (names,) if isinstance(names, str) else tuple(names)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        raise ValueError(
+            f"global_config.shard_rows_over={names!r} names mesh axes, but no mesh is set: call "
+            "the module under `with jax.set_mesh(mesh):`"
+        )
+    unknown = [a for a in axes if a not in mesh.axis_names]
+    if unknown:
+        raise ValueError(
+            f"global_config.shard_rows_over names {unknown}, which the mesh {mesh.axis_names} lacks"
+        )
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if all(kinds[a] == AxisType.Manual for a in axes):
+        return None
+    return mesh, axes
+
+
+def on_rows(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    placement: tuple[Any, Axes],
+    *,
+    row_dims: Sequence[int | None],
+    out_dims: Any,
+) -> Any:
+    """fn(*args) with each device computing its own rows: a shard_map over placement's axes,
+    arg i split along its dimension row_dims[i] (None: replicated, e.g. a bias shared by the
+    rows), each output leaf along out_dims (its own pytree of dimensions), every other mesh axis
+    replicated. Args arrive where they are: split so already, no communication; else XLA moves
+    them there. What fn closes over (Haiku parameters) is replicated."""
+    mesh, axes = placement
+    entry = axes[0] if len(axes) == 1 else tuple(axes)
+
+    def spec(x, dim):
+        if x is None or dim is None:
+            return P()
+        dim %= len(x.shape)
+        shards = math.prod(mesh.shape[a] for a in axes)
+        if x.shape[dim] % shards:
+            raise ValueError(
+                f"global_config.shard_rows_over={axes}: dimension {dim} of an input of shape "
+                f"{tuple(x.shape)} does not split over its {shards} devices"
+            )
+        return P(*([None] * dim), entry)
+
+    in_specs = tuple(spec(x, d) for x, d in zip(args, row_dims, strict=True))
+    out_specs = jax.tree.map(lambda d: P(*([None] * d), entry), out_dims)
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes),
+        check_vma=False,
+    )(*args)  # fmt: skip
+
+
+def rows_to_columns(x: Any, axes: Axes, *, rows: int, columns: int) -> Any:
+    """Inside on_rows: x split along `rows` -> split along `columns` instead, one all-to-all."""
+    return jax.lax.all_to_all(x, tuple(axes), columns, rows, tiled=True)
+
+
 def out_sharding(x: Any, keep: int) -> NamedSharding | None:
     """The sharding for a contraction's output that keeps x's first `keep` dimensions as they are
     sharded and leaves the new last dimension replicated, or None when x has no explicit sharding.

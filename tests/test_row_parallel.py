@@ -1,0 +1,122 @@
+"""Rows over devices (global_config.shard_rows_over, 8 virtual CPU devices): every family module
+and Attention itself computes its own rows on each device, under Auto mesh axes (jax.jit with sharded inputs, the way
+AF2's own code is sharded) and under Explicit ones, inference and training step, and matches one
+device; the column-wise modules turn to columns with one all-to-all each way, and nothing of the
+MSA's or the pair's size is gathered."""
+
+import re
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gated_attention as ga
+from gated_attention import config
+from tests import reference
+from tests.helpers import assert_close
+
+S, R, C_M, C_Z, H = 16, 16, 16, 8, 2  # 8 devices: 2 MSA rows and 2 pair rows each
+MODULES = ("msa_row", "msa_column", "msa_column_global", "triangle_start", "triangle_end")
+OUTPUTS = (*MODULES, "msa_attention")  # and ga.Attention itself over the MSA's rows
+
+
+def _family(shard_rows_over):
+    gc = dict(zero_init=False, shard_rows_over=shard_rows_over)
+
+    def forward(msa, msa_mask, pair, pair_mask):
+        config = lambda orientation: dict(num_head=H, orientation=orientation)
+        return dict(
+            msa_row=ga.MSARowAttentionWithPairBias(config("per_row"), gc)(msa, msa_mask, pair),
+            msa_column=ga.MSAColumnAttention(config("per_column"), gc)(msa, msa_mask),
+            msa_column_global=ga.MSAColumnGlobalAttention(config("per_column"), gc)(msa, msa_mask),
+            triangle_start=ga.TriangleAttention(config("per_row"), gc, name="start")(
+                pair, pair_mask
+            ),
+            triangle_end=ga.TriangleAttention(config("per_column"), gc, name="end")(
+                pair, pair_mask
+            ),
+            msa_attention=ga.Attention(dict(num_head=H), gc, C_M)(
+                msa, msa, msa_mask.astype(bool)[:, None, None, :]
+            ),
+        )
+
+    return hk.without_apply_rng(hk.transform(forward))
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    mask = lambda *shape: jnp.asarray(rng.random(shape) > 0.15, jnp.float32)
+    inputs = (f32(S, R, C_M), mask(S, R), f32(R, R, C_Z), mask(R, R))
+    cotangents = {m: f32(S, R, C_M) if m.startswith("msa") else f32(R, R, C_Z) for m in OUTPUTS}
+    return inputs, cotangents
+
+
+def _step(fn):
+    def step(params, msa, msa_mask, pair, pair_mask, cotangents):
+        out, vjp = jax.vjp(
+            lambda p, m, z: fn.apply(p, m, msa_mask, z, pair_mask), params, msa, pair
+        )
+        return out, vjp(cotangents)
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    (msa, msa_mask, pair, pair_mask), cot = _inputs()
+    fn = _family(None)
+    params = fn.init(jax.random.PRNGKey(0), msa, msa_mask, pair, pair_mask)
+    params = jax.tree.map(lambda p: p + 0.1, params)  # gates and LayerNorms that vary
+    return (
+        params,
+        (msa, msa_mask, pair, pair_mask, cot),
+        jax.jit(_step(fn))(params, msa, msa_mask, pair, pair_mask, cot),
+    )
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_each_device_computes_its_own_rows(one_device, axis_type):
+    params, args, (want_out, want_grads) = one_device
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(axis_type,), devices=jax.devices()[:8])
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("rows")))
+    placed = [jax.tree.map(put, a) for a in args]
+    step = jax.jit(_step(_family("rows")))
+    with jax.set_mesh(mesh):
+        out, grads = step(params, *placed)
+        text = step.lower(params, *placed).compile().as_text()
+    for name in OUTPUTS:  # the updates come back split as the rows came
+        assert out[name].sharding.spec[0] == "rows", (name, out[name].sharding)
+    for got, want in zip(
+        jax.tree.leaves((out, grads)), jax.tree.leaves((want_out, want_grads)), strict=True
+    ):  # atol scaled by max(1, the leaf's largest entry): sums over devices reorder additions
+        assert_close(got, want, reference.grad_tolerance("float32", want))
+    # What crosses devices: the [h, r, r] pair biases and the parameters' gradients, and the
+    # column-wise modules' all-to-alls; nothing of the MSA's or the pair's size is gathered.
+    gathered = re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", text)
+    sizes = [int(np.prod([int(d) for d in g.split(",") if d])) for g in gathered]
+    assert all(n <= H * R * R for n in sizes), gathered
+    to_all = len(re.findall(r"\ball-to-all(?:-start)?\(", text))
+    # MSA column, column global and triangle end: their act and mask there, the update back,
+    # and in the backward the update's cotangent there and the act's and mask's back (the mask's
+    # cotangent is dropped by XLA): 3 + 2 at least each.
+    assert 3 * 3 <= to_all <= 3 * 6, to_all
+
+
+def test_the_rows_axis_must_name_the_context_mesh():
+    (msa, msa_mask, pair, pair_mask), _ = _inputs()
+    fn = _family("rows")
+    params = fn.init(jax.random.PRNGKey(0), msa, msa_mask, pair, pair_mask)
+    with pytest.raises(ValueError, match=r"shard_rows_over='rows' names mesh axes, but no mesh"):
+        fn.apply(params, msa, msa_mask, pair, pair_mask)
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"names \['rows'\], which the mesh"):
+        fn.apply(params, msa, msa_mask, pair, pair_mask)
+    for bad in (3, (), ("rows", 2)):
+        with pytest.raises(ValueError, match=r"shard_rows_over must be None, a mesh axis name"):
+            config.global_config(dict(shard_rows_over=bad))
+    assert config.global_config(dict(shard_rows_over=["a", "b"])).shard_rows_over == ("a", "b")
