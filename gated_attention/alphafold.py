@@ -236,6 +236,29 @@ def _pair_bias_grads(rows, pair, d_pair, d_bias, scale, offset, weights):
 _fused_pair_bias.defvjp(_fused_pair_bias_fwd, _fused_pair_bias_bwd)
 
 
+def _on_rows_with_params(fn, args, placement, row_dims, out_dim):
+    """sharding.on_rows for a module's Haiku code: its parameters enter the shard_map as replicated
+    arguments, handed to fn's get_parameter calls by a custom getter (a shard_map may not close
+    over values typed on Explicit mesh axes, as parameters placed on the mesh are)."""
+    prefix = hk.experimental.current_name()
+    params = {
+        scope: leaves
+        for scope, leaves in hk.experimental.get_params().items()
+        if scope == prefix or scope.startswith(prefix + "/")
+    }
+
+    def body(params, *args):
+        def local(next_getter, value, context):
+            del value  # the value outside the shard_map: not to be used in here
+            return next_getter(params[context.module_name][context.name])
+
+        with hk.custom_getter(local):
+            return fn(*args)
+
+    dims = (None, *row_dims)  # the parameters: replicated
+    return sharding.on_rows(body, (params, *args), placement, row_dims=dims, out_dims=out_dim)
+
+
 def _to_columns(placement, act, mask):
     """act [..., X, Y, c] and mask [..., X, Y] with X split over devices -> Y split instead (one
     all-to-all each); unchanged when nothing is split."""
@@ -308,7 +331,7 @@ class _FamilyModule(hk.Module):
         if placement is None:
             return update(*args)
         out_dim = args[0].ndim - 3
-        return sharding.on_rows(update, args, placement, row_dims=row_dims, out_dims=out_dim)
+        return _on_rows_with_params(update, args, placement, row_dims, out_dim)
 
     @hk.transparent
     def _attention(self, act, norm, mask, bias, is_training) -> jax.Array:

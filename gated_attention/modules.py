@@ -147,7 +147,7 @@ class _AttentionModule(hk.Module):
 
         @functools.cache
         def branch(compute, rows):
-            def run(*args):
+            def run(params, *args):
                 forward = make_forward(
                     implementation, policy, compute, numerics.cast_floats(params, compute)
                 )
@@ -165,7 +165,7 @@ class _AttentionModule(hk.Module):
         if placement is not None:  # each device its own rows: the tiles' rule sees those
             batch //= math.prod(placement[0].shape[a] for a in placement[1])
 
-        def run(*args):
+        def run(params, *args):
             plans = {
                 kind: (
                     numerics.compute_dtype(dtype, policy, backend=kind),
@@ -173,12 +173,16 @@ class _AttentionModule(hk.Module):
                 )
                 for kind in platforms.candidates(args)
             }
-            return platforms.dispatch({kind: branch(*plan) for kind, plan in plans.items()}, *args)
+            branches = {kind: branch(*plan) for kind, plan in plans.items()}
+            return platforms.dispatch(branches, params, *args)
 
         if placement is None:
-            return run(*args)
-        dims = [axis if flag else None for flag in batched]
-        return sharding.on_rows(run, args, placement, row_dims=dims, out_dims=axis % args[0].ndim)
+            return run(params, *args)
+        # The parameters enter as a (replicated) argument: a shard_map may not close over values
+        # typed on Explicit mesh axes, as parameters placed on the mesh are.
+        dims = [None, *(axis if flag else None for flag in batched)]
+        out_dim = axis % args[0].ndim
+        return sharding.on_rows(run, (params, *args), placement, row_dims=dims, out_dims=out_dim)
 
 
 # The module's own tiling for speed on CPU, where a tile whose logits stay near TILE_BYTES stays

@@ -85,16 +85,21 @@ def _channels(what: str, c) -> tuple[int, int]:
 
 
 def _body(
-    what: str, is_training: bool, implementation: str | None = None, remat_policy: str = "nothing"
+    what: str,
+    is_training: bool,
+    implementation: str | None = None,
+    remat_policy: str = "nothing",
+    shard_rows_over: str | None = None,
 ) -> Callable[..., Any]:
     """fn(msa, pair, msa_mask, pair_mask) -> the module's update or the block's output, built from
     the package's classes as the caller's modules.py names them when traced; `implementation`
-    (our modules' global_config.attention_implementation; None: 'auto') and `remat_policy`
-    (theirs too) where ours are in."""
+    (our modules' global_config.attention_implementation; None: 'auto'), `remat_policy` and
+    `shard_rows_over` (theirs too) where ours are in."""
     c = model_config()
     evo, gc = c.embeddings_and_evoformer.evoformer, c.global_config
     with gc.unlocked():
         gc.remat_policy = remat_policy
+        gc.shard_rows_over = shard_rows_over
         if implementation is not None:
             gc.attention_implementation = implementation
     modules = af2_package.alphafold_modules()
@@ -128,12 +133,13 @@ def transformed(
     is_training: bool,
     implementation: str | None = None,
     remat_policy: str = "nothing",
+    shard_rows_over: str | None = None,
 ) -> hk.Transformed:
     """The cell's function for a variant: AF2's classes, ours swapped in (running
-    `implementation`, None: 'auto', with `remat_policy`), or attention removed."""
-    return hk.transform(
-        af2_model.with_variant(_body(what, is_training, implementation, remat_policy), variant)
-    )
+    `implementation`, None: 'auto', with `remat_policy` and `shard_rows_over`), or attention
+    removed."""
+    body = _body(what, is_training, implementation, remat_policy, shard_rows_over)
+    return hk.transform(af2_model.with_variant(body, variant))
 
 
 def input_specs(cell: Cell) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -347,18 +353,22 @@ def memory_problem(
     dtype: str,
     mode: str,
     implementation: str | None = None,
+    shard_rows_over: str | None = None,
 ):
     """(fn, specs) of a cell for measure.resident_memory and deviceless compiles: fn takes the
     parameters' leaves and the inputs (with the update's cotangent in training) as flat
-    positional arguments (the child makes every input ones)."""
+    positional arguments (the child makes every input ones); the parameters come first."""
     cell = Cell(what, n_seq, n_res, dtype, mode)
-    t = transformed(what, variant, mode == "training", implementation)
+    # Shapes from the unsharded program (the same parameters and update): shard_rows_over's
+    # needs the mesh its caller compiles under.
+    plain = transformed(what, variant, mode == "training", implementation)
     specs = input_specs(cell)
-    shapes = jax.eval_shape(t.init, jax.random.PRNGKey(0), *specs)
+    shapes = jax.eval_shape(plain.init, jax.random.PRNGKey(0), *specs)
     if mode == "training":
-        specs += (cotangent_specs(t, shapes, specs),)
+        specs += (cotangent_specs(plain, shapes, specs),)
     leaves, treedef = jax.tree.flatten(shapes)
     in_leaves, in_treedef = jax.tree.flatten(specs)
+    t = transformed(what, variant, mode == "training", implementation, "nothing", shard_rows_over)
     step = step_fn(t, what, mode)
 
     def fn(*flat):

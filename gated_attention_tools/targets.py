@@ -157,6 +157,62 @@ def device(name: str):
     return topo.devices[0]
 
 
+# Topologies of several devices per target kind: 8 GPUs in one host, a v5p slice of 8 chips.
+MESH_TOPOLOGIES = {
+    ("gpu", 8): dict(topology="1x1x8"),
+    ("gpu", 64): dict(topology="1x8x8"),
+    ("tpu", 8): dict(topology_name="{generation}:2x2x2", chips_per_host_bounds=(2, 2, 1)),
+    ("tpu", 64): dict(topology_name="{generation}:4x4x4", chips_per_host_bounds=(2, 2, 1)),
+}
+
+
+def mesh(name: str, shape: tuple[int, ...], axis_names: tuple[str, ...], axis_type=None):
+    """A mesh of math.prod(shape) abstract devices of the target (MESH_TOPOLOGIES: 8 or 64), for
+    deviceless compiles of sharded programs: memory_analysis is then per device, and the compiled
+    text lists the collectives. axis_type: a jax.sharding.AxisType for every axis (None: Explicit,
+    jax.make_mesh's default)."""
+    import math
+
+    import jax
+    import numpy as np
+    from jax.experimental import topologies
+
+    t = target(name)
+    count = math.prod(shape)
+    if (t.kind, count) not in MESH_TOPOLOGIES:
+        raise ValueError(
+            f"a mesh for {name} has {sorted(n for k, n in MESH_TOPOLOGIES if k == t.kind)} devices, "
+            f"got shape {shape}"
+        )
+    device(name)  # the checks: installed, JAX_PLATFORMS=cpu
+    kwargs = dict(MESH_TOPOLOGIES[t.kind, count])
+    if t.kind == "gpu":
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=(CONFIG_DIR / t.config).read_text(), **kwargs
+        )
+    else:
+        generation = t.topology.split(":")[0]
+        kwargs["topology_name"] = kwargs["topology_name"].format(generation=generation)
+        topo = topologies.get_topology_desc(platform="tpu", **kwargs)
+    types = (jax.sharding.AxisType.Explicit if axis_type is None else axis_type,) * len(shape)
+    devices = np.array(topo.devices[:count]).reshape(shape)
+    return jax.sharding.Mesh(devices, axis_names, axis_types=types)
+
+
+def collectives(compiled) -> dict[str, list[str]]:
+    """The collectives of a compiled program: {kind: [the result shape of each]}."""
+    import re
+
+    kinds = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+    found = {k: [] for k in kinds}
+    for line in compiled.as_text().splitlines():
+        for kind in kinds:
+            match = re.search(rf"= (.*?) {kind}(-start)?\(", line)
+            if match:
+                found[kind].append(match.group(1))
+    return found
+
+
 def spec(shape, dtype, name: str):
     """An abstract argument of this shape and dtype on the target's device."""
     import jax

@@ -83,8 +83,9 @@ def one_device():
 def test_each_device_computes_its_own_rows(one_device, axis_type):
     params, args, (want_out, want_grads) = one_device
     mesh = jax.make_mesh((8,), ("rows",), axis_types=(axis_type,), devices=jax.devices()[:8])
-    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("rows")))
-    placed = [jax.tree.map(put, a) for a in args]
+    put = lambda spec: lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+    placed = [jax.tree.map(put(P("rows")), a) for a in args]
+    params = jax.tree.map(put(P()), params)  # on the mesh, replicated (as the README places them)
     step = jax.jit(_step(_family("rows")))
     with jax.set_mesh(mesh):
         out, grads = step(params, *placed)
