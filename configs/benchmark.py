@@ -116,6 +116,8 @@ PRESETS = (
     "device_memory_smoke",
     "options",
     "options_smoke",
+    "mesh_memory",
+    "mesh_memory_smoke",
 )
 
 
@@ -130,6 +132,8 @@ def get_config(preset="full"):
         return _device_memory_config(preset)
     if preset in ("options", "options_smoke"):
         return _options_config(preset)
+    if preset in ("mesh_memory", "mesh_memory_smoke"):
+        return _mesh_memory_config(preset)
     if preset == "smoke":  # seconds: tiny shapes, for the tests of the script itself
         cfg = get_config("full")
         cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
@@ -290,4 +294,34 @@ def _options_config(preset):
         cfg.rounds, cfg.steps = 1, 1
         cfg.causal_goal = 100.0
         cfg.output_dir = "/tmp/gated_attention_options_smoke"
+    return cfg
+
+
+def _mesh_memory_config(preset):
+    """Rows over a mesh (mesh_memory.py): the family modules compiled deviceless for 8 H100s and a
+    TPU v5p slice of 8 chips, per-device memory and collectives against one device's peak / 8;
+    needs the targets extra."""
+    cfg = ml_collections.ConfigDict()
+    cfg.suite = "mesh_memory"
+    cfg.targets = ("h100", "v5p")
+    cfg.devices = 8
+    cfg.whats = ("triangle_start", "triangle_end", "msa_row", "msa_column", "msa_column_global")
+    # (what, (N_seq, N_res)): the crops the issue measured at (model_1's channels).
+    cfg.crops = (
+        ("triangle_start", (1, 2048)),
+        ("triangle_end", (1, 2048)),
+        ("msa_row", (512, 1024)),
+        ("msa_column", (512, 1024)),
+        ("msa_column_global", (1024, 1024)),
+    )
+    cfg.dtypes = ("bfloat16",)
+    cfg.modes = ("training", "inference")
+    cfg.variants = ("ours", "af2")
+    cfg.styles = ("auto", "explicit")
+    cfg.output_dir = "benchmark_results/mesh_memory"
+    if preset == "mesh_memory_smoke":  # seconds: checks the suite runs
+        cfg.targets, cfg.whats = ("h100",), ("triangle_end",)
+        cfg.crops = (("triangle_end", (1, 64)),)
+        cfg.modes, cfg.variants, cfg.styles = ("training",), ("ours",), ("auto",)
+        cfg.output_dir = "/tmp/gated_attention_mesh_memory_smoke"
     return cfg

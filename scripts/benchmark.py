@@ -34,6 +34,7 @@ def main(argv):
         device_benchmark,
         device_memory,
         family_benchmark,
+        mesh_memory,
         options_benchmark,
     )
 
@@ -47,6 +48,9 @@ def main(argv):
     elif cfg.suite == "device_memory":
         results = device_memory.run(cfg, log=log)
         table = device_memory.markdown(results)
+    elif cfg.suite == "mesh_memory":
+        results = mesh_memory.run(cfg, log=log)
+        table = mesh_memory.markdown(results)
     elif cfg.suite == "options":
         results = options_benchmark.run(cfg, log=log)
         table = options_benchmark.markdown(results)
@@ -76,7 +80,9 @@ def _plot(cfg, results, out_dir):
             plots.training_memory(results["memory"], str(out_dir / "training_memory.png"))
         if any(r["variant"] == "ours" and r["dtype"] == "float32" for r in results["cells"]):
             plots.family_ratios(results["cells"], results["goals"], str(out_dir / "ratios.png"))
-    elif cfg.suite not in ("device", "device_memory", "options") and cfg.sweep_lengths:
+    elif (
+        cfg.suite not in ("device", "device_memory", "mesh_memory", "options") and cfg.sweep_lengths
+    ):
         plots.op_sweep(results["cells"], str(out_dir / "results.png"))
 
 

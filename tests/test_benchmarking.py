@@ -275,7 +275,14 @@ def test_benchmark_presets_share_one_schema():
     for preset in module.PRESETS:  # one schema per suite
         cfg = module.get_config(preset)
         keys.setdefault(cfg.suite, set()).add(frozenset(cfg.keys()))
-    assert sorted(keys) == ["device", "device_memory", "family", "modules", "options"], keys
+    assert sorted(keys) == [
+        "device",
+        "device_memory",
+        "family",
+        "mesh_memory",
+        "modules",
+        "options",
+    ], keys
     assert all(len(k) == 1 for k in keys.values()), keys
     for preset in module.PRESETS:
         cfg = module.get_config(preset)
@@ -296,6 +303,12 @@ def test_benchmark_presets_share_one_schema():
         if cfg.suite == "options":
             assert cfg.goal_implementation in cfg.implementations
             assert cfg.goal_implementation in cfg.gqa_implementations
+            continue
+        if cfg.suite == "mesh_memory":
+            assert set(cfg.whats) <= set(device_memory.WHATS) and set(cfg.whats) == {
+                w for w, _ in cfg.crops
+            }
+            assert all(targets.target(t) for t in cfg.targets)
             continue
         if cfg.suite == "device":
             device_benchmark.check_config(cfg)

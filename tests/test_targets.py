@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gated_attention_tools import targets
+from gated_attention_tools import mesh_memory, targets
 
 
 def _need(name: str) -> None:
@@ -113,3 +113,20 @@ def test_tpu_kernels_compile_within_vmem(target):
             {"gated_attention_tpu_dbias"} if case["bias"] == "none" else set()
         )
         assert set(result["kernels"]) == expected, (case, result["kernels"])
+
+
+def test_rows_over_eight_h100s_turn_by_all_to_all_and_gather_only_the_bias():
+    """mesh_memory's cell: TriangleAttention (ending node) training with the pair's rows over 8
+    H100s (Auto axes, global_config.shard_rows_over), compiled deviceless: per-device memory, the
+    transposes as all-to-alls, and no gather of anything the pair's size."""
+    _need("h100")
+    cell = dict(
+        target="h100", devices=8, what="triangle_end", variant="ours", style="auto",
+        n_seq=1, n_res=64, dtype="bfloat16", mode="training",
+    )  # fmt: skip
+    got = targets.in_child("gated_attention_tools.mesh_memory:compile_cell", cell)
+    assert "error" not in got, got
+    row = mesh_memory.summarize(cell | got, dict(memory=dict(peak=8 * got["memory"]["peak"])))
+    assert row["over_ideal"] == 1.0 and row["memory"]["peak"] > 0
+    assert 4 <= row["all_to_all"] <= 8, got["collectives"]["all-to-all"]
+    assert 0 < row["largest_gather_over_input"] <= 0.1, got["collectives"]["all-gather"]
