@@ -4,7 +4,11 @@ AF2's own code is sharded) and under Explicit ones, inference and training step,
 device; the column-wise modules turn to columns with one all-to-all each way, and nothing of the
 MSA's or the pair's size is gathered."""
 
+import pathlib
 import re
+import socket
+import subprocess
+import sys
 
 import haiku as hk
 import jax
@@ -16,8 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 import gated_attention as ga
 from gated_attention import config
-from tests import reference
+from tests import reference, row_parallel_case
 from tests.helpers import assert_close
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 S, R, C_M, C_Z, H = 16, 16, 16, 8, 2  # 8 devices: 2 MSA rows and 2 pair rows each
 MODULES = ("msa_row", "msa_column", "msa_column_global", "triangle_start", "triangle_end")
@@ -121,3 +127,35 @@ def test_the_rows_axis_must_name_the_context_mesh():
         with pytest.raises(ValueError, match=r"shard_rows_over must be None, a mesh axis name"):
             config.global_config(dict(shard_rows_over=bad))
     assert config.global_config(dict(shard_rows_over=["a", "b"])).shard_rows_over == ("a", "b")
+
+
+def test_two_processes_match_one(tmp_path):
+    """The ending node's training step with the rows over 8 devices in 2 processes (jax.distributed,
+    CPU collectives: the all-to-alls cross processes) matches one device."""
+    port = _free_port()
+    out = tmp_path / "result.npz"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.multiprocess_case", str(i), str(port), str(out)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
+    params, args = row_parallel_case.problem()
+    want = jax.jit(row_parallel_case.step())(params, *args)
+    got = np.load(out)
+    leaves = jax.tree.leaves(want)
+    assert len(got.files) == len(leaves)
+    for i, w in enumerate(leaves):
+        assert_close(got[f"arr_{i}"], w, reference.grad_tolerance("float32", w))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
