@@ -90,16 +90,18 @@ def _body(
     implementation: str | None = None,
     remat_policy: str = "nothing",
     shard_rows_over: str | None = None,
+    memory_budget_mib: float | None = None,
 ) -> Callable[..., Any]:
     """fn(msa, pair, msa_mask, pair_mask) -> the module's update or the block's output, built from
     the package's classes as the caller's modules.py names them when traced; `implementation`
-    (our modules' global_config.attention_implementation; None: 'auto'), `remat_policy` and
-    `shard_rows_over` (theirs too) where ours are in."""
+    (our modules' global_config.attention_implementation; None: 'auto'), `remat_policy`,
+    `shard_rows_over` and `memory_budget_mib` (theirs too; None: the default) where ours are in."""
     c = model_config()
     evo, gc = c.embeddings_and_evoformer.evoformer, c.global_config
     with gc.unlocked():
         gc.remat_policy = remat_policy
         gc.shard_rows_over = shard_rows_over
+        gc.memory_budget_mib = memory_budget_mib
         if implementation is not None:
             gc.attention_implementation = implementation
     modules = af2_package.alphafold_modules()
@@ -134,11 +136,14 @@ def transformed(
     implementation: str | None = None,
     remat_policy: str = "nothing",
     shard_rows_over: str | None = None,
+    memory_budget_mib: float | None = None,
 ) -> hk.Transformed:
     """The cell's function for a variant: AF2's classes, ours swapped in (running
-    `implementation`, None: 'auto', with `remat_policy` and `shard_rows_over`), or attention
-    removed."""
-    body = _body(what, is_training, implementation, remat_policy, shard_rows_over)
+    `implementation`, None: 'auto', with `remat_policy`, `shard_rows_over` and
+    `memory_budget_mib`), or attention removed."""
+    body = _body(
+        what, is_training, implementation, remat_policy, shard_rows_over, memory_budget_mib
+    )
     return hk.transform(af2_model.with_variant(body, variant))
 
 
@@ -354,6 +359,7 @@ def memory_problem(
     mode: str,
     implementation: str | None = None,
     shard_rows_over: str | None = None,
+    memory_budget_mib: float | None = None,
 ):
     """(fn, specs) of a cell for measure.resident_memory and deviceless compiles: fn takes the
     parameters' leaves and the inputs (with the update's cotangent in training) as flat
@@ -368,7 +374,10 @@ def memory_problem(
         specs += (cotangent_specs(plain, shapes, specs),)
     leaves, treedef = jax.tree.flatten(shapes)
     in_leaves, in_treedef = jax.tree.flatten(specs)
-    t = transformed(what, variant, mode == "training", implementation, "nothing", shard_rows_over)
+    t = transformed(
+        what, variant, mode == "training", implementation, "nothing", shard_rows_over,
+        memory_budget_mib,
+    )  # fmt: skip
     step = step_fn(t, what, mode)
 
     def fn(*flat):

@@ -38,6 +38,7 @@ class Cell:
     n_res: int
     dtype: str
     mode: str
+    memory_budget_mib: float | None = None  # ours' global_config.memory_budget_mib (None: default)
 
 
 def compile_cell(**fields) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def compile_cell(**fields) -> dict[str, Any]:
     rows = AXIS if cell.variant == "ours" else None
     fn, specs = family_benchmark.memory_problem(
         cell.what, cell.variant, cell.n_seq, cell.n_res, cell.dtype, cell.mode,
-        shard_rows_over=rows,
+        shard_rows_over=rows, memory_budget_mib=cell.memory_budget_mib,
     )  # fmt: skip
     inputs = len(specs) - (5 if cell.mode == "training" else 4)  # the parameters come first
 
@@ -63,10 +64,18 @@ def compile_cell(**fields) -> dict[str, Any]:
 
     placed = [place(i, s) for i, s in enumerate(specs)]
     input_bytes = max(math.prod(s.shape) * s.dtype.itemsize for s in specs[inputs:])
+    # The outputs split as the inputs of their shape (the update, the activations' gradients; a
+    # gradient of zeros for an input the module does not read too), the parameters' replicated:
+    # left to XLA under Auto axes, such zeros come out whole on every device.
+    split = {tuple(s.shape) for s in specs[inputs:] if s.shape[0] % cell.devices == 0}
     start = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
-            compiled = jax.jit(fn).lower(*placed).compile()
+            out_shardings = jax.tree.map(
+                lambda o: NamedSharding(mesh, P(AXIS) if tuple(o.shape) in split else P()),
+                jax.eval_shape(fn, *placed),
+            )
+            compiled = jax.jit(fn, out_shardings=out_shardings).lower(*placed).compile()
     except Exception as e:  # AF2's einsums under explicit axes, say: reported, not fatal
         return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
     return dict(
@@ -127,7 +136,10 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
         cfg.targets, cfg.whats, cfg.dtypes, cfg.modes
     ):
         n_seq, n_res = dict(cfg.crops)[what]
-        base = Cell(target, cfg.devices, what, "ours", "auto", n_seq, n_res, dtype, mode)
+        base = Cell(
+            target, cfg.devices, what, "ours", "auto", n_seq, n_res, dtype, mode,
+            cfg.memory_budget_mib,
+        )  # fmt: skip
         ones = {v: _one_device(dataclasses.replace(base, variant=v), log) for v in cfg.variants}
         for variant, style in itertools.product(cfg.variants, cfg.styles):
             cell = dataclasses.replace(base, variant=variant, style=style)
