@@ -320,7 +320,7 @@ def _mesh_memory_config(preset):
     cfg.styles = ("auto", "explicit")
     # Ours' global_config.memory_budget_mib (None: the default): each device keeps a working set
     # of that order whatever its share of the rows, so small shares are measured at 64 too.
-    cfg.memory_budget_mib = None
+    cfg.memory_budget_mib = ml_collections.config_dict.placeholder(float)
     cfg.output_dir = "benchmark_results/mesh_memory"
     if preset == "mesh_memory_smoke":  # seconds: checks the suite runs
         cfg.targets, cfg.whats = ("h100",), ("triangle_end",)
