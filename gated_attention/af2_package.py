@@ -42,9 +42,10 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
+import haiku as hk
 import jax
 
-from gated_attention import alphafold, modules
+from gated_attention import alphafold, modules, sharding
 
 
 class AF2Attention(modules.Attention):
@@ -157,10 +158,56 @@ def alphafold_modules() -> ModuleType:
         ) from e
 
 
+def _placement(global_config: Any):
+    """sharding.rows_mesh of an AF2 global config's shard_rows_over (None when it has none, and
+    while Haiku initializes: parameters need no layout)."""
+    names = global_config.get("shard_rows_over") if hasattr(global_config, "get") else None
+    return None if hk.running_init() else sharding.rows_mesh(names)
+
+
+def dap_layouts(target: ModuleType) -> dict[str, type]:
+    """AF2's TriangleMultiplication and OuterProductMean (subclassed from `target`'s, so names and
+    parameters are AF2's) with DAP's layouts placed around them when global_config.shard_rows_over
+    splits the rows over devices: the incoming triangle multiplication ('kjc,kic->ijc', a sum over
+    rows) and the outer product mean (a sum over the MSA's rows) run on the columns, turned so by
+    one all-to-all, and hand the rows back; otherwise XLA's partitioner would sum each device's
+    partial [N_res, N_res, ...] product and reduce it over the devices. Their other operand is
+    gathered, as in FastFold's DAP."""
+
+    class TriangleMultiplication(target.TriangleMultiplication):
+        def __call__(self, left_act, left_mask, is_training=True, residual=None):
+            placement = _placement(self.global_config)
+            over_rows = self.config.equation.split("->")[0].split(",")[0].startswith("k")
+            if placement is None or not over_rows:
+                return super().__call__(left_act, left_mask, is_training, residual)
+            columns = lambda x, d: sharding.split_along(x, placement, d)
+            out = super().__call__(columns(left_act, -2), columns(left_mask, -1), is_training)
+            out = sharding.split_along(out, placement, -3)
+            return out if residual is None else residual + out
+
+    class OuterProductMean(target.OuterProductMean):
+        def __call__(self, act, mask, is_training=True, residual=None):
+            placement = _placement(self.global_config)
+            if placement is None:
+                return super().__call__(act, mask, is_training, residual)
+            act = sharding.split_along(act, placement, -2)
+            mask = sharding.split_along(mask, placement, -1)
+            out = sharding.split_along(super().__call__(act, mask, is_training), placement, -3)
+            return out if residual is None else residual + out
+
+    return dict(TriangleMultiplication=TriangleMultiplication, OuterProductMean=OuterProductMean)
+
+
 class _Swap(contextlib.ContextDecorator):
     """Context manager and decorator: AF2's attention classes replaced while it is active."""
 
-    def __init__(self, replacements: Mapping[str, Any] | None, target: ModuleType | None):
+    def __init__(
+        self,
+        replacements: Mapping[str, Any] | None,
+        target: ModuleType | None,
+        layouts: bool = True,
+    ):
+        self._layouts = layouts
         replacements = dict(REPLACEMENTS if replacements is None else replacements)
         unknown = sorted(set(replacements) - set(REPLACEMENTS))
         if unknown:
@@ -182,8 +229,11 @@ class _Swap(contextlib.ContextDecorator):
                 f"{target.__name__} has no {missing}: not an AlphaFold 2 modules.py this "
                 "integration knows (tested with alphafold-colabfold 2.3.27)"
             )
-        self._saved.append({name: getattr(target, name) for name in self._replacements})
-        for name, cls in self._replacements.items():
+        replacements = dict(self._replacements)
+        if self._layouts:
+            replacements |= dap_layouts(target)
+        self._saved.append({name: getattr(target, name) for name in replacements})
+        for name, cls in replacements.items():
             setattr(target, name, cls)
         return target
 
@@ -197,7 +247,10 @@ class _Swap(contextlib.ContextDecorator):
 
 
 def use_gated_attention(
-    replacements: Mapping[str, Any] | None = None, *, target: ModuleType | None = None
+    replacements: Mapping[str, Any] | None = None,
+    *,
+    target: ModuleType | None = None,
+    layouts: bool = True,
 ) -> _Swap:
     """AF2's attention modules replaced by this library's, as a context manager or a decorator.
 
@@ -206,9 +259,11 @@ def use_gated_attention(
         Attention and GlobalAttention). A subset swaps only those (e.g. {"TriangleAttention":
         ga.TriangleAttention}, or {"Attention": AF2Attention} under AF2's own family modules).
       target: the modules.py to patch; None: alphafold.model.modules (imported on entry).
+      layouts: also AF2's TriangleMultiplication and OuterProductMean with DAP's layouts
+        (dap_layouts), which act only when global_config.shard_rows_over splits the rows.
 
     Returns:
       A reusable, re-entrant context manager (entering it returns the patched module) that is
       also a decorator: the swap holds while the decorated function runs.
     """
-    return _Swap(replacements, target)
+    return _Swap(replacements, target, layouts)

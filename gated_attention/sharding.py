@@ -322,6 +322,18 @@ def on_rows(
     )(*args)  # fmt: skip
 
 
+def split_along(x: Any, placement: tuple[Any, Axes], dim: int) -> Any:
+    """x constrained to be split along `dim` over placement's axes (a layout for XLA's partitioner
+    under Auto axes, a reshard under Explicit ones); the context mesh (jax.set_mesh) is used."""
+    mesh, axes = placement
+    entry = axes[0] if len(axes) == 1 else tuple(axes)
+    spec = P(*([None] * (dim % len(x.shape))), entry)
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if any(kinds[a] == AxisType.Explicit for a in axes):
+        return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
 def rows_to_columns(x: Any, axes: Axes, *, rows: int, columns: int) -> Any:
     """Inside on_rows: x split along `rows` -> split along `columns` instead, one all-to-all."""
     return jax.lax.all_to_all(x, tuple(axes), columns, rows, tiled=True)

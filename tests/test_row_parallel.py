@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 import gated_attention as ga
 from gated_attention import config
 from tests import reference, row_parallel_case
-from tests.helpers import assert_close
+from tests.helpers import all_eqns, assert_close
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -159,3 +159,58 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_af2s_sums_over_rows_run_on_columns_under_the_swap():
+    """Through use_gated_attention, AF2's incoming triangle multiplication and outer product mean
+    with shard_rows_over: turned to columns by all-to-alls (DAP's layouts) rather than summing
+    per-device partial products; their training step on 8 devices (Auto axes) matches one device."""
+    from alphafold.model import config as af2_config
+
+    from gated_attention import af2_package
+
+    c = af2_config.model_config("model_1").model
+    evo, gc = c.embeddings_and_evoformer.evoformer, c.global_config
+    with gc.unlocked():
+        gc.shard_rows_over = "rows"
+        gc.deterministic = True
+
+    @af2_package.use_gated_attention()
+    def forward(msa, msa_mask, pair, pair_mask):
+        m = af2_package.alphafold_modules()
+        tri = m.TriangleMultiplication(evo.triangle_multiplication_incoming, gc, name="tri_in")
+        opm = m.OuterProductMean(evo.outer_product_mean, gc, num_output_channel=C_Z)
+        return tri(pair, pair_mask), opm(msa, msa_mask)
+
+    rng = np.random.default_rng(3)
+    msa = jnp.asarray(rng.normal(size=(S, R, 256)), jnp.float32)
+    pair = jnp.asarray(rng.normal(size=(R, R, C_Z)), jnp.float32)
+    msa_mask, pair_mask = jnp.ones((S, R)), jnp.ones((R, R))
+    fn = hk.without_apply_rng(hk.transform(forward))
+    params = fn.init(jax.random.PRNGKey(0), msa, msa_mask, pair, pair_mask)
+
+    def step(params, msa, pair):
+        out, vjp = jax.vjp(
+            lambda p, m, z: fn.apply(p, m, msa_mask, z, pair_mask), params, msa, pair
+        )
+        return out, vjp(jax.tree.map(jnp.ones_like, out))
+
+    one = jax.make_mesh((1,), ("rows",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
+    with jax.set_mesh(one):
+        want = jax.jit(step)(params, msa, pair)
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(AxisType.Auto,), devices=jax.devices()[:8])
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("rows")))
+    with jax.set_mesh(mesh):
+        got = jax.jit(step)(params, put(msa), put(pair))
+        jaxpr = jax.make_jaxpr(step)(params, put(msa), put(pair))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, reference.grad_tolerance("float32", w))
+    # The layouts asked for: each module's inputs on the columns (act and mask), its output on
+    # the rows; what XLA makes of them (all-to-alls, gathers) depends on its cost model.
+    specs = [
+        str(e.params["sharding"].spec)
+        for e in all_eqns(jaxpr.jaxpr)
+        if e.primitive.name == "sharding_constraint"
+    ]
+    assert specs.count(str(P(None, "rows"))) >= 2, specs
+    assert specs.count(str(P("rows"))) >= 2, specs
