@@ -95,3 +95,20 @@ def kernel_cases(target: str, cases: list[dict]) -> list[dict]:
     if not first["ptx_files"]:
         return [first]
     return [first, *(gpu_kernels.kernel_stats(target, **case) for case in cases[1:])]
+
+
+def transposed_on_a_mesh(target: str) -> dict:
+    """A [64, 64] bfloat16 array split along its rows over 8 devices of `target`, transposed and
+    split along its rows again (so its columns move), compiled deviceless."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = targets.mesh(target, (8,), ("rows",))
+    x = jax.ShapeDtypeStruct((64, 64), jnp.bfloat16, sharding=NamedSharding(mesh, P("rows")))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda x: jax.sharding.reshard(x.T, P("rows"))).lower(x).compile()
+    return dict(
+        devices=mesh.size,
+        kinds=sorted({d.device_kind for d in mesh.devices.flat}),
+        collectives=targets.collectives(compiled),
+    )

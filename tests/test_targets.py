@@ -115,18 +115,15 @@ def test_tpu_kernels_compile_within_vmem(target):
         assert set(result["kernels"]) == expected, (case, result["kernels"])
 
 
-def test_rows_over_eight_h100s_turn_by_all_to_all_and_gather_only_the_bias():
-    """mesh_memory's cell: TriangleAttention (ending node) training with the pair's rows over 8
-    H100s (Auto axes, global_config.shard_rows_over), compiled deviceless: per-device memory, the
-    transposes as all-to-alls, and no gather of anything the pair's size."""
+def test_a_mesh_of_eight_h100s_and_its_collectives():
+    """targets.mesh: 8 H100s (topology 1x1x8), compiled deviceless; a row-split array turned to
+    columns is one all-to-all, and collectives() reads its result shape; mesh_memory.summarize's
+    ratios. (The modules' own collectives on a mesh: tests/test_row_parallel.py.)"""
     _need("h100")
-    cell = dict(
-        target="h100", devices=8, what="triangle_end", variant="ours", style="auto",
-        n_seq=1, n_res=64, dtype="bfloat16", mode="training",
-    )  # fmt: skip
-    got = targets.in_child("gated_attention_tools.mesh_memory:compile_cell", cell)
-    assert "error" not in got, got
-    row = mesh_memory.summarize(cell | got, dict(memory=dict(peak=8 * got["memory"]["peak"])))
-    assert row["over_ideal"] == 1.0 and row["memory"]["peak"] > 0
-    assert 4 <= row["all_to_all"] <= 8, got["collectives"]["all-to-all"]
-    assert 0 < row["largest_gather_over_input"] <= 0.1, got["collectives"]["all-gather"]
+    got = targets.in_child("tests.target_cases:transposed_on_a_mesh", dict(target="h100"))
+    assert got["devices"] == 8 and got["kinds"] == ["NVIDIA H100 80GB HBM3"], got
+    assert got["collectives"]["all-to-all"] and not got["collectives"]["all-gather"], got
+    assert "bf16[" in got["collectives"]["all-to-all"][0], got
+    row = dict(devices=8, input_bytes=1000, memory=dict(peak=300), collectives=got["collectives"])
+    row = mesh_memory.summarize(row, dict(memory=dict(peak=1600)))
+    assert row["over_ideal"] == 1.5 and row["all_to_all"] == len(got["collectives"]["all-to-all"])
