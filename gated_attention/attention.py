@@ -401,6 +401,7 @@ def dot_product_attention(
     logits_soft_cap: float | None = None,
     precision: jax.lax.Precision | str | None = None,
     logits_dtype: Any = None,
+    shard_rows_over: str | Sequence[str] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Softmax attention with additive biases and masks, over several implementations.
 
@@ -452,6 +453,11 @@ def dot_product_attention(
       precision: None, a jax.lax.Precision or its name, for the dots.
       logits_dtype: None or the logits' dtype, which is float32 (float64 for float64 inputs)
         here; anything else is refused.
+      shard_rows_over: None, or the axis (axes) of the context mesh (jax.set_mesh) that the
+        first batch dimension is split over: each device then attends for its own rows in a
+        shard_map, under Auto mesh axes too (jit with sharded inputs), where XLA's partitioner
+        would otherwise gather the rows around the implementations' loops. What a row shares
+        (a bias or mask of size 1 there) is replicated.
 
     Returns:
       [..., T, N, Hv] in query's dtype; with return_residual, (that, the residual [..., T, N]).
@@ -513,6 +519,31 @@ def dot_product_attention(
         lse = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2))  # [B, T, N]
         return out, lse.reshape((*batch_dims, *lse.shape[1:]))
 
+    placement = sharding.rows_mesh(shard_rows_over)
+    if placement is not None:
+        return _on_rows(attend, placement, query, key, value, biases, mask, options)
     args = (query, key, value, biases, mask, options.structure)
     out = sharding.shard_attention(attend, *args, residual=options.return_residual)
     return attend(*args) if out is None else out
+
+
+def _on_rows(attend, placement, query, key, value, biases, mask, options):
+    """attend with each device on its own rows of the first batch dimension (shard_rows_over)."""
+    if query.ndim < 4:
+        raise ValueError(
+            f"shard_rows_over splits the first batch dimension, but query of shape "
+            f"{tuple(query.shape)} has none"
+        )
+    rows = query.shape[0]
+    structure = options.structure
+    lengths = (structure.q_lengths, structure.kv_lengths)
+
+    def local(query, key, value, mask, q_lengths, kv_lengths, *biases):
+        local_structure = dataclasses.replace(structure, q_lengths=q_lengths, kv_lengths=kv_lengths)
+        return attend(query, key, value, tuple(biases), mask, local_structure)
+
+    split = lambda x: None if x is None or x.shape[0] != rows or rows == 1 else 0
+    args = (query, key, value, mask, *lengths, *biases)
+    out_dims = (0, 0) if options.return_residual else 0
+    dims = [split(x) for x in args]
+    return sharding.on_rows(local, args, placement, row_dims=dims, out_dims=out_dims)

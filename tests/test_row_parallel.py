@@ -4,6 +4,7 @@ AF2's own code is sharded) and under Explicit ones, inference and training step,
 device; the column-wise modules turn to columns with one all-to-all each way, and nothing of the
 MSA's or the pair's size is gathered."""
 
+import functools
 import pathlib
 import re
 import socket
@@ -123,6 +124,12 @@ def test_the_rows_axis_must_name_the_context_mesh():
     mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8])
     with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"names \['rows'\], which the mesh"):
         fn.apply(params, msa, msa_mask, pair, pair_mask)
+    unbatched = jnp.ones((4, 2, 8))  # [T, N, H]: no batch dimension to split
+    with (
+        jax.set_mesh(mesh),
+        pytest.raises(ValueError, match=r"query of shape \(4, 2, 8\) has none"),
+    ):
+        ga.dot_product_attention(unbatched, unbatched, unbatched, shard_rows_over="data")
     for bad in (3, (), ("rows", 2)):
         with pytest.raises(ValueError, match=r"shard_rows_over must be None, a mesh axis name"):
             config.global_config(dict(shard_rows_over=bad))
@@ -214,3 +221,38 @@ def test_af2s_sums_over_rows_run_on_columns_under_the_swap():
     ]
     assert specs.count(str(P(None, "rows"))) >= 2, specs
     assert specs.count(str(P("rows"))) >= 2, specs
+
+
+def test_the_op_on_each_devices_rows_under_auto_axes():
+    """dot_product_attention(shard_rows_over=...) under Auto axes: each device attends for its own
+    batch rows (a shared bias and the shared structure replicated, key mask and lengths split);
+    output, residual and gradients match one device, and nothing is gathered but the bias."""
+    rng = np.random.default_rng(4)
+    b, t, n, h = 16, 8, 2, 8
+    q, k, v, cot = (jnp.asarray(rng.normal(size=(b, t, n, h)), jnp.float32) for _ in range(4))
+    bias = jnp.asarray(rng.normal(size=(1, n, t, t)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, 1, 1, t)) > 0.2)
+    lengths = jnp.asarray(rng.integers(1, t + 1, size=b), jnp.int32)
+
+    def step(rows, q, k, v, bias, mask, lengths):
+        def attend(q, k, v, bias):
+            return ga.dot_product_attention(
+                q, k, v, bias, mask, is_causal=True, key_value_seq_lengths=lengths,
+                return_residual=True, shard_rows_over=rows,
+            )  # fmt: skip
+
+        (out, res), vjp = jax.vjp(attend, q, k, v, bias)
+        return out, res, vjp((cot, jnp.zeros_like(res)))
+
+    want = jax.jit(functools.partial(step, None))(q, k, v, bias, mask, lengths)
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(AxisType.Auto,), devices=jax.devices()[:8])
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("rows")))
+    args = (put(q), put(k), put(v), bias, put(mask), put(lengths))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(functools.partial(step, "rows")).lower(*args).compile()
+        got = compiled(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, reference.grad_tolerance("float32", w))
+    assert got[0].sharding.spec[0] == "rows"
+    gathered = re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", compiled.as_text())
+    assert all(int(np.prod([int(d) for d in g.split(",") if d])) <= n * t * t for g in gathered)
