@@ -3,7 +3,8 @@
   python -m tests.multiprocess_case PROCESS_ID PORT OUT.npz
 
 Each of 2 processes has 4 CPU devices; jax.distributed joins them (CPU collectives over gloo) into
-one mesh of 8 devices with the rows split over all of them (Auto axes). Both compute a
+one mesh of 8 devices with the rows split over all of them (Explicit axes, the parameters placed
+on the mesh). Both compute a
 TriangleAttention (ending node: all-to-alls across the processes) training step with
 global_config.shard_rows_over; process 0 writes the update and the gradients, gathered.
 """
@@ -28,7 +29,7 @@ def main(process_id: int, port: int, out: str) -> None:
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id
     )
-    mesh = jax.make_mesh((8,), ("rows",), axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(AxisType.Explicit,))
     params, args = row_parallel_case.problem()
 
     def place(x, spec):
