@@ -118,6 +118,8 @@ PRESETS = (
     "options_smoke",
     "mesh_memory",
     "mesh_memory_smoke",
+    "context_memory",
+    "context_memory_smoke",
 )
 
 
@@ -134,6 +136,8 @@ def get_config(preset="full"):
         return _options_config(preset)
     if preset in ("mesh_memory", "mesh_memory_smoke"):
         return _mesh_memory_config(preset)
+    if preset in ("context_memory", "context_memory_smoke"):
+        return _context_memory_config(preset)
     if preset == "smoke":  # seconds: tiny shapes, for the tests of the script itself
         cfg = get_config("full")
         cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
@@ -327,4 +331,27 @@ def _mesh_memory_config(preset):
         cfg.crops = (("triangle_end", (1, 64)),)
         cfg.modes, cfg.variants, cfg.styles = ("training",), ("ours",), ("auto",)
         cfg.output_dir = "/tmp/gated_attention_mesh_memory_smoke"
+    return cfg
+
+
+def _context_memory_config(preset):
+    """Keys over a mesh (context_memory.py): the op with its query and key positions split over 8
+    H100s and a TPU v5p slice of 8 chips, compiled deviceless, per-device memory and collectives
+    against one device's peak / 8; needs the targets extra."""
+    cfg = ml_collections.ConfigDict()
+    cfg.suite = "context_memory"
+    cfg.targets = ("h100", "v5p")
+    cfg.devices = 8
+    cfg.tokens = 16384
+    cfg.heads, cfg.head_dim = 8, 64
+    cfg.dtypes = ("bfloat16",)
+    cfg.modes = ("training", "inference")
+    cfg.causal = (False, True)
+    cfg.key_bias = True  # a [B, 1, 1, S] bias: it travels with the keys
+    cfg.variants = ("ring", "plain")
+    cfg.output_dir = "benchmark_results/context_memory"
+    if preset == "context_memory_smoke":  # seconds: checks the suite runs
+        cfg.targets, cfg.tokens, cfg.modes, cfg.causal = ("h100",), 256, ("training",), (True,)
+        cfg.variants = ("ring",)
+        cfg.output_dir = "/tmp/gated_attention_context_memory_smoke"
     return cfg

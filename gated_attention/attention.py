@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from gated_attention import base, checks, masking, numerics, platforms, sharding
+from gated_attention import base, checks, masking, numerics, platforms, ring, sharding
 from gated_attention.chunked import DEFAULT_MEMORY_BUDGET_BYTES, ChunkedAttention
 from gated_attention.cudnn import CudnnAttention
 from gated_attention.pallas import PallasAttention
@@ -402,6 +402,7 @@ def dot_product_attention(
     precision: jax.lax.Precision | str | None = None,
     logits_dtype: Any = None,
     shard_rows_over: str | Sequence[str] | None = None,
+    shard_keys_over: str | Sequence[str] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Softmax attention with additive biases and masks, over several implementations.
 
@@ -458,6 +459,12 @@ def dot_product_attention(
         shard_map, under Auto mesh axes too (jit with sharded inputs), where XLA's partitioner
         would otherwise gather the rows around the implementations' loops. What a row shares
         (a bias or mask of size 1 there) is replicated.
+      shard_keys_over: None, or the axis (axes) of the context mesh that the query positions T
+        and the key/value positions S are split over, in contiguous blocks (context
+        parallelism): each device attends its queries to the key blocks in turn, passed around
+        the devices, and merges them by log-sum-exp, never gathering K or V (ring.py). A bias or
+        mask with a query axis is split along it and stays; one with a key axis only travels
+        with the keys. Under Auto and Explicit mesh axes.
 
     Returns:
       [..., T, N, Hv] in query's dtype; with return_residual, (that, the residual [..., T, N]).
@@ -493,7 +500,7 @@ def dot_product_attention(
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     kinds = platforms.candidates((query, key, value, biases, mask))
 
-    def attend(query, key, value, biases, mask, structure):  # all inputs, or one device's shard
+    def attend(query, key, value, biases, mask, structure, options=options):  # or one shard's
         batch_dims = tuple(query.shape[:-3])
         q, k, v = (_flatten_batch(x, batch_dims) for x in (query, key, value))
         flat_biases = tuple(_flatten_batch(b, batch_dims) for b in biases)
@@ -516,9 +523,24 @@ def dot_product_attention(
         out = out.reshape((*batch_dims, *out.shape[1:]))
         if lse is None:
             return out
-        lse = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2))  # [B, T, N]
+        lse = jnp.swapaxes(lse, 1, 2)  # [B, T, N]
+        if not options.residual_gradient:
+            lse = jax.lax.stop_gradient(lse)
         return out, lse.reshape((*batch_dims, *lse.shape[1:]))
 
+    keys_over = sharding.rows_mesh(shard_keys_over, "shard_keys_over")
+    if keys_over is not None:
+        if shard_rows_over is not None:
+            raise ValueError(
+                f"shard_rows_over={shard_rows_over!r} and shard_keys_over={shard_keys_over!r}: "
+                "give one (split rows with the mesh's other axes by placing the inputs)"
+            )
+        ring_options = dataclasses.replace(options, return_residual=True, residual_gradient=True)
+        block = functools.partial(attend, options=ring_options)
+        return ring.attend(
+            block, keys_over, query, key, value, biases, mask, options.structure,
+            residual=options.return_residual,
+        )  # fmt: skip
     placement = sharding.rows_mesh(shard_rows_over)
     if placement is not None:
         return _on_rows(attend, placement, query, key, value, biases, mask, options)

@@ -45,12 +45,15 @@ class Options:
         scaled logits plus the biases, before any mask (tokamax's definition).
       precision: None or a jax.lax.Precision for the dots.
       return_residual: also return the logsumexp of the logits, [B, N, T].
+      residual_gradient: the logsumexp carries its gradient (merging attention over key shards,
+        ring.py, differentiates through it); else it is a constant.
     """
 
     structure: masking.Structure = masking.NONE
     logits_soft_cap: float | None = None
     precision: Any = None
     return_residual: bool = False
+    residual_gradient: bool = False
 
     def asked(self, query, key) -> dict[str, str]:
         """What these options and shapes ask beyond plain attention: capability -> description."""
@@ -68,6 +71,7 @@ class Options:
             ("logits_soft_cap", self.logits_soft_cap is not None),
             ("precision", self.precision is not None),
             ("return_residual", self.return_residual),
+            ("residual_gradient", self.residual_gradient),
         ):
             if wanted:
                 asked[name] = name
@@ -77,7 +81,7 @@ class Options:
 jax.tree_util.register_dataclass(
     Options,
     data_fields=["structure"],
-    meta_fields=["logits_soft_cap", "precision", "return_residual"],
+    meta_fields=["logits_soft_cap", "precision", "return_residual", "residual_gradient"],
 )
 
 PLAIN = Options()
@@ -92,6 +96,7 @@ ALL_OPTIONS = frozenset(
         "logits_soft_cap",
         "precision",
         "return_residual",
+        "residual_gradient",
     )
 )
 
@@ -236,7 +241,7 @@ def kernel_attention(forward: Callable, backward: Callable) -> Callable:
     """attention(plan, q, k, v, biases, extras) -> (out, log-sum-exp) for a kernel pair, as a
     custom VJP: forward(plan, q, k, v, biases, extras) -> (out, lse); backward(plan, residuals,
     (d_out, d_lse)) -> (dq, dk, dv, dbiases, None), residuals (q, k, v, biases, extras, out, lse).
-    The log-sum-exp carries no gradient (as in xla.dense); plan is static."""
+    d_lse is the log-sum-exp's cotangent (zero unless options.residual_gradient); plan is static."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def attention(plan, q, k, v, biases, extras):

@@ -568,17 +568,20 @@ def _reduce_to(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
-def _backward(q, k, v, bias, mask, structure, out, m, row_sum, g, t: _Tiling, groups):
+def _backward(q, k, v, bias, mask, structure, out, m, row_sum, cotangents, t: _Tiling, groups):
     """Gradients (dq, dk, dv, dbias) of a padded head-major block, recomputing p tile by tile;
-    dbias in the accumulation dtype. g is zero in rows with no key to attend to. Query tiles
-    the structured masks hide from a whole key tile are skipped (_query_runs)."""
+    dbias in the accumulation dtype. cotangents: (g, g_lse) of the output and the logsumexp,
+    zero in rows with no key to attend to. Query tiles the structured masks hide from a whole
+    key tile are skipped (_query_runs)."""
+    g, g_lse = cotangents
     acc = accumulation_dtype(q.dtype)
     axis = q.ndim - 2
     tq, tk, scale = t.tq, t.tk, t.scale
     n_q, n_k = q.shape[axis] // tq, k.shape[2] // tk
     tile_logits = functools.partial(_logits, structure=structure, t=t, groups=groups)
     dot = functools.partial(jnp.einsum, preferred_element_type=acc, precision=t.precision)
-    delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1)  # [.., T]
+    # d lse / d logits = p, so the logsumexp's cotangent joins delta: ds = p * (dp - delta + g_lse).
+    delta = jnp.sum(g.astype(acc) * out.astype(acc), axis=-1) - g_lse  # [.., T]
     log_sum = jnp.log(row_sum)  # [.., T]
     g = g.astype(v.dtype)
 
@@ -745,7 +748,7 @@ def _blocks_forward(query, key, value, biases, mask, structure, t: _Tiling):
     return blocks.map(block)
 
 
-def _blocks_backward(res, g, t: _Tiling):
+def _blocks_backward(res, g, g_lse, t: _Tiling):
     """(dq, dk, dv, dbiases) of the call, block by block (module docstring)."""
     query, key, value, biases, mask, structure, out, m, row_sum = res
     blocks = _Blocks(query, key, biases, mask, structure, t)
@@ -757,6 +760,7 @@ def _blocks_backward(res, g, t: _Tiling):
         q, k, v, _, block_structure, (live_q, live_k) = blocks.inputs(query, key, value, i)
         g_i, out_i = (blocks.head_major(x, i) for x in (g, out))  # [rows, N, T, Hv]
         m_i, sum_i = blocks.rows(m, i), blocks.rows(row_sum, i)  # [rows, N, T]
+        g_lse_i = blocks.rows(g_lse, i).astype(acc)  # [rows, N, T]
         uniform_grad = None
         if live_q is not None:
             # Rows with no key to attend to are the uniform average of the values as given: their
@@ -767,14 +771,18 @@ def _blocks_backward(res, g, t: _Tiling):
             if groups.size > 1:  # [rows, N, 1, Hv] -> [rows, K, 1, Hv]
                 uniform_grad = jnp.sum(groups.split(uniform_grad), axis=2)
             g_i = jnp.where(has_key, g_i, jnp.zeros((), g_i.dtype))
+            g_lse_i = jnp.where(live_q, g_lse_i, 0.0)
         g_i, out_i = (_pad_axis(x, 2, t.q_len, t.q_pad, 0) for x in (g_i, out_i))
-        m_i = _pad_axis(m_i, 2, t.q_len, t.q_pad, 0)
+        m_i, g_lse_i = (_pad_axis(x, 2, t.q_len, t.q_pad, 0) for x in (m_i, g_lse_i))
         sum_i = _pad_axis(sum_i, 2, t.q_len, t.q_pad, 1)
-        g_i, out_i, m_i, sum_i = (groups.split(x) for x in (g_i, out_i, m_i, sum_i))
+        g_i, out_i, m_i, sum_i, g_lse_i = (
+            groups.split(x) for x in (g_i, out_i, m_i, sum_i, g_lse_i)
+        )
         biases_i, mask_i = blocks.pair(i)
         dq, dk, dv, dbias = _backward(
-            q, k, v, biases_i, mask_i, block_structure, out_i, m_i, sum_i, g_i, t, groups
-        )
+            q, k, v, biases_i, mask_i, block_structure, out_i, m_i, sum_i, (g_i, g_lse_i), t,
+            groups,
+        )  # fmt: skip
         dq = groups.merge(dq)[:, :, : t.q_len]
         dk, dv = dk[:, :, : t.kv_len], dv[:, :, : t.kv_len]
         # Back through zero_dead_inputs: zeroed positions take no gradient.
@@ -814,7 +822,7 @@ def _blocks_backward(res, g, t: _Tiling):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _attention(query, key, value, biases, mask, structure, t: _Tiling):
-    """(out [B, T, N, Hv], logsumexp [B, N, T]); the logsumexp carries no gradient."""
+    """(out [B, T, N, Hv], logsumexp [B, N, T]), both with gradients."""
     out, m, row_sum = _blocks_forward(query, key, value, biases, mask, structure, t)
     return out, m + jnp.log(row_sum)
 
@@ -826,8 +834,8 @@ def _attention_fwd(query, key, value, biases, mask, structure, t):
 
 
 def _attention_bwd(t, res, cotangents):
-    g, _ = cotangents  # the logsumexp's cotangent is dropped (jax.nn stops its gradient)
-    dq, dk, dv, dbias = _blocks_backward(res, g, t)
+    g, g_lse = cotangents  # g_lse: zero unless options.residual_gradient
+    dq, dk, dv, dbias = _blocks_backward(res, g, g_lse, t)
     return dq, dk, dv, dbias, None, None
 
 

@@ -760,13 +760,14 @@ def _forward(plan: _Plan, q, k, v, biases, extras):
 
 def _attention_bwd(plan, residuals, cotangents):
     q, k, v, biases, extras, out, lse = residuals
-    d_out, _ = cotangents
+    d_out, d_lse = cotangents
     batch, q_len, heads, _ = q.shape
     k_len = k.shape[1]
     tiles = _Tiles(plan, q_len, k_len, len(biases))
     delta = jnp.einsum(
         "btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
     )  # [B, N, T]: rowsum(dO * O), the softmax backward's correction
+    delta = delta - d_lse.astype(jnp.float32)  # d lse / d logits = p: ds = p * (dp - delta + d_lse)
     common = (q, k, v, d_out, lse, delta, *biases, *extras)
 
     dk, dv = plan.call(

@@ -734,13 +734,14 @@ def _dbias(plan: _Plan, common):
 def _attention_bwd(plan, residuals, cotangents):
     pl, pltpu = _pallas()
     q, k, v, biases, extras, out, lse = residuals
-    d_out, _ = cotangents
+    d_out, d_lse = cotangents
     n, hv = plan.heads, plan.value_dim
     shape = (plan.batch, plan.q_len, n, hv)
     # [B, N, T]: rowsum(dO * O), the softmax backward's correction. A multiply and a reduce,
     # which XLA fuses (an einsum became a dot with a float32 copy of the output).
     product = out.reshape(shape).astype(jnp.float32) * d_out.reshape(shape).astype(jnp.float32)
     delta = jnp.sum(product, axis=-1).transpose(0, 2, 1)
+    delta = delta - d_lse.astype(jnp.float32)  # d lse / d logits = p: ds = p * (dp - delta + d_lse)
     common = (q, k, v, d_out, lse, delta, *biases, *extras)
     kv = plan.kv_heads
 

@@ -258,7 +258,9 @@ def map_rows(
     )(*inputs)
 
 
-def rows_mesh(names: str | Sequence[str] | None) -> tuple[Any, Axes] | None:
+def rows_mesh(
+    names: str | Sequence[str] | None, what: str = "global_config.shard_rows_over"
+) -> tuple[Any, Axes] | None:
     """(the context mesh, the axes) for global_config.shard_rows_over, or None when it names none
     or when every named axis is already manual (inside a shard_map over them: a family module's,
     around the attention it calls).
@@ -272,14 +274,12 @@ def rows_mesh(names: str | Sequence[str] | None) -> tuple[Any, Axes] | None:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         raise ValueError(
-            f"global_config.shard_rows_over={names!r} names mesh axes, but no mesh is set: call "
-            "the module under `with jax.set_mesh(mesh):`"
+            f"{what}={names!r} names mesh axes, but no mesh is set: call it under "
+            "`with jax.set_mesh(mesh):`"
         )
     unknown = [a for a in axes if a not in mesh.axis_names]
     if unknown:
-        raise ValueError(
-            f"global_config.shard_rows_over names {unknown}, which the mesh {mesh.axis_names} lacks"
-        )
+        raise ValueError(f"{what} names {unknown}, which the mesh {mesh.axis_names} lacks")
     kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     if all(kinds[a] == AxisType.Manual for a in axes):
         return None
@@ -293,6 +293,7 @@ def on_rows(
     *,
     row_dims: Sequence[int | None],
     out_dims: Any,
+    what: str = "global_config.shard_rows_over",
 ) -> Any:
     """fn(*args) with each device computing its own rows: a shard_map over placement's axes,
     arg i split along its dimension row_dims[i] (None: replicated, e.g. a bias shared by the
@@ -309,7 +310,7 @@ def on_rows(
         shards = math.prod(mesh.shape[a] for a in axes)
         if x.shape[dim] % shards:
             raise ValueError(
-                f"global_config.shard_rows_over={axes}: dimension {dim} of an input of shape "
+                f"{what}={axes}: dimension {dim} of an input of shape "
                 f"{tuple(x.shape)} does not split over its {shards} devices"
             )
         return P(*([None] * dim), entry)

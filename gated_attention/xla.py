@@ -120,7 +120,7 @@ def dense(
     row_sum = jnp.sum(unnormalized, axis=-1, keepdims=True)
     out = groups.merge(out / row_sum)
     out = numerics.uniform_where_no_key(out.astype(query.dtype), value, live_q)
-    lse = groups.merge(jax.lax.stop_gradient(shift + jnp.log(row_sum))[..., 0])  # [B, N, T]
+    lse = groups.merge((shift + jnp.log(row_sum))[..., 0])  # [B, N, T], d lse / d logits = p
     if live_q is not None:
         lse = jnp.where(live_q, lse, jnp.asarray(numerics.MASK_VALUE + math.log(kv_len), acc))
     return out, lse

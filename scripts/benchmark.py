@@ -31,6 +31,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from gated_attention_tools import (
         benchmark,
+        context_memory,
         device_benchmark,
         device_memory,
         family_benchmark,
@@ -51,6 +52,9 @@ def main(argv):
     elif cfg.suite == "mesh_memory":
         results = mesh_memory.run(cfg, log=log)
         table = mesh_memory.markdown(results)
+    elif cfg.suite == "context_memory":
+        results = context_memory.run(cfg, log=log)
+        table = context_memory.markdown(results)
     elif cfg.suite == "options":
         results = options_benchmark.run(cfg, log=log)
         table = options_benchmark.markdown(results)
@@ -81,7 +85,8 @@ def _plot(cfg, results, out_dir):
         if any(r["variant"] == "ours" and r["dtype"] == "float32" for r in results["cells"]):
             plots.family_ratios(results["cells"], results["goals"], str(out_dir / "ratios.png"))
     elif (
-        cfg.suite not in ("device", "device_memory", "mesh_memory", "options") and cfg.sweep_lengths
+        cfg.suite not in ("device", "device_memory", "mesh_memory", "context_memory", "options")
+        and cfg.sweep_lengths
     ):
         plots.op_sweep(results["cells"], str(out_dir / "results.png"))
 

@@ -276,6 +276,7 @@ def test_benchmark_presets_share_one_schema():
         cfg = module.get_config(preset)
         keys.setdefault(cfg.suite, set()).add(frozenset(cfg.keys()))
     assert sorted(keys) == [
+        "context_memory",
         "device",
         "device_memory",
         "family",
@@ -303,6 +304,12 @@ def test_benchmark_presets_share_one_schema():
         if cfg.suite == "options":
             assert cfg.goal_implementation in cfg.implementations
             assert cfg.goal_implementation in cfg.gqa_implementations
+            continue
+        if cfg.suite == "context_memory":
+            assert all(targets.target(t) for t in cfg.targets) and set(cfg.variants) <= {
+                "ring",
+                "plain",
+            }
             continue
         if cfg.suite == "mesh_memory":
             assert set(cfg.whats) <= set(device_memory.WHATS) and set(cfg.whats) == {

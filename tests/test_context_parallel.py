@@ -1,0 +1,173 @@
+"""Keys over devices (dot_product_attention's shard_keys_over, ring.py) on a 2 x 4 mesh of virtual
+CPU devices: batch rows over one axis, query and key positions over the other. Output, residual
+and gradients match one device; keys, values and key-sharded biases are passed around the ring
+(collective-permutes), never all-gathered; blocks a causal mask hides are skipped."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import gated_attention as ga
+from gated_attention import base
+from tests import reference
+from tests.helpers import assert_close
+
+B, T, N, K, H = 2, 32, 4, 2, 8  # 4 key blocks of 8 positions; grouped queries (4 over 2 heads)
+
+
+def _mesh(kind=AxisType.Auto):
+    return jax.make_mesh(
+        (2, 4), ("rows", "keys"), axis_types=(kind, kind), devices=jax.devices()[:8]
+    )
+
+
+def _inputs(seed):
+    rng = np.random.default_rng(seed)
+    f = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+    return dict(
+        q=f(B, T, N, H),
+        k=f(B, T, K, H),
+        v=f(B, T, K, H),
+        cot=f(B, T, N, H),
+        pair_bias=f(N, T, T),  # a query axis: split with the queries, stays
+        key_bias=f(B, 1, 1, T),  # keys only: travels with them
+        key_mask=jnp.asarray(rng.random((B, 1, 1, T)) > 0.2),
+        lengths=jnp.asarray([T - 5, T], jnp.int32),
+    )
+
+
+SCENARIOS = {
+    # implementation, the op's options, whether the key mask and lengths take part
+    "xla-causal-lengths-gqa": (
+        "xla",
+        dict(is_causal=True, key_value_seq_lengths=True, query_seq_lengths=True),
+    ),
+    "chunked-window-softcap-mask": (
+        "chunked",
+        dict(local_window_size=(9, 4), logits_soft_cap=5.0, mask=True),
+    ),
+}
+
+
+def _step(name, keys_over, x):
+    impl, opts = SCENARIOS[name]
+    opts = dict(opts)
+    mask = x["key_mask"] if opts.pop("mask", False) else None
+    for arg in ("key_value_seq_lengths", "query_seq_lengths"):
+        if opts.get(arg):
+            opts[arg] = x["lengths"]
+
+    def attend(q, k, v, pair_bias, key_bias):
+        return ga.dot_product_attention(
+            q, k, v, [pair_bias, key_bias], mask, implementation=impl, return_residual=True,
+            shard_keys_over=keys_over, **opts,
+        )  # fmt: skip
+
+    args = (x["q"], x["k"], x["v"], x["pair_bias"], x["key_bias"])
+    (out, res), vjp = jax.vjp(attend, *args)
+    return out, res, vjp((x["cot"], jnp.zeros_like(res)))
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_keys_over_devices_match_one_device(name):
+    x = _inputs(len(name))
+    want = jax.jit(functools.partial(_step, name, None))(x)
+    mesh = _mesh()
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    placed = dict(
+        x,
+        q=put(x["q"], P("rows", "keys")),
+        k=put(x["k"], P("rows", "keys")),
+        v=put(x["v"], P("rows", "keys")),
+        cot=put(x["cot"], P("rows", "keys")),
+        pair_bias=put(x["pair_bias"], P(None, "keys")),
+        key_bias=put(x["key_bias"], P("rows", None, None, "keys")),
+        key_mask=put(x["key_mask"], P("rows", None, None, "keys")),
+    )
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(functools.partial(_step, name, "keys")).lower(placed).compile()
+        got = compiled(placed)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, reference.grad_tolerance("float32", w))
+    assert got[0].sharding.spec[:2] == ("rows", "keys")
+    text = compiled.as_text()
+    gathered = re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", text)
+    # Nothing of K, V or the biases is gathered (the lengths may be: [B] int32).
+    assert all(int(np.prod([int(d) for d in g.split(",") if d])) <= B for g in gathered), gathered
+    assert re.search(r"collective-permute(-start)?\(", text)
+
+
+def test_a_causal_ring_skips_hidden_blocks_and_the_errors():
+    """Blocks above the diagonal are skipped (a conditional around each step's attention);
+    positions that do not split, and both shard_*_over at once, are refused by name."""
+    x = _inputs(0)
+    mesh = _mesh()
+    with jax.set_mesh(mesh):
+        lowered = jax.jit(
+            lambda q, k, v: ga.dot_product_attention(
+                q, k, v, is_causal=True, implementation="xla", shard_keys_over="keys"
+            )
+        ).lower(x["q"], x["k"], x["v"])
+        assert "conditional" in lowered.compile().as_text()
+        with pytest.raises(ValueError, match=r"shard_keys_over=\('keys',\): query .* 30 positions"):
+            ga.dot_product_attention(
+                x["q"][:, :30], x["k"][:, :30], x["v"][:, :30], shard_keys_over="keys"
+            )
+        with pytest.raises(ValueError, match="give one"):
+            ga.dot_product_attention(
+                x["q"], x["k"], x["v"], shard_keys_over="keys", shard_rows_over="rows"
+            )
+    with pytest.raises(ValueError, match="shard_keys_over='keys' names mesh axes, but no mesh"):
+        ga.dot_product_attention(x["q"], x["k"], x["v"], shard_keys_over="keys")
+
+
+@pytest.mark.parametrize(
+    "impl",
+    [
+        ga.XlaAttention(),
+        ga.ChunkedAttention(query_chunk_size=8, key_chunk_size=8),
+        ga.PallasAttention(block_q=16, block_k=16, interpret=True),
+        ga.PallasTpuAttention(interpret=True),
+    ],
+    ids=["xla", "chunked", "pallas", "pallas_tpu"],
+)
+def test_the_residual_carries_its_gradient_when_asked(impl):
+    """options.residual_gradient (what the ring's merge differentiates through): the gradients of
+    out . c + lse . d match the float64 reference's, a bias and a key mask included."""
+    rng = np.random.default_rng(7)
+    b, t, s, n, h = 2, 16, 24, 2, 8
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    q, k, v, bias, c, d = (
+        f(b, t, n, h),
+        f(b, s, n, h),
+        f(b, s, n, h),
+        f(1, n, t, s),
+        f(b, t, n, h),
+        f(b, n, t),
+    )
+    mask = jnp.asarray(rng.random((b, 1, 1, s)) > 0.3).at[:, :, :, 0].set(True)
+    options = base.Options(return_residual=True, residual_gradient=True)
+
+    def loss(q, k, v, bias):
+        out, lse = impl(
+            q, k, v, (bias,), mask, scale=h**-0.5, compute_dtype="float32", options=options
+        )
+        return jnp.sum(out * c) + jnp.sum(lse * d)
+
+    def loss64(q, k, v, bias):
+        logits = jnp.einsum("btnh,bsnh->bnts", q, k) * h**-0.5 + bias
+        logits = jnp.where(mask, logits, reference.MASK_VALUE)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        out = jnp.einsum("bnts,bsnv->btnv", jnp.exp(logits - lse[..., None]), v)
+        return jnp.sum(out * c) + jnp.sum(lse * d)
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    want = jax.grad(loss64, argnums=(0, 1, 2, 3))(*(x.astype(jnp.float64) for x in (q, k, v, bias)))
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, reference.grad_tolerance("float32", w))
