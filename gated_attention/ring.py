@@ -132,7 +132,9 @@ def _ring(attend_block, axes, devices: int, kinds: tuple, mask_kind: str, static
 
     def place(biases, moving):
         moving = iter(moving)
-        return tuple(next(moving) if kind == "travel" else b for b, kind in zip(biases, kinds))
+        return tuple(
+            next(moving) if kind == "travel" else b for b, kind in zip(biases, kinds, strict=True)
+        )
 
     def forward(q, k, v, biases, mask, lengths):
         d = jax.lax.axis_index(axes)
@@ -182,7 +184,9 @@ def _ring(attend_block, axes, devices: int, kinds: tuple, mask_kind: str, static
         zeros = lambda x: jnp.zeros(x.shape, acc)
         moving0 = travelling(k, v, biases, mask)
         grads = (zeros(k), zeros(v), [zeros(b) for b in moving0[2]])
-        d_stay = [zeros(b) if kind != "travel" else None for b, kind in zip(biases, kinds)]
+        d_stay = [
+            zeros(b) if kind != "travel" else None for b, kind in zip(biases, kinds, strict=True)
+        ]
 
         def block_grads(q, k, v, b, mask_c, structure):
             f = lambda q, k, v, b: attend_block(q, k, v, b, mask_c, structure)
