@@ -349,9 +349,16 @@ def _context_memory_config(preset):
     cfg.causal = (False, True)
     cfg.key_bias = True  # a [B, 1, 1, S] bias: it travels with the keys
     cfg.variants = ("ring", "plain")
+    # TriangleAttention on the pair tiled over a grid of 64 devices: (mode, N_res) crops.
+    cfg.grid_targets = ("h100", "v5p")
+    cfg.grid = (8, 8)
+    cfg.grid_whats = ("triangle_start", "triangle_end")
+    cfg.grid_crops = (("training", 16384), ("inference", 32768))
     cfg.output_dir = "benchmark_results/context_memory"
     if preset == "context_memory_smoke":  # seconds: checks the suite runs
         cfg.targets, cfg.tokens, cfg.modes, cfg.causal = ("h100",), 256, ("training",), (True,)
         cfg.variants = ("ring",)
+        cfg.grid_targets, cfg.grid_whats = ("h100",), ("triangle_end",)
+        cfg.grid_crops = (("training", 64),)
         cfg.output_dir = "/tmp/gated_attention_context_memory_smoke"
     return cfg

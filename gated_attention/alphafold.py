@@ -49,6 +49,7 @@ pair representations keeps its [h, r, r] bias per example and never broadcast to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -236,10 +237,11 @@ def _pair_bias_grads(rows, pair, d_pair, d_bias, scale, offset, weights):
 _fused_pair_bias.defvjp(_fused_pair_bias_fwd, _fused_pair_bias_bwd)
 
 
-def _on_rows_with_params(fn, args, placement, row_dims, out_dim):
-    """sharding.on_rows for a module's Haiku code: its parameters enter the shard_map as replicated
-    arguments, handed to fn's get_parameter calls by a custom getter (a shard_map may not close
-    over values typed on Explicit mesh axes, as parameters placed on the mesh are)."""
+def _on_rows_with_params(fn, args, placement, row_dims, out_dim, mapper=None):
+    """sharding.on_rows (or mapper, of the same arguments) for a module's Haiku code: its
+    parameters enter the shard_map as replicated arguments, handed to fn's get_parameter calls
+    by a custom getter (a shard_map may not close over values typed on Explicit mesh axes, as
+    parameters placed on the mesh are)."""
     prefix = hk.experimental.current_name()
     params = {
         scope: leaves
@@ -256,7 +258,8 @@ def _on_rows_with_params(fn, args, placement, row_dims, out_dim):
             return fn(*args)
 
     dims = (None, *row_dims)  # the parameters: replicated
-    return sharding.on_rows(body, (params, *args), placement, row_dims=dims, out_dims=out_dim)
+    mapper = mapper or sharding.on_rows
+    return mapper(body, (params, *args), placement, row_dims=dims, out_dims=out_dim)
 
 
 def _to_columns(placement, act, mask):
@@ -323,6 +326,15 @@ class _FamilyModule(hk.Module):
             return None
         return sharding.rows_mesh(self.global_config.shard_rows_over)
 
+    def _check_no_columns(self):
+        """The MSA modules do not tile their inputs over a 2D grid (yet): refuse, never gather."""
+        axes = self.global_config.shard_columns_over
+        if axes is not None:
+            raise ValueError(
+                f"global_config.shard_columns_over={axes!r}: {type(self).__name__} splits its "
+                "rows only (shard_rows_over); TriangleAttention and Attention take columns"
+            )
+
     @hk.transparent  # the parameters keep AF2's names: no '~_on_rows' scope
     def _on_rows(self, update, args, row_dims):
         """update(*args) -> [..., X, Y, c] with each device on its own rows X (row_dims: each
@@ -334,12 +346,15 @@ class _FamilyModule(hk.Module):
         return _on_rows_with_params(update, args, placement, row_dims, out_dim)
 
     @hk.transparent
-    def _attention(self, act, norm, mask, bias, is_training) -> jax.Array:
+    def _attention(self, act, norm, mask, bias, is_training, keys_over=None) -> jax.Array:
         """The inner gated self-attention ('attention') of the layer-normed act: [..., b, q, c] ->
-        [..., b, q, c]."""
-        attention = modules.Attention(
-            self.config, self.global_config, act.shape[-1], name="attention"
-        )
+        [..., b, q, c]; keys_over: the mesh axes its positions are split over (a ring), if any."""
+        global_config = self.global_config
+        if keys_over is not None:  # inside the shard_map over the other axis: rows are local
+            global_config = dataclasses.replace(
+                global_config, shard_rows_over=None, shard_columns_over=keys_over
+            )
+        attention = modules.Attention(self.config, global_config, act.shape[-1], name="attention")
         return attention(
             act,
             act,
@@ -389,6 +404,7 @@ class MSARowAttentionWithPairBias(_FamilyModule):
           [..., N_seq, N_res, c_m] in msa_act's dtype.
         """
         _check_msa(msa_act, msa_mask)
+        self._check_no_columns()
         _check_act("pair_act", pair_act, "[..., N_res, N_res, c_z]")
         lead, (num_res, _) = msa_act.shape[:-3], msa_act.shape[-2:]
         expected = (*lead, num_res, num_res)
@@ -436,6 +452,7 @@ class MSAColumnAttention(_FamilyModule):
           [..., N_seq, N_res, c_m] in msa_act's dtype.
         """
         _check_msa(msa_act, msa_mask)
+        self._check_no_columns()
 
         placement = self._placement()
 
@@ -476,6 +493,7 @@ class MSAColumnGlobalAttention(_FamilyModule):
           [..., N_seq, N_res, c_m] in msa_act's dtype.
         """
         _check_msa(msa_act, msa_mask)
+        self._check_no_columns()
 
         placement = self._placement()
 
@@ -534,6 +552,8 @@ class TriangleAttention(_FamilyModule):
         _check_mask("pair_mask", pair_mask, tuple(pair_act.shape[:-1]), "pair_act")
         per_column = self.config.orientation == "per_column"
         placement = self._placement()
+        if self.global_config.shard_columns_over is not None:
+            return self._on_grid(pair_act, pair_mask, is_training, per_column)
 
         def update(pair_act, pair_mask):
             norm = _norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
@@ -559,6 +579,60 @@ class TriangleAttention(_FamilyModule):
             (pair_act, pair_mask),
             row_dims=(-3, -2),
         )
+
+    @hk.transparent
+    def _on_grid(self, pair_act, pair_mask, is_training, per_column):
+        """The pair tiled over a 2D grid (global_config.shard_rows_over x shard_columns_over),
+        each device on its own tile in a shard_map over both axes. The starting node attends
+        along the columns axis by a ring of key blocks (ring.py), the ending node along the rows
+        axis (its batch is the columns): no all-to-all turns the pair. Each device computes the
+        bias of its tile and gathers it over the other axis only: every query of its own keys,
+        which travel with them ([h, N, N / ring devices]); the pair is never gathered."""
+        lead = pair_act.ndim - 3
+
+        def grid_update(ring):
+            update = lambda act, mask: self._on_grid_update(
+                act, mask, is_training, per_column, ring
+            )
+            return lambda *a: _map_leading(update, lead, *a)
+
+        if hk.running_init():  # parameters are created outside any shard_map
+            return grid_update(None)(pair_act, pair_mask)
+        gc = self.global_config
+        what = "global_config.shard_columns_over"
+        columns = sharding.rows_mesh(gc.shard_columns_over, what)
+        rows = sharding.rows_mesh(gc.shard_rows_over)
+        if rows is None or columns is None:
+            raise ValueError(
+                f"{what}={gc.shard_columns_over!r} tiles the pair over a 2D grid with "
+                f"shard_rows_over, got shard_rows_over={gc.shard_rows_over!r}"
+            )
+        mesh, axes = rows[0], (rows[1], columns[1])
+        ring = axes if per_column else axes[::-1]  # (the axis attended along, the other)
+
+        def tiles(fn, args, _, *, row_dims, out_dims):
+            return sharding.on_tiles(fn, args, mesh, axes, dims=row_dims, out_dim=out_dims)
+
+        return _on_rows_with_params(
+            grid_update(ring), (pair_act, pair_mask), None, (-3, -2), pair_act.ndim - 3, tiles
+        )
+
+    @hk.transparent
+    def _on_grid_update(self, pair_act, pair_mask, is_training, per_column, ring):
+        """One device's tile: ring = (the axes its positions are split over, the other) or None."""
+        norm = _norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
+        if per_column:
+            pair_act, pair_mask = jnp.swapaxes(pair_act, -3, -2), jnp.swapaxes(pair_mask, -2, -1)
+        budget = self.global_config.memory_budget_mib
+        pair_act, bias = _with_pair_bias(
+            pair_act, norm, self.config.num_head, pair_act.dtype, budget
+        )  # [h, this tile's rows, its columns]
+        keys_over = None
+        if ring is not None:
+            keys_over, other = ring
+            bias = jax.lax.all_gather(bias, other, axis=1, tiled=True)  # every query, own keys
+        out = self._attention(pair_act, norm, _key_mask(pair_mask), bias, is_training, keys_over)
+        return jnp.swapaxes(out, -3, -2) if per_column else out
 
 
 # --------------------------------------------------------------------------------------------------

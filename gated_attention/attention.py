@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -294,13 +295,18 @@ def _check_qkv(query, key, value) -> None:
         )
 
 
-def _full_rank(name: str, x, target: tuple[int, ...]):
-    """x right-aligned to target's rank (missing leading dimensions 1), validated."""
+def _full_rank(name: str, x, target: tuple[int, ...], ring: int = 1):
+    """x right-aligned to target's rank (missing leading dimensions 1), validated. ring > 1 (a
+    device's blocks inside a shard_map over shard_keys_over): T and S may also be every
+    device's, ring times the block's (ring.py)."""
+    if ring > 1 and len(x.shape) >= 2:
+        whole = lambda got, size: size * ring if got == size * ring else size
+        target = (*target[:-2], whole(x.shape[-2], target[-2]), whole(x.shape[-1], target[-1]))
     shape = checks.check_right_aligned(name, x.shape, target, "[..., N, T, S]")
     return x if tuple(x.shape) == shape else jnp.reshape(x, shape)
 
 
-def _as_biases(bias, target: tuple[int, ...]) -> tuple:
+def _as_biases(bias, target: tuple[int, ...], ring: int = 1) -> tuple:
     """bias (None, an array or a sequence of arrays) -> a tuple of validated full-rank arrays."""
     if bias is None:
         return ()
@@ -309,7 +315,7 @@ def _as_biases(bias, target: tuple[int, ...]) -> tuple:
     for i, b in enumerate(biases):
         name = "bias" if len(biases) == 1 else f"bias[{i}]"
         checks.check_float_array(name, b)
-        checked.append(_full_rank(name, b, target))
+        checked.append(_full_rank(name, b, target, ring))
     return tuple(checked)
 
 
@@ -464,7 +470,9 @@ def dot_product_attention(
         parallelism): each device attends its queries to the key blocks in turn, passed around
         the devices, and merges them by log-sum-exp, never gathering K or V (ring.py). A bias or
         mask with a query axis is split along it and stays; one with a key axis only travels
-        with the keys. Under Auto and Explicit mesh axes.
+        with the keys. Under Auto and Explicit mesh axes; inside a shard_map over the axis the
+        arrays are the device's blocks, and a bias or mask may also hold every query (each
+        device slices its own) or every key (it stays, sliced per block).
 
     Returns:
       [..., T, N, Hv] in query's dtype; with return_residual, (that, the residual [..., T, N]).
@@ -480,10 +488,14 @@ def dot_product_attention(
     batch_dims = tuple(query.shape[:-3])
     q_len, heads = query.shape[-3:-1]
     target = (*batch_dims, heads, q_len, key.shape[-3])
-    biases = _as_biases(bias, target)
+    keys_over = sharding.rows_mesh(shard_keys_over, "shard_keys_over", manual=True)
+    ring_blocks = 1  # inside a shard_map over shard_keys_over: its device count
+    if keys_over is not None and sharding.manual_axes(*keys_over):
+        ring_blocks = math.prod(keys_over[0].shape[a] for a in keys_over[1])
+    biases = _as_biases(bias, target, ring_blocks)
     if mask is not None:
         checks.check_bool_mask("mask", mask)
-        mask = _full_rank("mask", mask, target)
+        mask = _full_rank("mask", mask, target, ring_blocks)
     checks.check_one_of("compute_dtype", compute_dtype, numerics.POLICIES)
     options = _options(
         query,
@@ -528,7 +540,6 @@ def dot_product_attention(
             lse = jax.lax.stop_gradient(lse)
         return out, lse.reshape((*batch_dims, *lse.shape[1:]))
 
-    keys_over = sharding.rows_mesh(shard_keys_over, "shard_keys_over")
     if keys_over is not None:
         if shard_rows_over is not None:
             raise ValueError(
@@ -539,7 +550,7 @@ def dot_product_attention(
         block = functools.partial(attend, options=ring_options)
         return ring.attend(
             block, keys_over, query, key, value, biases, mask, options.structure,
-            residual=options.return_residual,
+            residual=options.return_residual, manual=sharding.manual_axes(*keys_over),
         )  # fmt: skip
     placement = sharding.rows_mesh(shard_rows_over)
     if placement is not None:

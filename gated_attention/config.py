@@ -133,6 +133,11 @@ class GlobalConfig:
         the rows are split over: each device then computes the module for its own rows in a
         shard_map (sharding.rows_mesh), under Auto axes as under Explicit ones; the column-wise
         modules turn to columns and back with one all-to-all each way.
+      shard_columns_over: None, or the mesh axis (axes) that the positions a module attends over
+        are split over (context parallelism, ring.py): Attention's query and key positions;
+        with shard_rows_over, TriangleAttention's pair [N, N, c] tiled over a 2D grid (rows
+        over one, columns over the other), each orientation attending along its split axis by
+        a ring of key blocks. The other family modules and GlobalAttention refuse it.
     """
 
     zero_init: bool = True
@@ -146,20 +151,34 @@ class GlobalConfig:
     compute_dtype: str = "auto"
     remat_policy: str = "nothing"
     shard_rows_over: str | tuple[str, ...] | None = None
+    shard_columns_over: str | tuple[str, ...] | None = None
 
     def __post_init__(self):
         where = "global_config"
-        axes = self.shard_rows_over
-        if isinstance(axes, list):
-            axes = tuple(axes)
-            object.__setattr__(self, "shard_rows_over", axes)
-        names = (axes,) if isinstance(axes, str) else axes
-        if axes is not None and (
-            not isinstance(names, tuple) or not names or not all(isinstance(a, str) for a in names)
-        ):
+        for field in ("shard_rows_over", "shard_columns_over"):
+            axes = getattr(self, field)
+            if isinstance(axes, list):
+                axes = tuple(axes)
+                object.__setattr__(self, field, axes)
+            names = (axes,) if isinstance(axes, str) else axes
+            if axes is not None and (
+                not isinstance(names, tuple)
+                or not names
+                or not all(isinstance(a, str) for a in names)
+            ):
+                raise ValueError(
+                    f"{where}.{field} must be None, a mesh axis name or a tuple of them, "
+                    f"got {axes!r}"
+                )
+        rows, columns = (
+            set((a,) if isinstance(a, str) else a or ())
+            for a in (self.shard_rows_over, self.shard_columns_over)
+        )
+        if rows & columns:
             raise ValueError(
-                f"{where}.shard_rows_over must be None, a mesh axis name or a tuple of them, "
-                f"got {axes!r}"
+                f"{where}.shard_rows_over={self.shard_rows_over!r} and shard_columns_over="
+                f"{self.shard_columns_over!r} share {sorted(rows & columns)}: one axis splits one "
+                "dimension"
             )
         checks.check_one_of(f"{where}.compute_dtype", self.compute_dtype, numerics.POLICIES)
         checks.check_one_of(f"{where}.remat_policy", self.remat_policy, REMAT_POLICIES)

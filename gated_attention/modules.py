@@ -77,24 +77,29 @@ def _mask_or_bias(name, x, batch, heads, q_len, k_len):
     return x
 
 
-def _nonbatched(nonbatched_bias, batch, heads, q_len, k_len):
-    """nonbatched_bias [h, q, k] or [q, k] -> [1, ..., 1, h|1, q, k], shared over the batch."""
+def _nonbatched(nonbatched_bias, batch, heads, q_len, k_len, ring: int = 1):
+    """nonbatched_bias [h, q, k] or [q, k] -> [1, ..., 1, h|1, q, k], shared over the batch.
+    ring > 1 (inside a shard_map over shard_columns_over's ring devices): q may also be every
+    device's queries, q * ring (ring.py: each device slices its own)."""
     checks.check_float_array("nonbatched_bias", nonbatched_bias)
     shape = tuple(nonbatched_bias.shape)
-    if shape not in ((heads, q_len, k_len), (q_len, k_len)):
+    allowed = {(heads, q, k_len) for q in (q_len, q_len * ring)}
+    allowed |= {s[1:] for s in allowed}
+    if shape not in allowed:
+        also = f" (or q = {q_len * ring}: every device's queries)" if ring > 1 else ""
         raise ValueError(
             f"nonbatched_bias of shape {shape} must be [h, q, k] = {(heads, q_len, k_len)} "
-            f"or [q, k] = {(q_len, k_len)}"
+            f"or [q, k] = {(q_len, k_len)}{also}"
         )
     x = nonbatched_bias if len(shape) == 3 else nonbatched_bias[None]
     return x.reshape((1,) * len(batch) + x.shape)
 
 
-def _mask_and_biases(mask, nonbatched_bias, bias, batch, heads, q_len, k_len):
+def _mask_and_biases(mask, nonbatched_bias, bias, batch, heads, q_len, k_len, ring: int = 1):
     """Attention's mask and biases, validated, each [..., b|1, h|1, q|1, k|1]."""
     biases = []
     if nonbatched_bias is not None:
-        biases.append(_nonbatched(nonbatched_bias, batch, heads, q_len, k_len))
+        biases.append(_nonbatched(nonbatched_bias, batch, heads, q_len, k_len, ring))
     if bias is not None:
         checks.check_float_array("bias", bias)
         biases.append(_mask_or_bias("bias", bias, batch, heads, q_len, k_len))
@@ -302,7 +307,15 @@ class Attention(_AttentionModule):
         batch, (q_len, a), (k_len, m) = q_data.shape[:-2], q_data.shape[-2:], m_data.shape[-2:]
         h = self.config.num_head
         key_dim, value_dim = _head_dims(self.config, a, m)
-        mask, biases = _mask_and_biases(mask, nonbatched_bias, bias, batch, h, q_len, k_len)
+        ring = 1
+        columns = self.global_config.shard_columns_over
+        keys_over = None if hk.running_init() else columns  # init: outside any mesh
+        if keys_over is not None:
+            mesh, axes = sharding.rows_mesh(
+                columns, "global_config.shard_columns_over", manual=True
+            )
+            ring = math.prod(mesh.shape[a] for a in axes) if sharding.manual_axes(mesh, axes) else 1
+        mask, biases = _mask_and_biases(mask, nonbatched_bias, bias, batch, h, q_len, k_len, ring)
         shapes = (a, h, key_dim), (m, h, key_dim), (m, h, value_dim)
         params = _create_params(self, *shapes, q_data.dtype)
 
@@ -322,6 +335,7 @@ class Attention(_AttentionModule):
                     scale=key_dim**-0.5,
                     implementation=implementation,
                     compute_dtype=policy,
+                    shard_keys_over=keys_over,
                 )  # [..., b, q, h, cv]
                 return _gated_output(weighted_avg, q_data, p).astype(out_dtype)  # [..., b, q, o]
 
@@ -457,6 +471,12 @@ class GlobalAttention(_AttentionModule):
         _check_data(q_data, m_data)
         _check_subbatch_size(subbatch_size)
         checks.check_bool("positions_first", positions_first)
+        if self.global_config.shard_columns_over is not None:
+            raise ValueError(
+                f"global_config.shard_columns_over={self.global_config.shard_columns_over!r}: "
+                "GlobalAttention's one query per row attends all positions; split its rows "
+                "(shard_rows_over) instead"
+            )
         if positions_first and (q_data.ndim != 3 or m_data.ndim != 3):
             raise ValueError(
                 f"positions_first takes q_data [q, b, a] and m_data [k, b, m], got shapes "

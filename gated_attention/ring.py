@@ -42,13 +42,46 @@ from gated_attention import masking, sharding
 _SKIPPED = -2e9  # a skipped block's log-sum-exp: below a keyless row's (-1e9 + log S), weight 0
 
 
-def _kind(x, rank: int) -> str:
-    """'stay' (split with the queries), 'travel' (with the keys) or 'shared', for a bias/mask."""
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How one device's bias or mask [..., N|1, T?, S?] meets a block (the module docstring):
+    travels: its key axis is the device's own keys (passed around with them); queries: its
+    query axis holds every device's queries (this device slices its own); keys: its key axis
+    holds every key (it stays, sliced per block)."""
+
+    travels: bool = False
+    queries: bool = False
+    keys: bool = False
+
+
+def _layout(x, t: int, s: int, devices: int) -> _Layout:
+    """The layout of a device's bias or mask from its shape against the local t queries and s
+    keys; raises ValueError for any other size."""
     if x is None:
-        return "shared"
+        return _Layout()
+    q_dim, k_dim = x.shape[-2], x.shape[-1]
+    if q_dim not in (1, t, t * devices) or k_dim not in (1, s, s * devices):
+        raise ValueError(
+            f"shard_keys_over: a bias or mask of shape {tuple(x.shape)} on one device must have "
+            f"1, {t} (its queries) or {t * devices} (all) queries and 1, {s} (its keys) or "
+            f"{s * devices} (all) keys"
+        )
+    whole = devices > 1
+    return _Layout(
+        travels=k_dim == s and whole,
+        queries=whole and q_dim == t * devices and q_dim != t,
+        keys=whole and k_dim == s * devices and k_dim != s,
+    )
+
+
+def _split_dim(x, rank: int):
+    """The dimension a whole bias or mask is split along over the ring's devices: its queries
+    (it then stays), else its keys (it travels), else none (replicated)."""
+    if x is None:
+        return None
     if x.shape[rank - 2] != 1:
-        return "stay"
-    return "travel" if x.shape[rank - 1] != 1 else "shared"
+        return rank - 2
+    return rank - 1 if x.shape[rank - 1] != 1 else None
 
 
 def attend(
@@ -62,59 +95,85 @@ def attend(
     structure: masking.Structure,
     *,
     residual: bool,
+    manual: bool = False,
 ):
     """The attention of all keys, with T and S split over placement's axes (module docstring).
 
     attend_block(q, k, v, biases, mask, structure) -> (out [..., t, N, Hv], lse [..., t, N]) is
     one block's attention, its log-sum-exp differentiable; structure's lengths and q_offset are
-    the block's. Returns out (and lse with residual) with the queries' split.
+    the block's. manual: the axes are already manual (inside a shard_map over them): the
+    arrays are this device's blocks, each bias and mask laid out as _layout reads it. Returns
+    out (and lse with residual) with the queries' split.
     """
     mesh, axes = placement
     devices = math.prod(mesh.shape[a] for a in axes)
     rank = query.ndim
-    for name, x in (("query", query), ("key", key)):
-        if x.shape[-3] % devices:
-            raise ValueError(
-                f"shard_keys_over={axes}: {name} of shape {tuple(x.shape)} has "
-                f"{x.shape[-3]} positions, which do not split over its {devices} devices"
-            )
-    kinds = [_kind(b, rank) for b in biases]
-    mask_kind = _kind(mask, rank)
-    dim = {"stay": rank - 2, "travel": rank - 1, "shared": None}
     lengths = (structure.q_lengths, structure.kv_lengths)
     static = dataclasses.replace(structure, q_lengths=None, kv_lengths=None, q_offset=None)
-    ring = _ring(attend_block, axes, devices, tuple(kinds), mask_kind, static)
+    ring = _ring(attend_block, axes, devices, static)
 
     def local(query, key, value, mask, q_lengths, kv_lengths, *biases):
         out, lse = ring(query, key, value, biases, mask, (q_lengths, kv_lengths))
         return (out, jax.lax.stop_gradient(lse)) if residual else out
 
     args = (query, key, value, mask, *lengths, *biases)
-    dims = [rank - 3, rank - 3, rank - 3, dim[mask_kind], None, None]
-    dims += [dim[k] for k in kinds]
+    if manual:
+        return local(*args)
+    for name, x in (("query", query), ("key", key)):
+        if x.shape[-3] % devices:
+            raise ValueError(
+                f"shard_keys_over={axes}: {name} of shape {tuple(x.shape)} has "
+                f"{x.shape[-3]} positions, which do not split over its {devices} devices"
+            )
+    dims = [rank - 3, rank - 3, rank - 3, _split_dim(mask, rank), None, None]
+    dims += [_split_dim(b, rank) for b in biases]
     out_dims = (rank - 3, rank - 3) if residual else rank - 3
     return sharding.on_rows(
         local, args, placement, row_dims=dims, out_dims=out_dims, what="shard_keys_over"
     )
 
 
-def _ring(attend_block, axes, devices: int, kinds: tuple, mask_kind: str, static):
+def _ring(attend_block, axes, devices: int, static):
     """The per-device ring (inside the shard_map), as a custom VJP."""
     shift = [(i, (i - 1) % devices) for i in range(devices)]  # block d + 1 -> device d
     send = functools.partial(jax.lax.ppermute, axis_name=axes, perm=shift)
     skips = static.is_causal or static.window is not None
 
-    def block_inputs(c, q, key, value, biases, mask, lengths):
-        """Block c's (biases, mask, structure) for this device's queries."""
-        t, s = q.shape[-3], key.shape[-3]
+    def cut(x, layout: _Layout, c, t, s):
+        """Block c's part of a bias or mask for this device's t queries."""
+        if x is None:
+            return None
+        if layout.queries:
+            x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * t, t, x.ndim - 2)
+        if layout.keys:
+            x = jax.lax.dynamic_slice_in_dim(x, c * s, s, x.ndim - 1)
+        return x
+
+    def add_cut(total, part, layout: _Layout, c, t, s):
+        """cut's transpose: part added into total where cut took it."""
+        starts = [jnp.zeros((), jnp.int32)] * total.ndim
+        if layout.queries:
+            starts[-2] = jax.lax.axis_index(axes) * t
+        if layout.keys:
+            starts[-1] = c * s
+        if not (layout.queries or layout.keys):
+            return total + part
+        old = jax.lax.dynamic_slice(total, starts, part.shape)
+        return jax.lax.dynamic_update_slice(total, old + part, starts)
+
+    def block(c, q, carry, biases, mask, lengths, layouts):
+        """Block c's (k, v, biases, mask, structure, hidden) for this device's queries."""
+        k, v, moving, moving_mask = carry
+        t, s = q.shape[-3], k.shape[-3]
         q_offset = jax.lax.axis_index(axes) * t
         k_offset = c * s
-
-        def cut(x, kind):  # a 'stay' bias holds every key: slice block c's
-            if kind != "stay" or x.shape[-1] == 1:
-                return x
-            return jax.lax.dynamic_slice_in_dim(x, k_offset, s, axis=x.ndim - 1)
-
+        moving = iter(moving)
+        biases = tuple(
+            next(moving) if lay.travels else b for b, lay in zip(biases, layouts[0], strict=True)
+        )
+        mask = moving_mask if layouts[1].travels else mask
+        biases = tuple(cut(b, lay, c, t, s) for b, lay in zip(biases, layouts[0], strict=True))
+        mask = cut(mask, layouts[1], c, t, s)
         q_lengths, kv_lengths = (None if n is None else n - k_offset for n in lengths)
         structure = dataclasses.replace(
             static, q_offset=q_offset - k_offset, q_lengths=q_lengths, kv_lengths=kv_lengths
@@ -123,30 +182,26 @@ def _ring(attend_block, axes, devices: int, kinds: tuple, mask_kind: str, static
         if skips:
             lo, hi = dataclasses.replace(static, q_offset=q_offset).key_range(0, t, s * devices)
             hidden = (k_offset >= hi) | (k_offset + s <= lo)
-        blocks = tuple(cut(b, kind) for b, kind in zip(biases, kinds, strict=True))
-        return blocks, None if mask is None else cut(mask, mask_kind), structure, hidden
+        return k, v, biases, mask, structure, hidden
 
-    def travelling(k, v, biases, mask):
-        moving = [b for b, kind in zip(biases, kinds, strict=True) if kind == "travel"]
-        return k, v, moving, mask if mask_kind == "travel" else None
+    def layouts_of(q, k, biases, mask):
+        t, s = q.shape[-3], k.shape[-3]
+        return tuple(_layout(b, t, s, devices) for b in biases), _layout(mask, t, s, devices)
 
-    def place(biases, moving):
-        moving = iter(moving)
-        return tuple(
-            next(moving) if kind == "travel" else b for b, kind in zip(biases, kinds, strict=True)
-        )
+    def travelling(k, v, biases, mask, layouts):
+        moving = [b for b, lay in zip(biases, layouts[0], strict=True) if lay.travels]
+        return k, v, moving, mask if layouts[1].travels else None
 
     def forward(q, k, v, biases, mask, lengths):
         d = jax.lax.axis_index(axes)
         acc = jnp.promote_types(q.dtype, jnp.float32)
+        layouts = layouts_of(q, k, biases, mask)
 
         def step(i, state, last=False):
             carry, (m, num, den) = state
             following = carry if last else send(carry)  # in flight during this step's attention
-            k_c, v_c, moving, mask_c = carry
-            mask_c = mask if mask_kind != "travel" else mask_c
-            b_c, mask_c, structure, hidden = block_inputs(
-                (d + i) % devices, q, k_c, v_c, place(biases, moving), mask_c, lengths
+            k_c, v_c, b_c, mask_c, structure, hidden = block(
+                (d + i) % devices, q, carry, biases, mask, lengths, layouts
             )
             out_c, lse_c = _unless(hidden, attend_block, q, k_c, v_c, b_c, mask_c, structure)
             out_c, lse_c = out_c.astype(acc), lse_c.astype(acc)
@@ -163,7 +218,8 @@ def _ring(attend_block, axes, devices: int, kinds: tuple, mask_kind: str, static
             jnp.zeros(shape, acc),
             jnp.zeros(q.shape[:-1], acc),
         )
-        state = jax.lax.fori_loop(0, devices - 1, step, (travelling(k, v, biases, mask), stats))
+        carry = travelling(k, v, biases, mask, layouts)
+        state = jax.lax.fori_loop(0, devices - 1, step, (carry, stats))
         _, (m, num, den) = step(devices - 1, state, last=True)
         return (num / den[..., None]).astype(q.dtype), m + jnp.log(den)
 
@@ -181,11 +237,13 @@ def _ring(attend_block, axes, devices: int, kinds: tuple, mask_kind: str, static
         d = jax.lax.axis_index(axes)
         acc = lse.dtype
         g32, out32 = g.astype(acc), out.astype(acc)
+        layouts = layouts_of(q, k, biases, mask)
+        t, s = q.shape[-3], k.shape[-3]
         zeros = lambda x: jnp.zeros(x.shape, acc)
-        moving0 = travelling(k, v, biases, mask)
-        grads = (zeros(k), zeros(v), [zeros(b) for b in moving0[2]])
+        carry = travelling(k, v, biases, mask, layouts)
+        grads = (zeros(k), zeros(v), [zeros(b) for b in carry[2]])
         d_stay = [
-            zeros(b) if kind != "travel" else None for b, kind in zip(biases, kinds, strict=True)
+            None if lay.travels else zeros(b) for b, lay in zip(biases, layouts[0], strict=True)
         ]
 
         def block_grads(q, k, v, b, mask_c, structure):
@@ -199,39 +257,31 @@ def _ring(attend_block, axes, devices: int, kinds: tuple, mask_kind: str, static
         def step(i, state, last=False):
             carry, grads, dq, d_stay = state
             following = carry if last else send(carry)
-            k_c, v_c, moving, mask_c = carry
-            mask_c = mask if mask_kind != "travel" else mask_c
             c = (d + i) % devices
-            b_c, mask_c, structure, hidden = block_inputs(
-                c, q, k_c, v_c, place(biases, moving), mask_c, lengths
+            k_c, v_c, b_c, mask_c, structure, hidden = block(
+                c, q, carry, biases, mask, lengths, layouts
             )
             dq_c, dk_c, dv_c, db_c = _unless(
                 hidden, block_grads, q, k_c, v_c, b_c, mask_c, structure, zero=True
             )
             dk, dv, d_moving = grads
             d_moving, moved, d_stay = iter(d_moving), [], list(d_stay)
-            for j, (db, kind) in enumerate(zip(db_c, kinds, strict=True)):
-                if kind == "travel":
-                    moved.append(next(d_moving) + db)
-                elif kind == "stay" and biases[j].shape[-1] != 1:
-                    s, axis = k.shape[-3], d_stay[j].ndim - 1
-                    old = jax.lax.dynamic_slice_in_dim(d_stay[j], c * s, s, axis)
-                    d_stay[j] = jax.lax.dynamic_update_slice_in_dim(
-                        d_stay[j], old + db, c * s, axis
-                    )
+            for j, (db, lay) in enumerate(zip(db_c, layouts[0], strict=True)):
+                if lay.travels:
+                    moved.append(add_cut(next(d_moving), db, lay, c, t, s))
                 else:
-                    d_stay[j] = d_stay[j] + db
+                    d_stay[j] = add_cut(d_stay[j], db, lay, c, t, s)
             grads = send((dk + dk_c, dv + dv_c, moved))  # after P sends, each block is home
             return following, grads, dq + dq_c, d_stay
 
-        state = (moving0, grads, zeros(q), d_stay)
+        state = (carry, grads, zeros(q), d_stay)
         state = jax.lax.fori_loop(0, devices - 1, step, state)
         _, grads, dq, d_stay = step(devices - 1, state, last=True)
         dk, dv, d_moving = grads
         d_moving = iter(d_moving)
         d_biases = tuple(
-            (next(d_moving) if kind == "travel" else d_stay[i]).astype(b.dtype)
-            for i, (b, kind) in enumerate(zip(biases, kinds, strict=True))
+            (next(d_moving) if lay.travels else d_stay[i]).astype(b.dtype)
+            for i, (b, lay) in enumerate(zip(biases, layouts[0], strict=True))
         )
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_biases, None, None
 

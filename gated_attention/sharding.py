@@ -259,11 +259,14 @@ def map_rows(
 
 
 def rows_mesh(
-    names: str | Sequence[str] | None, what: str = "global_config.shard_rows_over"
+    names: str | Sequence[str] | None,
+    what: str = "global_config.shard_rows_over",
+    *,
+    manual: bool = False,
 ) -> tuple[Any, Axes] | None:
     """(the context mesh, the axes) for global_config.shard_rows_over, or None when it names none
-    or when every named axis is already manual (inside a shard_map over them: a family module's,
-    around the attention it calls).
+    or (unless manual) when every named axis is already manual (inside a shard_map over them: a
+    family module's, around the attention it calls).
 
     Raises:
       ValueError: axes named but no mesh set (jax.set_mesh), or an axis the mesh lacks.
@@ -280,10 +283,15 @@ def rows_mesh(
     unknown = [a for a in axes if a not in mesh.axis_names]
     if unknown:
         raise ValueError(f"{what} names {unknown}, which the mesh {mesh.axis_names} lacks")
-    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    if all(kinds[a] == AxisType.Manual for a in axes):
+    if not manual and manual_axes(mesh, axes):
         return None
     return mesh, axes
+
+
+def manual_axes(mesh: Any, axes: Axes) -> bool:
+    """Whether every one of axes is manual (inside a shard_map over them)."""
+    kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    return all(kinds[a] == AxisType.Manual for a in axes)
 
 
 def on_rows(
@@ -321,6 +329,41 @@ def on_rows(
         fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes),
         check_vma=False,
     )(*args)  # fmt: skip
+
+
+def on_tiles(
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    mesh: Any,
+    axes: Sequence[Axes],
+    *,
+    dims: Sequence[int | None],
+    out_dim: int,
+) -> Any:
+    """fn(*args) with each device on its own tile: arg i's dimensions dims[i] and dims[i] + 1
+    split over axes[0] and axes[1] (None: replicated), the output's out_dim and out_dim + 1
+    likewise; a shard_map over all of axes, so fn sees every split axis as manual."""
+    entry = lambda a: a[0] if len(a) == 1 else tuple(a)
+
+    def spec(x, dim):
+        if x is None or dim is None:
+            return P()
+        dim %= len(x.shape)
+        for a, size in zip(axes, (x.shape[dim], x.shape[dim + 1]), strict=True):
+            shards = math.prod(mesh.shape[n] for n in a)
+            if size % shards:
+                raise ValueError(
+                    f"an input of shape {tuple(x.shape)} does not split into tiles over the mesh "
+                    f"axes {tuple(axes)}: {size} over {shards} devices"
+                )
+        return P(*([None] * dim), *(entry(a) for a in axes))
+
+    in_specs = tuple(spec(x, d) for x, d in zip(args, dims, strict=True))
+    out_specs = P(*([None] * out_dim), *(entry(a) for a in axes))
+    names = {n for a in axes for n in a}
+    return jax.shard_map(
+        fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=names, check_vma=False
+    )(*args)
 
 
 def split_along(x: Any, placement: tuple[Any, Axes], dim: int) -> Any:

@@ -6,6 +6,10 @@ Variants: 'ring' (shard_keys_over names the axis: key blocks passed around the d
 log-sum-exp) and 'plain' (the same sharded inputs under jax.jit, left to XLA's partitioner: what
 the op did before the ring). The training step takes the output's cotangent as an argument.
 
+Grid cells: TriangleAttention (model_1's config) with the pair [N, N, 128] tiled over a 2D mesh
+(global_config.shard_rows_over x shard_columns_over), each orientation attending along its split
+axis by the ring, against the goals' figures: the device's share of the pair and a fixed budget.
+
   python scripts/benchmark.py --config=configs/benchmark.py:context_memory
 """
 
@@ -118,7 +122,98 @@ def summarize(row: dict[str, Any], one: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class GridCell:
+    target: str
+    grid: tuple[int, int]  # (rows devices, columns devices)
+    what: str  # 'triangle_start' or 'triangle_end'
+    n_res: int
+    dtype: str
+    mode: str
+
+
+def compile_grid_cell(**fields) -> dict[str, Any]:
+    """The child: TriangleAttention on the tiled pair, compiled for the grid; memory,
+    collectives and the device's share of the pair, or the error."""
+    import haiku as hk
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import gated_attention as ga
+
+    cell = GridCell(**{**fields, "grid": tuple(fields["grid"])})
+    orientation = "per_row" if cell.what == "triangle_start" else "per_column"
+    config = dict(num_head=4, orientation=orientation, dropout_rate=0.25)
+    gc = dict(shard_rows_over="rows", shard_columns_over="cols")
+    t = hk.transform(
+        lambda pair, mask: ga.TriangleAttention(config, gc)(pair, mask, cell.mode == "training")
+    )
+    dtype = jax.numpy.dtype(cell.dtype)
+    pair = jax.ShapeDtypeStruct((cell.n_res, cell.n_res, 128), dtype)
+    mask = jax.ShapeDtypeStruct((cell.n_res, cell.n_res), dtype)
+    params = jax.eval_shape(t.init, jax.random.PRNGKey(0), pair, mask)
+    key = jax.random.PRNGKey(1)
+    if cell.mode == "inference":
+        fn, args = (lambda p, x, m: t.apply(p, key, x, m)), (params, pair, mask)
+    else:
+
+        def fn(p, x, m, cot):
+            out, vjp = jax.vjp(lambda p, x: t.apply(p, key, x, m), p, x)
+            return out, vjp(cot)
+
+        args = (params, pair, mask, pair)
+    mesh = targets.mesh(cell.target, cell.grid, ("rows", "cols"), AxisType.Auto)
+    tile, whole = NamedSharding(mesh, P("rows", "cols")), NamedSharding(mesh, P())
+    placed = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=whole), args[0])
+    placed = (placed, *(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=tile) for a in args[1:]))
+    start = time.perf_counter()
+    try:
+        with jax.set_mesh(mesh):
+            shardings = jax.tree.map(
+                lambda o: tile if o.shape[:2] == (cell.n_res,) * 2 else whole,
+                jax.eval_shape(fn, *placed),
+            )
+            compiled = jax.jit(fn, out_shardings=shardings).lower(*placed).compile()
+    except Exception as e:  # reported, not fatal
+        return dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    return dict(
+        pair_share=math.prod(pair.shape) * dtype.itemsize // math.prod(cell.grid),
+        memory=targets.memory(compiled),
+        collectives=targets.collectives(compiled),
+        compile_s=round(time.perf_counter() - start, 1),
+    )
+
+
+def _grid_line(r: dict[str, Any]) -> str:
+    head = f"{r['target']} {r['grid'][0]}x{r['grid'][1]} {r['what']} {r['n_res']} {r['dtype']} {r['mode']}"
+    if "error" in r:
+        return f"{head}: {r['error']}"
+    largest = max((mesh_memory._bytes(s) for s in r["collectives"]["all-gather"]), default=0)
+    return (
+        f"{head}: peak {r['memory']['peak'] / 2**30:.2f} GiB a device, "
+        f"{r['memory']['peak'] / r['pair_share']:.2f}x its share of the pair "
+        f"({r['pair_share'] / 2**30:.3f} GiB); largest gather {largest / r['pair_share']:.2f} shares"
+    )
+
+
 def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
+    grid_rows = []
+    for target, what, (mode, n_res) in itertools.product(
+        cfg.grid_targets, cfg.grid_whats, cfg.grid_crops
+    ):
+        cell = GridCell(target, tuple(cfg.grid), what, n_res, cfg.dtypes[0], mode)
+        got = targets.in_child(f"{__name__}:compile_grid_cell", dataclasses.asdict(cell), log)
+        row = dataclasses.asdict(cell) | got
+        if "error" not in row:
+            largest = max(
+                (mesh_memory._bytes(s) for s in row["collectives"]["all-gather"]), default=0
+            )
+            row |= dict(
+                over_share=row["memory"]["peak"] / row["pair_share"], largest_gather=largest
+            )
+        grid_rows.append(row)
+        log(_grid_line(row))
     rows = []
     for target, dtype, mode, causal in itertools.product(
         cfg.targets, cfg.dtypes, cfg.modes, cfg.causal
@@ -134,7 +229,7 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
             row = summarize(dataclasses.asdict(cell) | got, one)
             rows.append(row)
             log(_line(row))
-    return dict(suite="context_memory", rows=rows, devices=cfg.devices)
+    return dict(suite="context_memory", rows=rows, devices=cfg.devices, grid_rows=grid_rows)
 
 
 def _head(r: dict[str, Any]) -> str:
@@ -182,4 +277,29 @@ def markdown(results: dict[str, Any]) -> str:
             f"{r['allowance'] / 2**20:.1f} | {r['largest_gather_over_k_shard']:.2f} | "
             f"{r['permutes']} |"
         )
+    grid = results.get("grid_rows", [])
+    if grid:
+        lines += [
+            "",
+            "## TriangleAttention with the pair tiled over a 2D grid (rows x columns)",
+            "",
+            "Share: the device's tile of the pair [N, N, 128]. Largest gather: the largest "
+            "all-gather's result in shares (the bias [h, N, N / columns] is gathered over the rows).",
+            "",
+            "| target | grid | module | N_res | dtype | mode | peak GiB / device | / share | "
+            "share GiB | largest gather (shares) |",
+            "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |",
+        ]
+        for r in grid:
+            head = (
+                f"| {r['target']} | {r['grid'][0]} x {r['grid'][1]} | {r['what']} | {r['n_res']} | "
+                f"{r['dtype']} | {r['mode']} |"
+            )
+            if "error" in r:
+                lines.append(f"{head} {r['error'][:120]} | | | |")
+                continue
+            lines.append(
+                f"{head} {r['memory']['peak'] / 2**30:.2f} | {r['over_share']:.2f} | "
+                f"{r['pair_share'] / 2**30:.3f} | {r['largest_gather'] / r['pair_share']:.2f} |"
+            )
     return "\n".join(lines) + "\n"

@@ -6,6 +6,7 @@ and gradients match one device; keys, values and key-sharded biases are passed a
 import functools
 import re
 
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gated_attention as ga
-from gated_attention import base
+from gated_attention import base, config
 from tests import reference
 from tests.helpers import assert_close
 
@@ -171,3 +172,79 @@ def test_the_residual_carries_its_gradient_when_asked(impl):
     want = jax.grad(loss64, argnums=(0, 1, 2, 3))(*(x.astype(jnp.float64) for x in (q, k, v, bias)))
     for g, w in zip(got, want, strict=True):
         assert_close(g, w, reference.grad_tolerance("float32", w))
+
+
+def _triangle(orientation, grid):
+    gc = dict(zero_init=False)
+    if grid:
+        gc.update(shard_rows_over="rows", shard_columns_over="keys")
+
+    def forward(pair, mask):
+        config = dict(num_head=2, orientation=orientation)
+        return ga.TriangleAttention(config, gc)(pair, mask, is_training=True)
+
+    return hk.without_apply_rng(hk.transform(forward))
+
+
+@pytest.mark.parametrize("orientation", ["per_row", "per_column"])
+def test_triangle_attention_on_a_tiled_pair_matches_one_device(orientation):
+    """The pair [N, N, c] tiled over the 2 x 4 grid (shard_rows_over x shard_columns_over): each
+    device keeps its tile, the starting node attends along the columns by the ring and the
+    ending node along the rows; a training step (parameters and pair gradients) matches one
+    device, and the only gather is the bias [h, N, N / ring devices], never the pair."""
+    rng = np.random.default_rng(11)
+    n, c = 16, 8
+    pair, cot = (jnp.asarray(rng.normal(size=(n, n, c)), jnp.float32) for _ in range(2))
+    mask = jnp.asarray(rng.random((n, n)) > 0.2, jnp.float32)
+    one = _triangle(orientation, grid=False)
+    params = one.init(jax.random.PRNGKey(0), pair, mask)
+
+    def step(t, params, pair, mask, cot):
+        out, vjp = jax.vjp(lambda p, x: t.apply(p, x, mask), params, pair)
+        return out, vjp(cot)
+
+    want = jax.jit(functools.partial(step, one))(params, pair, mask, cot)
+    mesh = _mesh()
+    tile = lambda x: jax.device_put(x, NamedSharding(mesh, P("rows", "keys")))
+    args = (params, tile(pair), tile(mask), tile(cot))
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(functools.partial(step, _triangle(orientation, True))).lower(*args)
+        compiled = compiled.compile()
+        got = compiled(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, reference.grad_tolerance("float32", w))
+    assert got[0].sharding.spec[:2] == ("rows", "keys")
+    gathered = re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", compiled.as_text())
+    ring = 4 if orientation == "per_row" else 2  # the devices along the attended axis
+    assert gathered and all(
+        int(np.prod([int(d) for d in g.split(",") if d])) <= 2 * n * n // ring for g in gathered
+    ), gathered
+
+
+def test_columns_over_devices_errors():
+    """shard_columns_over without rows for the triangle, on the MSA modules and GlobalAttention,
+    and one axis for both, are refused by name."""
+    x = jnp.zeros((8, 8, 4))
+    m = jnp.ones((8, 8))
+    gc = dict(shard_columns_over="keys")
+    cases = [
+        (
+            lambda: ga.TriangleAttention(dict(num_head=2, orientation="per_row"), gc)(x, m),
+            "2D grid",
+        ),
+        (
+            lambda: ga.MSAColumnAttention(dict(num_head=2, orientation="per_column"), gc)(x, m),
+            "splits its rows only",
+        ),
+        (
+            lambda: ga.GlobalAttention(dict(num_head=2), gc, 4)(x, x, m),
+            "GlobalAttention's one query",
+        ),
+    ]
+    with jax.set_mesh(_mesh()):
+        for fn, match in cases:
+            t = hk.transform(fn)
+            with pytest.raises(ValueError, match=match):
+                t.apply(t.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"share \['keys'\]: one axis splits one dimension"):
+        config.global_config(dict(shard_rows_over="keys", shard_columns_over="keys"))
