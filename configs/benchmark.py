@@ -354,11 +354,16 @@ def _context_memory_config(preset):
     cfg.grid = (8, 8)
     cfg.grid_whats = ("triangle_start", "triangle_end")
     cfg.grid_crops = (("training", 16384), ("inference", 32768))
+    # (module, (mode, N_res), 'plain'): the same tiled pair left to XLA's partitioner, on H100s.
+    cfg.grid_plain = (
+        ("triangle_start", ("training", 16384), "plain"),
+        ("triangle_end", ("inference", 32768), "plain"),
+    )
     cfg.output_dir = "benchmark_results/context_memory"
     if preset == "context_memory_smoke":  # seconds: checks the suite runs
         cfg.targets, cfg.tokens, cfg.modes, cfg.causal = ("h100",), 256, ("training",), (True,)
         cfg.variants = ("ring",)
         cfg.grid_targets, cfg.grid_whats = ("h100",), ("triangle_end",)
-        cfg.grid_crops = (("training", 64),)
+        cfg.grid_crops, cfg.grid_plain = (("training", 64),), ()
         cfg.output_dir = "/tmp/gated_attention_context_memory_smoke"
     return cfg

@@ -130,6 +130,7 @@ class GridCell:
     n_res: int
     dtype: str
     mode: str
+    variant: str = "grid"  # 'grid': shard_rows_over x shard_columns_over; 'plain': left to XLA
 
 
 def compile_grid_cell(**fields) -> dict[str, Any]:
@@ -145,7 +146,7 @@ def compile_grid_cell(**fields) -> dict[str, Any]:
     cell = GridCell(**{**fields, "grid": tuple(fields["grid"])})
     orientation = "per_row" if cell.what == "triangle_start" else "per_column"
     config = dict(num_head=4, orientation=orientation, dropout_rate=0.25)
-    gc = dict(shard_rows_over="rows", shard_columns_over="cols")
+    gc = dict(shard_rows_over="rows", shard_columns_over="cols") if cell.variant == "grid" else {}
     t = hk.transform(
         lambda pair, mask: ga.TriangleAttention(config, gc)(pair, mask, cell.mode == "training")
     )
@@ -186,7 +187,10 @@ def compile_grid_cell(**fields) -> dict[str, Any]:
 
 
 def _grid_line(r: dict[str, Any]) -> str:
-    head = f"{r['target']} {r['grid'][0]}x{r['grid'][1]} {r['what']} {r['n_res']} {r['dtype']} {r['mode']}"
+    head = (
+        f"{r['target']} {r['grid'][0]}x{r['grid'][1]} {r['variant']} {r['what']} {r['n_res']} "
+        f"{r['dtype']} {r['mode']}"
+    )
     if "error" in r:
         return f"{head}: {r['error']}"
     largest = max((mesh_memory._bytes(s) for s in r["collectives"]["all-gather"]), default=0)
@@ -199,10 +203,10 @@ def _grid_line(r: dict[str, Any]) -> str:
 
 def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
     grid_rows = []
-    for target, what, (mode, n_res) in itertools.product(
-        cfg.grid_targets, cfg.grid_whats, cfg.grid_crops
-    ):
-        cell = GridCell(target, tuple(cfg.grid), what, n_res, cfg.dtypes[0], mode)
+    plain = [("h100", *c) for c in cfg.grid_plain]  # the same pair left to XLA: the baseline
+    grid = itertools.product(cfg.grid_targets, cfg.grid_whats, cfg.grid_crops)
+    for target, what, (mode, n_res), *variant in [*grid, *plain]:
+        cell = GridCell(target, tuple(cfg.grid), what, n_res, cfg.dtypes[0], mode, *variant)
         got = targets.in_child(f"{__name__}:compile_grid_cell", dataclasses.asdict(cell), log)
         row = dataclasses.asdict(cell) | got
         if "error" not in row:
@@ -286,13 +290,14 @@ def markdown(results: dict[str, Any]) -> str:
             "Share: the device's tile of the pair [N, N, 128]. Largest gather: the largest "
             "all-gather's result in shares (the bias [h, N, N / columns] is gathered over the rows).",
             "",
-            "| target | grid | module | N_res | dtype | mode | peak GiB / device | / share | "
-            "share GiB | largest gather (shares) |",
-            "| --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |",
+            "| target | grid | variant | module | N_res | dtype | mode | peak GiB / device | "
+            "/ share | share GiB | largest gather (shares) |",
+            "| --- | --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |",
         ]
         for r in grid:
             head = (
-                f"| {r['target']} | {r['grid'][0]} x {r['grid'][1]} | {r['what']} | {r['n_res']} | "
+                f"| {r['target']} | {r['grid'][0]} x {r['grid'][1]} | {r['variant']} | {r['what']} | "
+                f"{r['n_res']} | "
                 f"{r['dtype']} | {r['mode']} |"
             )
             if "error" in r:
