@@ -326,14 +326,35 @@ class _FamilyModule(hk.Module):
             return None
         return sharding.rows_mesh(self.global_config.shard_rows_over)
 
-    def _check_no_columns(self):
-        """The MSA modules do not tile their inputs over a 2D grid (yet): refuse, never gather."""
-        axes = self.global_config.shard_columns_over
-        if axes is not None:
+    @hk.transparent
+    def _grid(self):
+        """(mesh, (rows axes, columns axes)) when global_config tiles the inputs over a 2D grid
+        (shard_columns_over with shard_rows_over), else None; None while Haiku initializes
+        (parameters are created outside any shard_map)."""
+        gc = self.global_config
+        if gc.shard_columns_over is None or hk.running_init():
+            return None
+        what = "global_config.shard_columns_over"
+        columns = sharding.rows_mesh(gc.shard_columns_over, what)
+        rows = sharding.rows_mesh(gc.shard_rows_over)
+        if rows is None or columns is None:
             raise ValueError(
-                f"global_config.shard_columns_over={axes!r}: {type(self).__name__} splits its "
-                "rows only (shard_rows_over); TriangleAttention and Attention take columns"
+                f"{what}={gc.shard_columns_over!r} tiles the inputs over a 2D grid with "
+                f"shard_rows_over, got shard_rows_over={gc.shard_rows_over!r}"
             )
+        return rows[0], (rows[1], columns[1])
+
+    @hk.transparent
+    def _on_grid(self, update, args, dims, grid):
+        """update(*tiles) -> [..., X, Y, c] with each device on its own tile: arg i split along
+        dims[i] (over the rows axes) and dims[i] + 1 (the columns axes), in a shard_map over
+        both, so update sees both as manual."""
+        mesh, axes = grid
+
+        def tiles(fn, args, _, *, row_dims, out_dims):
+            return sharding.on_tiles(fn, args, mesh, axes, dims=row_dims, out_dim=out_dims)
+
+        return _on_rows_with_params(update, args, None, dims, args[0].ndim - 3, tiles)
 
     @hk.transparent  # the parameters keep AF2's names: no '~_on_rows' scope
     def _on_rows(self, update, args, row_dims):
@@ -404,7 +425,6 @@ class MSARowAttentionWithPairBias(_FamilyModule):
           [..., N_seq, N_res, c_m] in msa_act's dtype.
         """
         _check_msa(msa_act, msa_mask)
-        self._check_no_columns()
         _check_act("pair_act", pair_act, "[..., N_res, N_res, c_z]")
         lead, (num_res, _) = msa_act.shape[:-3], msa_act.shape[-2:]
         expected = (*lead, num_res, num_res)
@@ -414,16 +434,25 @@ class MSARowAttentionWithPairBias(_FamilyModule):
                 f"msa_act's leading axes and N_res: {expected} + (c_z,)"
             )
 
-        placement = self._placement()
+        grid = self._grid()
+        placement = None if grid else self._placement()
 
         def update(msa_act, msa_mask, pair_act):
             norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
             pair_norm = _norm_params("feat_2d_norm", pair_act.shape[-1], pair_act.dtype)
             bias = self._pair_bias(pair_act, pair_norm, msa_act.dtype)  # [h, r, r]
-            if placement is not None:  # this device's pair rows' bias: every row needs all
+            keys_over = None
+            if grid:  # the pair tile's bias: every query of this device's keys, which travel
+                rows, keys_over = grid[1]
+                bias = jax.lax.all_gather(bias, rows, axis=1, tiled=True)
+            elif placement is not None:  # this device's pair rows' bias: every row needs all
                 bias = jax.lax.all_gather(bias, placement[1], axis=1, tiled=True)
-            return self._attention(msa_act, norm, _key_mask(msa_mask), bias, is_training)
+            mask = _key_mask(msa_mask)
+            return self._attention(msa_act, norm, mask, bias, is_training, keys_over)
 
+        if grid:  # the MSA and the pair tiled alike: sequences / residues over rows x columns
+            update_all = lambda *a: _map_leading(update, len(lead), *a)
+            return self._on_grid(update_all, (msa_act, msa_mask, pair_act), (-3, -2, -3), grid)
         return self._on_rows(
             lambda *a: _map_leading(update, len(lead), *a),
             (msa_act, msa_mask, pair_act),
@@ -452,18 +481,21 @@ class MSAColumnAttention(_FamilyModule):
           [..., N_seq, N_res, c_m] in msa_act's dtype.
         """
         _check_msa(msa_act, msa_mask)
-        self._check_no_columns()
-
-        placement = self._placement()
+        grid = self._grid()
+        placement = None if grid else self._placement()
 
         def update(msa_act, msa_mask):
             norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
             msa_act, msa_mask = _to_columns(placement, msa_act, msa_mask)
             cols = jnp.swapaxes(msa_act, -3, -2)  # [r, s, c_m]
             mask = _key_mask(jnp.swapaxes(msa_mask, -2, -1))  # [r, 1, 1, s]
-            out = jnp.swapaxes(self._attention(cols, norm, mask, None, is_training), -3, -2)
-            return _to_rows(placement, out)
+            keys_over = grid[1][0] if grid else None  # the sequences' axis: a ring over it
+            out = self._attention(cols, norm, mask, None, is_training, keys_over)
+            return _to_rows(placement, jnp.swapaxes(out, -3, -2))
 
+        if grid:
+            update_all = lambda *a: _map_leading(update, msa_act.ndim - 3, *a)
+            return self._on_grid(update_all, (msa_act, msa_mask), (-3, -2), grid)
         return self._on_rows(
             lambda *a: _map_leading(update, msa_act.ndim - 3, *a),
             (msa_act, msa_mask),
@@ -493,7 +525,11 @@ class MSAColumnGlobalAttention(_FamilyModule):
           [..., N_seq, N_res, c_m] in msa_act's dtype.
         """
         _check_msa(msa_act, msa_mask)
-        self._check_no_columns()
+        if self.global_config.shard_columns_over is not None:
+            raise ValueError(
+                f"global_config.shard_columns_over={self.global_config.shard_columns_over!r}: "
+                "MSAColumnGlobalAttention splits its rows only (shard_rows_over)"
+            )
 
         placement = self._placement()
 
@@ -553,7 +589,7 @@ class TriangleAttention(_FamilyModule):
         per_column = self.config.orientation == "per_column"
         placement = self._placement()
         if self.global_config.shard_columns_over is not None:
-            return self._on_grid(pair_act, pair_mask, is_training, per_column)
+            return self._tiled(pair_act, pair_mask, is_training, per_column, self._grid())
 
         def update(pair_act, pair_mask):
             norm = _norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
@@ -581,41 +617,20 @@ class TriangleAttention(_FamilyModule):
         )
 
     @hk.transparent
-    def _on_grid(self, pair_act, pair_mask, is_training, per_column):
+    def _tiled(self, pair_act, pair_mask, is_training, per_column, grid):
         """The pair tiled over a 2D grid (global_config.shard_rows_over x shard_columns_over),
-        each device on its own tile in a shard_map over both axes. The starting node attends
-        along the columns axis by a ring of key blocks (ring.py), the ending node along the rows
-        axis (its batch is the columns): no all-to-all turns the pair. Each device computes the
-        bias of its tile and gathers it over the other axis only: every query of its own keys,
-        which travel with them ([h, N, N / ring devices]); the pair is never gathered."""
-        lead = pair_act.ndim - 3
-
-        def grid_update(ring):
-            update = lambda act, mask: self._on_grid_update(
-                act, mask, is_training, per_column, ring
-            )
-            return lambda *a: _map_leading(update, lead, *a)
-
-        if hk.running_init():  # parameters are created outside any shard_map
-            return grid_update(None)(pair_act, pair_mask)
-        gc = self.global_config
-        what = "global_config.shard_columns_over"
-        columns = sharding.rows_mesh(gc.shard_columns_over, what)
-        rows = sharding.rows_mesh(gc.shard_rows_over)
-        if rows is None or columns is None:
-            raise ValueError(
-                f"{what}={gc.shard_columns_over!r} tiles the pair over a 2D grid with "
-                f"shard_rows_over, got shard_rows_over={gc.shard_rows_over!r}"
-            )
-        mesh, axes = rows[0], (rows[1], columns[1])
-        ring = axes if per_column else axes[::-1]  # (the axis attended along, the other)
-
-        def tiles(fn, args, _, *, row_dims, out_dims):
-            return sharding.on_tiles(fn, args, mesh, axes, dims=row_dims, out_dim=out_dims)
-
-        return _on_rows_with_params(
-            grid_update(ring), (pair_act, pair_mask), None, (-3, -2), pair_act.ndim - 3, tiles
-        )
+        each device on its own tile. The starting node attends along the columns axis by a
+        ring of key blocks (ring.py), the ending node along the rows axis (its batch is the
+        columns): no all-to-all turns the pair. Each device computes the bias of its tile and
+        gathers it over the other axis only: every query of its own keys, which travel with
+        them ([h, N, N / ring devices]); the pair is never gathered."""
+        axes = grid[1] if grid else None
+        ring = None if grid is None else (axes if per_column else axes[::-1])
+        update = lambda act, mask: self._on_grid_update(act, mask, is_training, per_column, ring)
+        update_all = lambda *a: _map_leading(update, pair_act.ndim - 3, *a)
+        if grid is None:  # Haiku's init
+            return update_all(pair_act, pair_mask)
+        return self._on_grid(update_all, (pair_act, pair_mask), (-3, -2), grid)
 
     @hk.transparent
     def _on_grid_update(self, pair_act, pair_mask, is_training, per_column, ring):

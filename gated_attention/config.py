@@ -135,9 +135,10 @@ class GlobalConfig:
         modules turn to columns and back with one all-to-all each way.
       shard_columns_over: None, or the mesh axis (axes) that the positions a module attends over
         are split over (context parallelism, ring.py): Attention's query and key positions;
-        with shard_rows_over, TriangleAttention's pair [N, N, c] tiled over a 2D grid (rows
-        over one, columns over the other), each orientation attending along its split axis by
-        a ring of key blocks. The other family modules and GlobalAttention refuse it.
+        with shard_rows_over, the pair [N, N, c] and the MSA [S, N, c] tiled over a 2D grid
+        (rows over one, columns over the other) for TriangleAttention, MSA row and MSA column
+        attention, each attending along its split axis by a ring of key blocks. MSA column
+        global attention and GlobalAttention refuse it.
     """
 
     zero_init: bool = True

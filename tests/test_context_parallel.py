@@ -174,56 +174,67 @@ def test_the_residual_carries_its_gradient_when_asked(impl):
         assert_close(g, w, reference.grad_tolerance("float32", w))
 
 
-def _triangle(orientation, grid):
+def _family(what, grid):
     gc = dict(zero_init=False)
     if grid:
         gc.update(shard_rows_over="rows", shard_columns_over="keys")
 
-    def forward(pair, mask):
-        config = dict(num_head=2, orientation=orientation)
-        return ga.TriangleAttention(config, gc)(pair, mask, is_training=True)
+    def forward(msa, msa_mask, pair, pair_mask):
+        config = lambda orientation: dict(num_head=2, orientation=orientation)
+        if what == "msa_row":
+            module = ga.MSARowAttentionWithPairBias(config("per_row"), gc)
+            return module(msa, msa_mask, pair, is_training=True)
+        if what == "msa_column":
+            return ga.MSAColumnAttention(config("per_column"), gc)(msa, msa_mask, is_training=True)
+        orientation = "per_row" if what == "triangle_start" else "per_column"
+        return ga.TriangleAttention(config(orientation), gc)(pair, pair_mask, is_training=True)
 
     return hk.without_apply_rng(hk.transform(forward))
 
 
-@pytest.mark.parametrize("orientation", ["per_row", "per_column"])
-def test_triangle_attention_on_a_tiled_pair_matches_one_device(orientation):
-    """The pair [N, N, c] tiled over the 2 x 4 grid (shard_rows_over x shard_columns_over): each
-    device keeps its tile, the starting node attends along the columns by the ring and the
-    ending node along the rows; a training step (parameters and pair gradients) matches one
-    device, and the only gather is the bias [h, N, N / ring devices], never the pair."""
+# The devices along the axis each module attends over: the columns (4) or the rows (2).
+RING = dict(triangle_start=4, triangle_end=2, msa_row=4, msa_column=2)
+
+
+@pytest.mark.parametrize("what", sorted(RING))
+def test_family_modules_on_tiled_inputs_match_one_device(what):
+    """The pair [N, N, c] and the MSA [S, N, c] tiled over the 2 x 4 grid (shard_rows_over x
+    shard_columns_over): each device keeps its tiles; the starting node and MSA row attention
+    attend along the columns by the ring, the ending node and MSA column attention along the
+    rows. A training step (parameters, MSA and pair gradients) matches one device, and the only
+    gather is a bias [h, N, N / ring devices], never the pair or the MSA."""
     rng = np.random.default_rng(11)
     n, c = 16, 8
-    pair, cot = (jnp.asarray(rng.normal(size=(n, n, c)), jnp.float32) for _ in range(2))
-    mask = jnp.asarray(rng.random((n, n)) > 0.2, jnp.float32)
-    one = _triangle(orientation, grid=False)
-    params = one.init(jax.random.PRNGKey(0), pair, mask)
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    msa, pair = f(n, n, c), f(n, n, c)
+    msa_mask, pair_mask = (jnp.asarray(rng.random((n, n)) > 0.2, jnp.float32) for _ in range(2))
+    cot = f(n, n, c)
+    one = _family(what, grid=False)
+    params = one.init(jax.random.PRNGKey(0), msa, msa_mask, pair, pair_mask)
 
-    def step(t, params, pair, mask, cot):
-        out, vjp = jax.vjp(lambda p, x: t.apply(p, x, mask), params, pair)
+    def step(t, params, msa, msa_mask, pair, pair_mask, cot):
+        apply = lambda p, msa, pair: t.apply(p, msa, msa_mask, pair, pair_mask)
+        out, vjp = jax.vjp(apply, params, msa, pair)
         return out, vjp(cot)
 
-    want = jax.jit(functools.partial(step, one))(params, pair, mask, cot)
+    want = jax.jit(functools.partial(step, one))(params, msa, msa_mask, pair, pair_mask, cot)
     mesh = _mesh()
     tile = lambda x: jax.device_put(x, NamedSharding(mesh, P("rows", "keys")))
-    args = (params, tile(pair), tile(mask), tile(cot))
+    args = (params, *(tile(x) for x in (msa, msa_mask, pair, pair_mask, cot)))
     with jax.set_mesh(mesh):
-        compiled = jax.jit(functools.partial(step, _triangle(orientation, True))).lower(*args)
-        compiled = compiled.compile()
+        compiled = jax.jit(functools.partial(step, _family(what, True))).lower(*args).compile()
         got = compiled(*args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert_close(g, w, reference.grad_tolerance("float32", w))
     assert got[0].sharding.spec[:2] == ("rows", "keys")
     gathered = re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", compiled.as_text())
-    ring = 4 if orientation == "per_row" else 2  # the devices along the attended axis
-    assert gathered and all(
-        int(np.prod([int(d) for d in g.split(",") if d])) <= 2 * n * n // ring for g in gathered
-    ), gathered
+    sizes = [int(np.prod([int(d) for d in g.split(",") if d])) for g in gathered]
+    assert all(size <= 2 * n * n // RING[what] for size in sizes), gathered
 
 
 def test_columns_over_devices_errors():
-    """shard_columns_over without rows for the triangle, on the MSA modules and GlobalAttention,
-    and one axis for both, are refused by name."""
+    """shard_columns_over without rows, on MSA column global attention and GlobalAttention, and
+    one axis for both, are refused by name."""
     x = jnp.zeros((8, 8, 4))
     m = jnp.ones((8, 8))
     gc = dict(shard_columns_over="keys")
@@ -233,7 +244,9 @@ def test_columns_over_devices_errors():
             "2D grid",
         ),
         (
-            lambda: ga.MSAColumnAttention(dict(num_head=2, orientation="per_column"), gc)(x, m),
+            lambda: ga.MSAColumnGlobalAttention(dict(num_head=2, orientation="per_column"), gc)(
+                x, m
+            ),
             "splits its rows only",
         ),
         (
