@@ -353,7 +353,13 @@ def _context_memory_config(preset):
     cfg.grid_targets = ("h100", "v5p")
     cfg.grid = (8, 8)
     cfg.grid_whats = ("triangle_start", "triangle_end")
-    cfg.grid_crops = (("training", 16384), ("inference", 32768))
+    # The goals' crops and twice them (the longest that fits is reported).
+    cfg.grid_crops = (
+        ("training", 16384),
+        ("training", 32768),
+        ("inference", 32768),
+        ("inference", 65536),
+    )
     # (module, (mode, N_res), 'plain'): the same tiled pair left to XLA's partitioner, on H100s.
     cfg.grid_plain = (
         ("triangle_start", ("training", 16384), "plain"),

@@ -28,14 +28,19 @@ hooks), so swapping only them (e.g. {"Attention": AF2Attention}) leaves AF2's ow
 working, on our attention. The structure module's InvariantPointAttention is not one of these.
 
 The swap lasts while the decorated function runs (which is when hk.transform and jax.jit trace it),
-so code outside it keeps AF2's modules. It changes module attributes, so do not trace AF2 with and
-without it from two threads at once. AF2's dropout_wrapper applies dropout and the residual to our
-modules' updates as to its own (they return the update and carry AF2's module config).
+so code outside it keeps AF2's modules. On first use each swapped name of AF2's module becomes a
+dispatcher that builds AF2's class or ours by the swap active in the calling thread (a JAX config
+state, thread-local and part of jax.jit's trace context): another thread tracing AF2 meanwhile
+builds AF2's modules, and a function jitted outside the swap is traced again inside it (and the
+reverse), never served the other attention from jax.jit's cache. AF2's dropout_wrapper applies
+dropout and the residual to our modules' updates as to its own (they return the update and carry
+AF2's module config).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import threading
 from collections.abc import Mapping
@@ -44,6 +49,7 @@ from typing import Any
 
 import haiku as hk
 import jax
+from jax._src import config as jax_config  # thread-local states in jax.jit's trace context
 
 from gated_attention import alphafold, modules, sharding
 
@@ -143,7 +149,57 @@ FAMILY = {
 }
 REPLACEMENTS = {**FAMILY, "Attention": AF2Attention, "GlobalAttention": AF2GlobalAttention}
 
-_LOCK = threading.RLock()
+_LOCK = threading.Lock()  # guards installing the dispatchers (_install), never held by a swap
+
+# The swap active in this thread: a key of _SWAPS, or None. In the trace context, so jax.jit traces
+# a function anew when it is called under another swap (no cached trace of the other attention).
+_ACTIVE = jax_config.State(
+    name="gated_attention_af2_swap",
+    default=None,
+    help="The gated_attention AF2 swap active in this thread (af2_package.use_gated_attention).",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+_SWAPS: dict[str, tuple[ModuleType, dict[str, Any]]] = {}  # key -> (target, name -> class)
+_ORIGINALS: dict[tuple[int, str], Any] = {}  # (id(target), name) -> AF2's class
+
+
+def current_class(target: ModuleType, name: str) -> Any:
+    """The class `target.name` stands for in this thread: the active swap's, or AF2's own."""
+    key = _ACTIVE.value
+    if key is not None:
+        swapped_target, classes = _SWAPS[key]
+        if swapped_target is target and name in classes:
+            return classes[name]
+    return _ORIGINALS[id(target), name]
+
+
+def _dispatcher(target: ModuleType, name: str, original: type) -> type:
+    """A stand-in for AF2's class `name` that builds the class current_class names."""
+
+    def build(cls, *args, **kwargs):
+        return current_class(target, name)(*args, **kwargs)
+
+    namespace = dict(
+        __new__=build, __doc__=original.__doc__, __module__=original.__module__, original=original
+    )
+    return type(name, (), namespace)
+
+
+def _install(target: ModuleType, names) -> dict[str, Any]:
+    """Dispatchers for `names` in `target` (once); AF2's classes by name."""
+    with _LOCK:
+        for name in names:
+            if (id(target), name) not in _ORIGINALS:
+                original = getattr(target, name)
+                _ORIGINALS[id(target), name] = original
+                setattr(target, name, _dispatcher(target, name, original))
+        return {name: _ORIGINALS[id(target), name] for name in names}
+
+
+def original_class(target: ModuleType, name: str) -> Any:
+    """AF2's own class `name` of `target`, whether or not a dispatcher stands in for it."""
+    return _ORIGINALS.get((id(target), name), getattr(target, name))
 
 
 def alphafold_modules() -> ModuleType:
@@ -165,6 +221,7 @@ def _placement(global_config: Any):
     return None if hk.running_init() else sharding.rows_mesh(names)
 
 
+@functools.cache  # the same classes each time: a swap's configuration keeps one key
 def dap_layouts(target: ModuleType) -> dict[str, type]:
     """AF2's TriangleMultiplication and OuterProductMean (subclassed from `target`'s, so names and
     parameters are AF2's) with DAP's layouts placed around them when global_config.shard_rows_over
@@ -174,7 +231,7 @@ def dap_layouts(target: ModuleType) -> dict[str, type]:
     partial [N_res, N_res, ...] product and reduce it over the devices. Their other operand is
     gathered, as in FastFold's DAP."""
 
-    class TriangleMultiplication(target.TriangleMultiplication):
+    class TriangleMultiplication(original_class(target, "TriangleMultiplication")):
         def __call__(self, left_act, left_mask, is_training=True, residual=None):
             placement = _placement(self.global_config)
             over_rows = self.config.equation.split("->")[0].split(",")[0].startswith("k")
@@ -185,7 +242,7 @@ def dap_layouts(target: ModuleType) -> dict[str, type]:
             out = sharding.split_along(out, placement, -3)
             return out if residual is None else residual + out
 
-    class OuterProductMean(target.OuterProductMean):
+    class OuterProductMean(original_class(target, "OuterProductMean")):
         def __call__(self, act, mask, is_training=True, residual=None):
             placement = _placement(self.global_config)
             if placement is None:
@@ -199,7 +256,8 @@ def dap_layouts(target: ModuleType) -> dict[str, type]:
 
 
 class _Swap(contextlib.ContextDecorator):
-    """Context manager and decorator: AF2's attention classes replaced while it is active."""
+    """Context manager and decorator: AF2's attention classes replaced, in this thread, while it
+    is active (the module docstring)."""
 
     def __init__(
         self,
@@ -217,33 +275,41 @@ class _Swap(contextlib.ContextDecorator):
             )
         self._replacements = replacements
         self._target = target
-        self._saved: list[dict[str, Any]] = []
+        self._entered = threading.local()  # this thread's open entries (re-entrant)
 
     def __enter__(self) -> ModuleType:
-        _LOCK.acquire()
         target = self._target or alphafold_modules()
         missing = [name for name in self._replacements if not hasattr(target, name)]
         if missing:
-            _LOCK.release()
             raise AttributeError(
                 f"{target.__name__} has no {missing}: not an AlphaFold 2 modules.py this "
                 "integration knows (tested with alphafold-colabfold 2.3.27)"
             )
         replacements = dict(self._replacements)
         if self._layouts:
-            replacements |= dap_layouts(target)
-        self._saved.append({name: getattr(target, name) for name in replacements})
-        for name, cls in replacements.items():
-            setattr(target, name, cls)
+            replacements |= dict(dap_layouts(target))
+        _install(target, replacements)
+        outer = _ACTIVE.value
+        classes = dict(_SWAPS[outer][1]) if outer is not None and _SWAPS[outer][0] is target else {}
+        classes |= replacements  # nested swaps keep the outer's others
+        # One key per configuration: jax.jit's cache then serves a swap's trace to the same swap.
+        key = f"{target.__name__}:" + ",".join(
+            f"{name}={cls.__module__}.{cls.__qualname__}@{id(cls):x}"
+            for name, cls in sorted(classes.items())
+        )
+        _SWAPS[key] = (target, classes)
+        state = _ACTIVE(key)
+        state.__enter__()
+        self._stack().append(state)
         return target
 
     def __exit__(self, *exc) -> None:
-        target = self._target or alphafold_modules()
-        try:
-            for name, cls in self._saved.pop().items():
-                setattr(target, name, cls)
-        finally:
-            _LOCK.release()
+        self._stack().pop().__exit__(*exc)
+
+    def _stack(self) -> list:
+        if not hasattr(self._entered, "stack"):
+            self._entered.stack = []
+        return self._entered.stack
 
 
 def use_gated_attention(

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import threading
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -101,6 +102,7 @@ class Auto:
             "gpu": ((self.pallas, "GPU and the Pallas kernel"), (self.cudnn, "GPU and cuDNN")),
             "tpu": ((self.pallas_tpu, "TPU and the Pallas TPU kernel"),),
         }
+        refused = []  # the kernels' reasons, kept in the reason of what runs instead
         if platform in kernels:
             for impl, what in kernels[platform]:
                 try:
@@ -114,14 +116,14 @@ class Auto:
                         options=options,
                         platform=platform,
                     )
-                    return impl, f"{what} takes these inputs"
-                except NotImplementedError:
-                    pass  # the next rule applies
+                    return impl, "; ".join([*refused, f"{what} takes these inputs"])
+                except NotImplementedError as e:  # the next rule applies
+                    refused.append(f"{impl.name} refused: {e}")
         _, q_len, heads, _ = query.shape
         row_bytes = 2 * 4 * heads * q_len * key.shape[1]
         limit = min(self.memory_budget_bytes, self.dense_row_bytes)
         sizes = f"one row's dense logits need {_mib(row_bytes)} MiB, limit {_mib(limit)} MiB"
-        return (self.chunked if row_bytes > limit else self.xla), sizes
+        return (self.chunked if row_bytes > limit else self.xla), "; ".join([*refused, sizes])
 
 
 Spec = str | base.Implementation | Auto | Sequence[str | base.Implementation] | None
@@ -211,12 +213,19 @@ def _choose_per_platform(resolved, kinds, query, policy, flat_args, options):
     return plans
 
 
-_choice_log: list[list[dict[str, Any]]] = []
+_choice_logs = threading.local()  # this thread's open recorders: a trace reaches its own thread's
+
+
+def _recorders() -> list[list[dict[str, Any]]]:
+    if not hasattr(_choice_logs, "open"):
+        _choice_logs.open = []
+    return _choice_logs.open
 
 
 @contextlib.contextmanager
 def record_implementation_choices() -> Iterator[list[dict[str, Any]]]:
-    """Collects the implementation chosen by every dot_product_attention traced inside the block.
+    """Collects the implementation chosen by every dot_product_attention traced inside the block
+    by this thread (recorders nest; another thread's traces are its own).
 
     Yields:
       A list that receives one dict per call: requested, chosen, reason, platform (the kind
@@ -225,11 +234,12 @@ def record_implementation_choices() -> Iterator[list[dict[str, Any]]]:
       [B, T|S, N, H] shapes of query, key and value.
     """
     record: list[dict[str, Any]] = []
-    _choice_log.append(record)
+    recorders = _recorders()
+    recorders.append(record)
     try:
         yield record
-    finally:
-        _choice_log.remove(record)
+    finally:  # by identity: an empty inner recorder equals an empty outer one
+        del recorders[next(i for i, r in enumerate(recorders) if r is record)]
 
 
 def _log_choice(requested: str, plans: dict, query, key, value) -> None:
@@ -258,7 +268,7 @@ def _log_choice(requested: str, plans: dict, query, key, value) -> None:
         by_platform=by_platform,
         **shapes,
     )
-    for record in _choice_log:
+    for record in _recorders():
         record.append(dict(entry))
 
 

@@ -35,8 +35,9 @@ def check_positive_number(name: str, value: Any, *, unit: str = "") -> None:
 
 
 def check_bool(name: str, value: Any) -> None:
+    """TypeError unless value is a bool (a wrong type, as every other type check here)."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
+        raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
 def check_one_of(name: str, value: Any, options: tuple) -> None:

@@ -5,7 +5,7 @@ channel, a query input channels, m key/value input channels, o output channels; 
 batch axes. Projections are written '...qhc' (a plain matmul on CPU; '...hqc' costs 3-4x), the op's
 public layout; implementations change layout inside their own tiles.
 
-Parameter names, shapes and initializers are AlphaFold 2's (DESIGN.md), so AF2 params apply unchanged.
+Parameter names, shapes and initializers are AlphaFold 2's (params.py), so AF2 params apply unchanged.
 The module owns parameters, gate and output projection and calls the op once, passing the
 implementation the configs name; it never branches on it nor asks the op what it will do. Its one
 tiling rule (rows_per_tile) decides whether the whole forward runs in tiles of batch rows.
@@ -191,8 +191,9 @@ class _AttentionModule(hk.Module):
 
 
 # The module's own tiling for speed on CPU, where a tile whose logits stay near TILE_BYTES stays
-# in cache (DESIGN.md: larger buffers are mapped afresh on every call), once a tile holds enough
-# queries for its projections' matmuls to gain (scripts/benchmark.py: the triangle shape).
+# in cache (README, "On CPU: glibc's allocator": larger buffers are mapped afresh on every call),
+# once a tile holds enough queries for its projections' matmuls to gain (scripts/benchmark.py:
+# the triangle shape).
 TILE_BYTES = 2 * 2**20
 MIN_TILE_QUERIES = 1024
 

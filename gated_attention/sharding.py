@@ -254,7 +254,7 @@ def map_rows(
         in_specs=tuple(_spec(w) for w in wanted),
         out_specs=tuple(P() if s else P(axes if len(axes) > 1 else axes[0]) for s in sums),
         axis_names=manual,
-        check_vma=False,
+        check_vma=False,  # the implementations (loops, custom_vjp) are not typed for varying axes
     )(*inputs)
 
 
@@ -327,7 +327,7 @@ def on_rows(
     out_specs = jax.tree.map(lambda d: P(*([None] * d), entry), out_dims)
     return jax.shard_map(
         fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes),
-        check_vma=False,
+        check_vma=False,  # the implementations (loops, custom_vjp) are not typed for varying axes
     )(*args)  # fmt: skip
 
 
@@ -361,7 +361,7 @@ def on_tiles(
     in_specs = tuple(spec(x, d) for x, d in zip(args, dims, strict=True))
     out_specs = P(*([None] * out_dim), *(entry(a) for a in axes))
     names = {n for a in axes for n in a}
-    return jax.shard_map(
+    return jax.shard_map(  # check_vma off: the implementations' loops and custom_vjps are untyped
         fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=names, check_vma=False
     )(*args)
 

@@ -2,14 +2,14 @@
 
 `dense` is the formula, written head-major ([B, N, T, H]) on purpose: on CPU, XLA fuses
 'bnqh,bnkh->bnqk', the bias and mask adds and the softmax into one loop nest, where AlphaFold 2's
-'bqhc' layout costs 3-11x (DESIGN.md). Nothing sits between the logits and the softmax that could
+'bqhc' layout costs 3-11x on CPU (benchmark_results/op_goals). Nothing sits between the logits and the softmax that could
 split that fusion, unless asked for (a soft cap, the causal/window/length masks, built from iotas).
 Grouped-query attention contracts each key/value head with its group of query heads
 (base.Groups): no key or value is repeated.
 
 `XlaAttention` runs `dense` on tiles of batch rows whose float32 logits take about `tile_bytes`,
 with the layout change and the compute-dtype cast inside each tile: on CPU, buffers of tens of MiB
-are mapped fresh on every call and page faults then dominate (DESIGN.md), and no head-major copy of
+are mapped fresh on every call and page faults then dominate (README, "On CPU: glibc's allocator"), and no head-major copy of
 the whole query, key and value is made. Each tile is recomputed in the backward pass
 (jax.checkpoint), so forward+backward memory is bounded by the tiles too; the structured masks
 (masking.py) are built per tile.

@@ -214,7 +214,9 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
                 (mesh_memory._bytes(s) for s in row["collectives"]["all-gather"]), default=0
             )
             row |= dict(
-                over_share=row["memory"]["peak"] / row["pair_share"], largest_gather=largest
+                over_share=row["memory"]["peak"] / row["pair_share"],
+                largest_gather=largest,
+                fits=row["memory"]["peak"] <= targets.target(target).memory_bytes,
             )
         grid_rows.append(row)
         log(_grid_line(row))
@@ -233,7 +235,24 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
             row = summarize(dataclasses.asdict(cell) | got, one)
             rows.append(row)
             log(_line(row))
-    return dict(suite="context_memory", rows=rows, devices=cfg.devices, grid_rows=grid_rows)
+    return dict(
+        suite="context_memory",
+        rows=rows,
+        devices=cfg.devices,
+        grid_rows=grid_rows,
+        longest=longest_fitting(grid_rows),
+    )
+
+
+def longest_fitting(grid_rows) -> list[dict[str, Any]]:
+    """Per target, module, variant and mode: the longest N_res run whose peak fits the device."""
+    best = {}
+    for r in grid_rows:
+        if r.get("fits"):
+            key = (r["target"], r["what"], r["variant"], r["mode"])
+            best[key] = max(best.get(key, 0), r["n_res"])
+    names = ("target", "what", "variant", "mode")
+    return [dict(zip(names, k, strict=True), n_res=n) for k, n in best.items()]
 
 
 def _head(r: dict[str, Any]) -> str:
@@ -291,8 +310,8 @@ def markdown(results: dict[str, Any]) -> str:
             "all-gather's result in shares (the bias [h, N, N / columns] is gathered over the rows).",
             "",
             "| target | grid | variant | module | N_res | dtype | mode | peak GiB / device | "
-            "/ share | share GiB | largest gather (shares) |",
-            "| --- | --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |",
+            "/ share | share GiB | largest gather (shares) | fits |",
+            "| --- | --- | --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in grid:
             head = (
@@ -301,10 +320,16 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{r['dtype']} | {r['mode']} |"
             )
             if "error" in r:
-                lines.append(f"{head} {r['error'][:120]} | | | |")
+                lines.append(f"{head} {r['error'][:120]} | | | | |")
                 continue
             lines.append(
                 f"{head} {r['memory']['peak'] / 2**30:.2f} | {r['over_share']:.2f} | "
-                f"{r['pair_share'] / 2**30:.3f} | {r['largest_gather'] / r['pair_share']:.2f} |"
+                f"{r['pair_share'] / 2**30:.3f} | {r['largest_gather'] / r['pair_share']:.2f} | "
+                f"{'yes' if r['fits'] else 'no'} |"
             )
+        lines += ["", "Longest crop run that fits the device's memory:", ""]
+        lines += [
+            f"- {b['target']} {b['what']} ({b['variant']}) {b['mode']}: N_res {b['n_res']}"
+            for b in results.get("longest", [])
+        ]
     return "\n".join(lines) + "\n"

@@ -5,7 +5,9 @@ templates, extra MSA and recycling), in which no attention module stays AF2's. T
 gradients against AF2's are checked per module (tests/test_benchmarking.py's family cell)."""
 
 import collections
+import contextlib
 import re
+import threading
 import types
 
 import haiku as hk
@@ -75,26 +77,113 @@ def test_evoformer_iteration_inference_matches_af2():
 
 
 def test_swap_is_scoped_and_reentrant():
-    originals = {name: getattr(modules, name) for name in af2_package.REPLACEMENTS}
+    originals = {
+        name: af2_package.original_class(modules, name) for name in af2_package.REPLACEMENTS
+    }
+    now = lambda: {name: af2_package.current_class(modules, name) for name in originals}
     swap = af2_package.use_gated_attention()
     with swap as patched:
         assert patched is modules
-        assert {name: getattr(modules, name) for name in originals} == af2_package.REPLACEMENTS
-        assert modules.Attention is af2_package.AF2Attention
-        assert modules.GlobalAttention is af2_package.AF2GlobalAttention
+        assert now() == af2_package.REPLACEMENTS
         with af2_package.use_gated_attention({"TriangleAttention": af2_model.ZeroUpdate}):
-            assert modules.TriangleAttention is af2_model.ZeroUpdate
-            assert modules.MSAColumnAttention is ga.MSAColumnAttention
-            assert modules.Attention is af2_package.AF2Attention
-        assert modules.TriangleAttention is ga.TriangleAttention
-    assert {name: getattr(modules, name) for name in af2_package.REPLACEMENTS} == originals
+            assert now()["TriangleAttention"] is af2_model.ZeroUpdate
+            assert now()["MSAColumnAttention"] is ga.MSAColumnAttention
+            assert now()["Attention"] is af2_package.AF2Attention
+        with swap:  # re-entered
+            assert now() == af2_package.REPLACEMENTS
+        assert now()["TriangleAttention"] is ga.TriangleAttention
+    assert now() == originals
     with af2_package.use_gated_attention({"Attention": af2_package.AF2Attention}):
-        assert modules.Attention is af2_package.AF2Attention
-        assert modules.TriangleAttention is originals["TriangleAttention"]
-    assert modules.Attention is originals["Attention"]
+        assert now()["Attention"] is af2_package.AF2Attention
+        assert now()["TriangleAttention"] is originals["TriangleAttention"]
+    assert now()["Attention"] is originals["Attention"]
     with pytest.raises(RuntimeError), swap:  # restored when the block raises too
         raise RuntimeError
-    assert modules.MSARowAttentionWithPairBias is originals["MSARowAttentionWithPairBias"]
+    assert now() == originals
+
+
+def _msa_row_attention():
+    """AF2's MSA row attention with pair bias (model_1's config) at a tiny size, transformed."""
+    from alphafold.model import config as af2_config
+
+    c = af2_config.model_config("model_1").model
+    cfg = c.embeddings_and_evoformer.evoformer.msa_row_attention_with_pair_bias
+
+    def fn(msa, mask, pair):
+        return modules.MSARowAttentionWithPairBias(cfg, c.global_config)(msa, mask, pair, False)
+
+    args = (jnp.ones((2, 8, 256)), jnp.ones((2, 8)), jnp.ones((8, 8, 128)))
+    return hk.transform(fn), args
+
+
+def test_swap_does_not_reach_another_thread():
+    """While one thread is inside the swap, another thread tracing AF2 builds AF2's modules (the
+    swap is a thread-local state, not a module attribute)."""
+    t, args = _msa_row_attention()
+    params = jax.eval_shape(t.init, jax.random.PRNGKey(0), *args)
+    entered, traced = threading.Event(), threading.Event()
+    calls = collections.Counter()
+
+    def other():
+        entered.wait(timeout=60)
+        jax.eval_shape(af2_model.counting_calls(t.apply, calls), params, None, *args)
+        traced.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with af2_package.use_gated_attention():
+        entered.set()
+        assert traced.wait(timeout=120)
+    thread.join()
+    af2_calls = af2_model.af2_attention_calls(calls)
+    assert set(af2_calls) == {"MSARowAttentionWithPairBias", "Attention"}, calls
+    assert not any(cls.__module__.startswith("gated_attention") for cls in calls), calls
+
+
+def test_a_jitted_function_is_traced_again_on_the_other_side_of_the_swap():
+    """jax.jit's cache never serves a trace made on the other side of the swap: a function
+    jitted outside and called inside (and the reverse) is traced again, with the attention of
+    its side."""
+    t, args = _msa_row_attention()
+    params = jax.eval_shape(t.init, jax.random.PRNGKey(0), *args)
+
+    for first_inside in (False, True):
+        ours = []
+
+        def apply(params, *args, ours=ours):  # a new function: a cache of its own
+            with ga.record_implementation_choices() as record:
+                out = t.apply(params, None, *args)
+            ours.append(len(record))  # our op's calls in this trace (0: AF2's attention)
+            return out
+
+        jitted = jax.jit(apply)
+        sides = (True, False) if first_inside else (False, True)
+        for inside in (*sides, sides[0]):  # the last: the first trace, from the cache
+            with af2_package.use_gated_attention() if inside else contextlib.nullcontext():
+                jitted.lower(params, *args)
+        assert ours == [1 if inside else 0 for inside in sides], (first_inside, ours)
+
+
+def test_a_failed_entry_leaves_no_lock_held(monkeypatch):
+    """An ImportError on entering (AF2 not installed) leaves nothing held: a swap in another
+    thread enters at once."""
+
+    def missing():
+        raise ImportError("no alphafold")
+
+    monkeypatch.setattr(af2_package, "alphafold_modules", missing)
+    with pytest.raises(ImportError, match="no alphafold"), af2_package.use_gated_attention():
+        pass
+    monkeypatch.undo()
+    done = threading.Event()
+
+    def other():
+        with af2_package.use_gated_attention():
+            done.set()
+
+    thread = threading.Thread(target=other, daemon=True)
+    thread.start()
+    assert done.wait(timeout=30)
 
 
 def test_swap_rejects_unknown_names_and_targets():

@@ -178,7 +178,8 @@ CONFIG_ERRORS = {
 @pytest.mark.parametrize("case", list(CONFIG_ERRORS))
 def test_config_errors(case):
     kwargs, match = CONFIG_ERRORS[case]
-    with pytest.raises(ValueError if case != "config type" else TypeError, match=match):
+    wrong_type = case in ("config type", "gating not bool")
+    with pytest.raises(TypeError if wrong_type else ValueError, match=match):
         _apply(q_data, m_data, key_mask, **kwargs)
 
 
@@ -277,7 +278,7 @@ OP_ERRORS = {
         TypeError,
         r"key must be a floating-point array, got dtype int8",
     ),
-    "is_causal": (dict(is_causal="yes"), ValueError, r"is_causal must be a bool, got 'yes'"),
+    "is_causal": (dict(is_causal="yes"), TypeError, r"is_causal must be a bool, got 'yes'"),
     "window negative": (
         dict(local_window_size=-1),
         ValueError,
@@ -302,7 +303,7 @@ OP_ERRORS = {
     ),
     "return_residual": (
         dict(return_residual=1),
-        ValueError,
+        TypeError,
         r"return_residual must be a bool, got 1",
     ),
     "soft cap": (

@@ -3,6 +3,7 @@ instances and what is not an implementation. (Each implementation's numerics: te
 test_chunked.py, test_cudnn.py, through tests/implementation_harness.py.)"""
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -148,3 +149,30 @@ def test_what_is_not_an_implementation(implementation, error, match):
             ),
             *args,
         )
+
+
+def test_recorders_nest_and_keep_to_their_thread():
+    """An empty recorder nested in an empty one leaves the outer recording (removal by identity,
+    not equality); a call traced by another thread reaches only that thread's recorders."""
+    args, _ = _inputs()
+    trace = lambda: jax.eval_shape(
+        lambda q, k, v, m: ga.dot_product_attention(q, k, v, mask=m), *args
+    )
+    with ga.record_implementation_choices() as outer:
+        with ga.record_implementation_choices() as inner:
+            pass
+        trace()
+        other = threading.Thread(target=trace)
+        other.start()
+        other.join()
+    assert inner == [] and len(outer) == 1
+
+
+def test_auto_records_why_the_kernels_refused():
+    """'auto' for a GPU target with inputs the Pallas kernel and cuDNN refuse (head dim 256,
+    float32) names their refusals in the reason of what runs instead."""
+    q = jax.ShapeDtypeStruct((2, 16, 2, 256), jnp.float32)
+    impl, reason = ga.Auto().choose(q, q, q, (), None, compute_dtype=jnp.float32, platform="gpu")
+    assert impl.name == "xla", reason
+    assert "pallas refused: " in reason and "head dims <= 128" in reason, reason
+    assert "cudnn refused: " in reason and reason.endswith("MiB"), reason

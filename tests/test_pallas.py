@@ -211,7 +211,8 @@ def test_float32_dots_follow_jax_matmul_precision():
     ],
 )
 def test_bad_tuning_is_refused(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    error = TypeError if "interpret" in kwargs else ValueError  # a wrong type, or a bad value
+    with pytest.raises(error, match=match):
         ga.PallasAttention(**kwargs)
 
 

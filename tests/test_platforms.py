@@ -2,6 +2,8 @@
 decides for that branch's kinds, and the modules' compute dtype and tile rule follow the target,
 as the op's choice does (the deviceless compile for an H100: tests/test_targets.py)."""
 
+import pathlib
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -48,3 +50,23 @@ def test_a_bfloat16_module_computes_as_each_target_would(monkeypatch):
     assert compute == dict(cpu="float32", gpu="bfloat16"), record
     assert staged.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(staged, np.float32), np.asarray(alone, np.float32))
+
+
+def test_the_registry_of_backends_is_read_where_jax_keeps_it():
+    """platforms.compilable reads JAX's registered backends from a private name (no public API
+    lists them without starting a device): when JAX moves it, this fails instead of the GPU
+    branch silently never being staged."""
+    from jax._src import xla_bridge
+
+    jax.devices()  # the backends (and the plugins that load) registered
+    registered = getattr(xla_bridge, "_backend_factories", None)
+    assert isinstance(registered, dict) and "cpu" in registered
+    platforms.compilable.cache_clear()
+    assert ("gpu" in platforms.compilable()) == bool({"cuda", "rocm"} & set(registered))
+
+
+def test_no_reference_to_files_outside_the_repository():
+    """Comments cite what a reader of the repository can open (DESIGN.md is not in it)."""
+    root = pathlib.Path(ga.__file__).parent
+    citing = [p.name for p in root.glob("*.py") if "DESIGN.md" in p.read_text()]
+    assert citing == []

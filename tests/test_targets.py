@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gated_attention_tools import mesh_memory, targets
+from gated_attention_tools import context_memory, mesh_memory, targets
 
 
 def _need(name: str) -> None:
@@ -127,3 +127,24 @@ def test_a_mesh_of_eight_h100s_and_its_collectives():
     row = dict(devices=8, input_bytes=1000, memory=dict(peak=300), collectives=got["collectives"])
     row = mesh_memory.summarize(row, dict(memory=dict(peak=1600)))
     assert row["over_ideal"] == 1.5 and row["all_to_all"] == len(got["collectives"]["all-to-all"])
+
+
+def test_context_memory_summaries():
+    """context_memory.summarize: a ring row's peak against one device's / devices, the goal's
+    allowance (1.3x ideal + one K/V shard) and its gathers in K shards; longest_fitting: the
+    longest crop that fits per target, module, variant and mode."""
+    collectives = {k: [] for k in ("all-gather", "collective-permute")}
+    collectives["all-gather"] = ["bf16[2,512]{1,0}"]  # 2 KiB: one K shard (kv_shard_bytes / 2)
+    collectives["collective-permute"] = ["bf16[2,512]{1,0}"] * 3
+    row = dict(devices=8, kv_shard_bytes=4096, memory=dict(peak=300), collectives=collectives)
+    row = context_memory.summarize(row, dict(memory=dict(peak=1600)))
+    assert row["over_ideal"] == 1.5 and row["allowance"] == 1.3 * 200 + 4096
+    assert row["largest_gather_over_k_shard"] == 1.0 and row["permutes"] == 3
+    assert "error" in context_memory.summarize(dict(row), dict(error="no compile"))
+    rows = [
+        dict(target="h100", what="triangle_start", variant="grid", mode="training", n_res=n, fits=f)
+        for n, f in ((16384, True), (32768, False), (8192, True))
+    ]
+    assert context_memory.longest_fitting(rows) == [
+        dict(target="h100", what="triangle_start", variant="grid", mode="training", n_res=16384)
+    ]
