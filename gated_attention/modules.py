@@ -70,9 +70,13 @@ def _mask_or_bias(name, x, batch, heads, q_len, k_len):
     if x.ndim == len(batch) + 2:
         x = jnp.expand_dims(x, -3)
     if x.ndim != len(full4) or any(d not in (1, t) for d, t in zip(x.shape, full4, strict=True)):
+        fix = ""
+        if x.ndim == len(batch) + 1 and x.shape[-1] in (1, k_len):  # [..., b, k]: a key mask
+            fix = f"; a key mask [..., b, k] is {name}[..., :, None, None, :]"
         raise ValueError(
-            f"{name} of shape {tuple(x.shape)} must broadcast to [..., b, h, q, k] = {full4} "
-            f"(or [..., b, q, k] = {(*batch, q_len, k_len)}), each dimension 1 or equal"
+            f"{name} of shape {tuple(x.shape)} must have the rank of [..., b, h, q, k] = {full4} "
+            f"or of [..., b, q, k] = {(*batch, q_len, k_len)} (no leading dimension is added), "
+            f"each dimension 1 or equal{fix}"
         )
     return x
 

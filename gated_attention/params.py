@@ -438,7 +438,9 @@ def _check_members_intact(archive: zipfile.ZipFile, selected: dict[str, str], so
             with archive.open(member) as fp:
                 while fp.read(_CHUNK):
                     pass
-        except (zipfile.BadZipFile, EOFError, zlib.error) as e:
+        # A damaged central directory entry: zipfile's NotImplementedError (an unknown
+        # compression method) or RuntimeError (an encryption flag), as damaged as a bad CRC.
+        except (zipfile.BadZipFile, EOFError, zlib.error, NotImplementedError, RuntimeError) as e:
             raise ValueError(
                 f"{source} is damaged: the data of key {key!r} (member {member!r}) fails its check "
                 f"({e}); expected an intact .npz archive whose members match their CRC-32 "

@@ -31,7 +31,7 @@ jax.config.update("jax_enable_x64", True)
 jax.config.update(
     "jax_compilation_cache_dir", os.path.join(os.path.dirname(__file__), ".jax_cache")
 )
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")

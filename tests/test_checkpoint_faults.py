@@ -382,3 +382,23 @@ def test_member_cut_short_is_a_value_error_naming_key(old_checkpoint, tmp_path):
     (tmp_path / "short.npz").write_bytes(data[: start + size // 2] + data[start + size :])
     with pytest.raises(ValueError, match=r"short\.npz' is damaged: the data of key 'block"):
         load_af2_params(tmp_path / "short.npz")
+
+
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        (10, 99, "compression method"),
+        (8, 0x1, "encrypted"),
+    ],  # zipfile: NotImplementedError, RuntimeError
+    ids=["compression", "encryption"],
+)
+def test_damaged_central_directory_is_a_value_error(old_checkpoint, tmp_path, field, value, why):
+    """A central directory entry whose compression method or encryption flag is damaged (zipfile
+    raises its own NotImplementedError or RuntimeError) is refused as damaged, naming the file."""
+    path, data = old_checkpoint
+    damaged = bytearray(data)
+    entry = data.index(b"PK\x01\x02", data.index(b"PK\x01\x02") + 1)  # the second member's
+    damaged[entry + field : entry + field + 2] = int(value).to_bytes(2, "little")
+    (tmp_path / "cd.npz").write_bytes(damaged)
+    with pytest.raises(ValueError, match=rf"cd\.npz' is damaged: the data of key .*{why}"):
+        load_af2_params(tmp_path / "cd.npz")

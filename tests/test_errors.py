@@ -37,17 +37,25 @@ ATTENTION_ERRORS = {
     ),
     "mask not broadcastable": (
         ValueError,
-        r"mask of shape \(2, 1, 1, 5\) must broadcast to \[\.\.\., b, h, q, k\] = \(2, 2, 5, 6\)",
+        r"mask of shape \(2, 1, 1, 5\) must have the rank of \[\.\.\., b, h, q, k\] = \(2, 2, 5, 6\) "
+        r"or of \[\.\.\., b, q, k\] = \(2, 5, 6\) \(no leading dimension is added\), each "
+        r"dimension 1 or equal\n",
         dict(mask=jnp.ones((B, 1, 1, 5), bool)),
     ),
     "mask wrong rank": (
         ValueError,
-        r"mask of shape \(6,\) must broadcast",
+        r"mask of shape \(6,\) must have the rank of",
         dict(mask=jnp.ones((K,), bool)),
+    ),
+    "key mask [b, k]": (
+        ValueError,
+        r"mask of shape \(2, 6\) must have the rank .*; a key mask \[\.\.\., b, k\] is "
+        r"mask\[\.\.\., :, None, None, :\]",
+        dict(mask=jnp.ones((B, K), bool)),
     ),
     "bias not broadcastable": (
         ValueError,
-        r"bias of shape \(3, 1, 1, 6\) must broadcast to",
+        r"bias of shape \(3, 1, 1, 6\) must have the rank of",
         dict(bias=jnp.ones((3, 1, 1, K))),
     ),
     "bool bias": (
