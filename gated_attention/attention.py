@@ -213,6 +213,7 @@ def _choose_per_platform(resolved, kinds, query, policy, flat_args, options):
     return plans
 
 
+_logged: set[str] = set()  # the choices logged so far
 _choice_logs = threading.local()  # this thread's open recorders: a trace reaches its own thread's
 
 
@@ -245,17 +246,13 @@ def record_implementation_choices() -> Iterator[list[dict[str, Any]]]:
 def _log_choice(requested: str, plans: dict, query, key, value) -> None:
     (kind, (impl, reason, _)), *others = plans.items()
     elsewhere = "".join(f"; on {k}: {p[0].name}" for k, p in others)
-    logging.log_first_n(
-        logging.INFO,
-        "dot_product_attention: %s -> %s on %s (%s)%s, query %s",
-        20,
-        requested,
-        impl.name,
-        kind,
-        reason,
-        elsewhere,
-        tuple(query.shape),
+    message = (
+        f"dot_product_attention: {requested} -> {impl.name} on {kind} ({reason}){elsewhere}, "
+        f"query {tuple(query.shape)}"
     )
+    if message not in _logged and len(_logged) < 20:  # each choice once (init and apply trace)
+        _logged.add(message)
+        logging.info("%s", message)
     shapes = dict(query=tuple(query.shape), key=tuple(key.shape), value=tuple(value.shape))
     by_platform = {
         k: dict(chosen=p[0].name, reason=p[1], compute_dtype=p[2].name) for k, p in plans.items()

@@ -35,11 +35,13 @@ class Problem:
       forward: hk.Transformed; apply(params, rng, *inputs).
       inputs: the positional inputs.
       flops: FLOPs of one forward (projections and attention matmuls).
+      names: the inputs' argument names.
     """
 
     forward: hk.Transformed
     inputs: tuple[Any, ...]
     flops: int
+    names: tuple[str, ...] = ()  # the inputs' argument names, for the report
 
 
 def _inputs(cfg: ml_collections.ConfigDict):
@@ -104,7 +106,9 @@ def _build_family(cfg: ml_collections.ConfigDict) -> Problem:
         return module_cls(cfg.attention, cfg.global_config, name=name)(*inputs)
 
     inputs = _family_inputs(cfg)
-    return Problem(hk.transform(fn), inputs, _family_flops(cfg, inputs))
+    act = "pair_act" if cfg.module == "triangle_attention" else "msa_act"
+    names = (act, act.replace("act", "mask"), "pair_act")[: len(inputs)]
+    return Problem(hk.transform(fn), inputs, _family_flops(cfg, inputs), names)
 
 
 def build(cfg: ml_collections.ConfigDict) -> Problem:
@@ -139,6 +143,7 @@ def build(cfg: ml_collections.ConfigDict) -> Problem:
             return module(q_data, m_data, mask, nonbatched)
 
         inputs = (q_data, m_data, mask, nonbatched)
+        names = ("q_data", "m_data", "mask", "nonbatched_bias")
         count = flops()
     else:
 
@@ -149,8 +154,9 @@ def build(cfg: ml_collections.ConfigDict) -> Problem:
         q_mask = None if mask is None else mask[:, 0, 0, :, None]
         q_mask = jnp.ones((b, q, 1), bool) if q_mask is None else q_mask
         inputs = (q_data, m_data, q_mask)
+        names = ("q_data", "m_data", "q_mask")
         count = flops(global_query="per_position")
-    return Problem(hk.transform(fn), inputs, count)
+    return Problem(hk.transform(fn), inputs, count, names)
 
 
 def load_params(
@@ -297,7 +303,10 @@ def run_forward(cfg: ml_collections.ConfigDict, params: Any = None) -> dict[str,
         output_sharding=None if mesh is None else str(output.sharding.spec),
         dtype=cfg.data.dtype,
         compute_dtype=str(numerics.compute_dtype(cfg.data.dtype, cfg.global_config.compute_dtype)),
-        input_shapes=[None if x is None else list(x.shape) for x in problem.inputs],
+        input_shapes={  # by argument name: [4, 64, 64] alone would not say which axis is which
+            name: None if x is None else list(x.shape)
+            for name, x in zip(problem.names, problem.inputs, strict=True)
+        },
         output_shape=list(out.shape),
         implementations=[
             dict(requested=c["requested"], chosen=c["chosen"], reason=c["reason"]) for c in choices

@@ -188,11 +188,15 @@ def test_run_forward_script_end_to_end(tmp_path):
     report = json.loads(out.read_text())
     assert report["mesh"] == {"data": 2, "heads": 2} and "mesh" in result.stdout
     assert (
-        report["input_shapes"][0] == [2, 16, 128] and report["config"]["attention"]["num_head"] == 2
+        report["input_shapes"]["q_data"] == [2, 16, 128]
+        and report["config"]["attention"]["num_head"] == 2
     )
     assert report["output_checksum"]["finite"] and report["median_step_s"] > 0
     assert report["memory"]["temp_size_in_bytes"] is not None
     assert "implementations" in result.stdout and "compile_s" in result.stdout
+    # Each choice logged once, though init and apply both trace the op.
+    logged = [line for line in result.stderr.splitlines() if "dot_product_attention: " in line]
+    assert len(logged) == len(set(line.split("] ", 1)[-1] for line in logged)) >= 1, logged
 
 
 def test_run_forward_rejects_misspelt_override():
@@ -220,8 +224,9 @@ def test_every_evoformer_preset_runs_a_tiny_forward(preset):
     cfg = _tiny_evoformer(preset)
     report = run.run_forward(cfg)
     rows = 8 if cfg.module == "triangle_attention" else 3
-    assert report["input_shapes"][0] == [rows, 8, cfg.data.q_channels]
-    assert report["output_shape"] == report["input_shapes"][0]  # the update has the input's shape
+    act = next(iter(report["input_shapes"].values()))
+    assert act == [rows, 8, cfg.data.q_channels]
+    assert report["output_shape"] == act  # the update has the input's shape
     assert report["output_checksum"]["finite"] and report["output_checksum"]["abs_sum"] > 0
 
 
