@@ -6,7 +6,7 @@ this library's contract (numerics.py):
 * bias and mask: cuDNN wants rank-4 tensors whose two sequence dimensions are full ([*, *, T, S]);
   size-1 sequence dimensions are broadcast (batch and head dimensions stay shared), the biases are
   summed and cast to the input dtype (cuDNN's requirement), and jax.nn folds the mask into them;
-* masked positions are zeroed first (numerics.zero_masked_inputs), so they never leak;
+* masked positions are zeroed first (numerics.zero_dead_inputs), so they never leak;
 * fully masked rows: cuDNN's result there is not specified, so rows with no key to attend to are set
   to the uniform average over the keys, exactly what the dense implementation gives;
 * jax.nn's own arguments carry the structured masks (is_causal, the sequence lengths, the window:
@@ -23,7 +23,6 @@ any backend: how the adaptation is tested on machines without a GPU.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -116,11 +115,7 @@ class CudnnAttention(base.Implementation):
             return_residual=options.return_residual,
         )  # [B, T, N, Hv] (and [B, T, N])
         out, lse = out if options.return_residual else (out, None)
-        out = numerics.uniform_where_no_key(out, v, live_q, head_major=False).astype(query.dtype)
-        if lse is None:
-            return out
-        acc = numerics.accumulation_dtype(compute_dtype)
-        lse = jnp.swapaxes(lse, 1, 2).astype(acc)  # [B, N, T]
-        if live_q is not None:  # as the other implementations: MASK_VALUE + log(S)
-            lse = jnp.where(live_q, lse, jnp.asarray(numerics.MASK_VALUE + math.log(kv_len), acc))
-        return out, lse
+        if lse is not None:
+            lse = jnp.swapaxes(lse, 1, 2).astype(numerics.accumulation_dtype(compute_dtype))
+        out = out.astype(query.dtype)
+        return numerics.finish_rows_without_key(out, lse, v, live_q, options.return_residual)

@@ -11,24 +11,26 @@ so computing in them is slower than float32 and less accurate. Policies:
   'float32': float32 for bfloat16/float16 inputs on every backend.
 float32 and float64 inputs are always computed as given; outputs keep the input dtype.
 
-Masks. A boolean mask [B|1, N|1, T|1, S|1] (True = attend) applies in three steps, each an
-implementation's to take inside its own tiles:
-  1. `zero_masked_inputs`: queries whose row has no key, and keys (and values) that no query of
-     their batch row and head attends to, are set to zero. Whatever those positions held (NaN,
-     inf, 1e12 padding garbage) then reaches no unmasked output and no gradient of an unmasked
-     input. This costs O(T·H + S·H), not a pass over the [.., T, S] logits.
+Masks. A boolean mask [B|1, N|1, T|1, S|1] (True = attend) and the structured masks
+(masking.Structure: causal, window, lengths) apply in three steps, each an implementation's to
+take inside its own tiles:
+  1. `zero_dead_inputs`: queries with no key to attend to, and keys (and values) that no query of
+     their batch row and head attends to, are set to zero; masking.Structure.live says which,
+     exactly, from the mask's prefix counts. Whatever those positions held (NaN, inf, 1e12
+     padding garbage) then reaches no unmasked output and no gradient of an unmasked input. This
+     costs O(T·H + S·H), not a pass over the [.., T, S] logits.
   2. `mask_logits`: masked logits get MASK_VALUE. A mask over keys alone (T dimension 1) is added
      as a bias, which XLA fuses with the logits (a select ran as a loop of its own on XLA:CPU);
      after step 1 its masked logits are finite, so the add is exact. A mask with a T dimension
      can mask a key for some rows while others attend to it, so it is applied by a select: no
-     value of such a key reaches the rows that mask it, through the logits.
-  3. `uniform_where_fully_masked`: a row with no key to attend to gives the uniform average of
-     the values over all keys, AlphaFold 2's result (every logit replaced by the same value).
+     value of such a key reaches the rows that mask it, through the logits. The structured
+     masks' per-tile blocks are selected likewise.
+  3. `finish_rows_without_key` (`uniform_where_no_key` for the output alone): a row with no key
+     to attend to gives the uniform average of the values over all keys, AlphaFold 2's result
+     (every logit replaced by the same value), and the log-sum-exp MASK_VALUE + log(S). The
+     chunked implementation does the same inside its query tiles, on its (max, sum) statistics.
 A value that one row attends to and another masks still meets the masking row's zero weight in
 the weighted sum, so a NaN there reaches both rows (as in jax.nn.dot_product_attention).
-The causal, window and length masks (masking.py) follow the same three steps: the live queries
-and keys of step 1 come from masking.Structure.live (exact, with the mask's prefix counts), the
-select of step 2 from its per-tile block, and step 3 uses the live queries.
 """
 
 from __future__ import annotations
@@ -86,27 +88,8 @@ def cast_floats(tree, dtype):
     )
 
 
-def zero_masked_inputs(query, key, value, mask, *, head_major: bool):
-    """Queries with no key to attend to, and keys/values no query attends to, set to zero.
-
-    Args:
-      query: [B, T, N, H] (head_major=False) or [B, N, T, H] (head_major=True).
-      key: [B, S, N, H] or [B, N, S, H].
-      value: [B, S, N, Hv] or [B, N, S, Hv].
-      mask: None or bool [B|1, N|1, T|1, S|1].
-      head_major: the layout of query, key and value.
-
-    Returns:
-      (query, key, value), unchanged where mask is None.
-    """
-    if mask is None:
-        return query, key, value
-    live = jnp.any(mask, axis=3), jnp.any(mask, axis=2)  # [B|1, N|1, T|1], [B|1, N|1, S|1]
-    return zero_dead_inputs(query, key, value, *live, head_major=head_major)
-
-
 def zero_dead_inputs(query, key, value, live_queries, live_keys, *, head_major: bool):
-    """zero_masked_inputs from the live positions (masking.Structure.live).
+    """Queries with no key to attend to, and keys/values no query attends to, set to zero.
 
     Args:
       query: [B, T, N, H] (head_major=False) or [B, N, T, H] (head_major=True).
@@ -155,25 +138,9 @@ def soft_cap(logits, cap: float | None):
     return cap * jnp.tanh(logits / cap)
 
 
-def uniform_where_fully_masked(out, value, mask, *, head_major: bool = True):
-    """Rows of out whose mask has no True key become the mean of value over keys.
-
-    AlphaFold 2's result for such rows, and what every implementation returns. The gradient of
-    those rows reaches value only.
-
-    Args:
-      out: [B, N, T, Hv] (head_major) or [B, T, N, Hv].
-      value: [B, N, S, Hv] or [B, S, N, Hv], as given (not zeroed).
-      mask: None or bool [B|1, N|1, T|1, S|1].
-      head_major: the layout of out and value.
-    """
-    if mask is None:
-        return out
-    return uniform_where_no_key(out, value, jnp.any(mask, axis=-1), head_major=head_major)
-
-
 def uniform_where_no_key(out, value, has_key, *, head_major: bool = True):
-    """uniform_where_fully_masked from the live queries (masking.Structure.live).
+    """Rows of out with no key to attend to become the mean of value over keys (AlphaFold 2's
+    result for such rows); their gradient reaches value only.
 
     Args:
       out: [B, N, T, Hv] (head_major) or [B, T, N, Hv].
@@ -207,14 +174,23 @@ def uniform_where_no_key(out, value, has_key, *, head_major: bool = True):
     return jnp.where(has_key, split(out, kv_heads), uniform).reshape(out.shape)
 
 
-def kernel_result(out, lse, value, live_q, return_residual: bool):
-    """A kernel's (out [B, T, N, Hv], lse [B, N, T]) as the op returns it: rows with no key to
-    attend to get the uniform average of the values and the log-sum-exp MASK_VALUE + log(S), as
-    every implementation; out alone unless return_residual."""
-    out = uniform_where_no_key(out, value, live_q, head_major=False)
+def finish_rows_without_key(
+    out, lse, value, live_q, return_residual: bool, *, head_major: bool = False
+):
+    """An implementation's (out, lse [B, N, T]) as the op returns it: rows with no key to attend
+    to get the uniform average of the values and the log-sum-exp MASK_VALUE + log(S), the same
+    in every implementation; out alone unless return_residual.
+
+    Args:
+      out: [B, T, N, Hv], or [B, N, T, Hv] with head_major.
+      lse: [B, N, T] in the accumulation dtype, or None when not return_residual.
+      value: [B, S, K, Hv] (or [B, K, S, Hv] with head_major), as given.
+      live_q: None or bool [B|1, N|1, T|1]: rows with a key to attend to.
+    """
+    out = uniform_where_no_key(out, value, live_q, head_major=head_major)
     if not return_residual:
         return out
     if live_q is not None:
-        dead = jnp.asarray(MASK_VALUE + math.log(value.shape[1]), jnp.float32)
-        lse = jnp.where(live_q, lse, dead)
+        keys = value.shape[2 if head_major else 1]
+        lse = jnp.where(live_q, lse, jnp.asarray(MASK_VALUE + math.log(keys), lse.dtype))
     return out, lse

@@ -327,7 +327,7 @@ class PallasAttention(base.Implementation):
             self, query, key, value, biases, scale, compute_dtype, precision, mask, live_q, options
         )
         out, lse = _attention(plan, query, key, value, tuple(biases), tuple(extras))
-        return numerics.kernel_result(out, lse, value, live_q, options.return_residual)
+        return numerics.finish_rows_without_key(out, lse, value, live_q, options.return_residual)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -163,7 +163,7 @@ class PallasTpuAttention(base.Implementation):
             tuple(extras),
         )
         out = out.reshape(batch, q_len, heads, value_dim)
-        return numerics.kernel_result(out, lse, value, live_q, options.return_residual)
+        return numerics.finish_rows_without_key(out, lse, value, live_q, options.return_residual)
 
 
 @dataclasses.dataclass(frozen=True)

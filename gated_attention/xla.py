@@ -18,7 +18,6 @@ the whole query, key and value is made. Each tile is recomputed in the backward 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -119,8 +118,7 @@ def dense(
     )  # [B, N, T, Hv] or [B, K, G, T, Hv]
     row_sum = jnp.sum(unnormalized, axis=-1, keepdims=True)
     out = groups.merge(out / row_sum)
-    out = numerics.uniform_where_no_key(out.astype(query.dtype), value, live_q)
     lse = groups.merge((shift + jnp.log(row_sum))[..., 0])  # [B, N, T], d lse / d logits = p
-    if live_q is not None:
-        lse = jnp.where(live_q, lse, jnp.asarray(numerics.MASK_VALUE + math.log(kv_len), acc))
-    return out, lse
+    return numerics.finish_rows_without_key(
+        out.astype(query.dtype), lse, value, live_q, True, head_major=True
+    )

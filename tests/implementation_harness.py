@@ -313,7 +313,7 @@ def live_rows_and_keys(mask, shape):
 
 def with_garbage(case: Case, shape, garbage: float) -> Case:
     """case with `garbage` in the queries of rows with no key and the keys and values that no
-    query attends to (what numerics.zero_masked_inputs promises never leaks)."""
+    query attends to (what numerics.zero_dead_inputs promises never leaks)."""
     live_rows, live_keys = live_rows_and_keys(np.asarray(case.mask), shape)
 
     def fill(x, live):

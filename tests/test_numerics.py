@@ -173,7 +173,7 @@ def test_module_bfloat16_gradients_are_the_float32_computation_on_the_rounded_in
     assert worst(grads) <= worst(raw)
 
 
-def test_zero_masked_inputs_zeroes_dead_queries_and_keys_in_either_layout():
+def test_zero_dead_inputs_zeroes_dead_queries_and_keys_in_either_layout():
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.normal(size=(2, 3, 4, 2)))  # [B, N, T, H]
     k = jnp.asarray(rng.normal(size=(2, 3, 5, 2)))  # [B, N, S, H]
@@ -182,19 +182,18 @@ def test_zero_masked_inputs_zeroes_dead_queries_and_keys_in_either_layout():
     mask[0, 0, 1] = False  # query 1 of batch 0 sees no key
     mask[1, 0, :, 3] = False  # key 3 of batch 1 is seen by no query
     mask[1, 0, 2, 4] = False  # key 4 of batch 1 is masked for one query only: kept
-    zq, zk, zv = numerics.zero_masked_inputs(q, k, v, jnp.asarray(mask), head_major=True)
+    live = jnp.asarray(mask.any(axis=3)), jnp.asarray(mask.any(axis=2))  # [B, 1, T], [B, 1, S]
+    zq, zk, zv = numerics.zero_dead_inputs(q, k, v, *live, head_major=True)
     live_q = mask.any(axis=3)[..., None]  # [B, 1, T, 1]
     live_k = mask.any(axis=2)[..., None]  # [B, 1, S, 1]
     np.testing.assert_array_equal(zq, np.where(live_q, q, 0))
     np.testing.assert_array_equal(zk, np.where(live_k, k, 0))
     np.testing.assert_array_equal(zv, np.where(live_k, v, 0))
     swap = lambda x: jnp.swapaxes(x, 1, 2)
-    btnh = numerics.zero_masked_inputs(
-        swap(q), swap(k), swap(v), jnp.asarray(mask), head_major=False
-    )
+    btnh = numerics.zero_dead_inputs(swap(q), swap(k), swap(v), *live, head_major=False)
     for got, want in zip(btnh, (zq, zk, zv), strict=True):
         np.testing.assert_array_equal(swap(got), want)
-    assert numerics.zero_masked_inputs(q, k, v, None, head_major=True) == (q, k, v)
+    assert numerics.zero_dead_inputs(q, k, v, None, None, head_major=True) == (q, k, v)
 
 
 def test_mask_logits_adds_a_key_mask_and_selects_a_query_mask():
