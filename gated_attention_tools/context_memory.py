@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gated_attention_tools import mesh_memory, targets
+from gated_attention_tools import targets
 
 AXIS = "keys"
 
@@ -112,7 +112,7 @@ def summarize(row: dict[str, Any], one: dict[str, Any]) -> dict[str, Any]:
     if "error" in row or "memory" not in one:
         return row | ({} if "error" in row else dict(error=one.get("error", "no one-device peak")))
     ideal = one["memory"]["peak"] / row["devices"]
-    largest = max((mesh_memory._bytes(s) for s in row["collectives"]["all-gather"]), default=0)
+    largest = targets.largest_gather(row["collectives"])
     return row | dict(
         one_device_peak=one["memory"]["peak"],
         over_ideal=row["memory"]["peak"] / ideal,
@@ -193,7 +193,7 @@ def _grid_line(r: dict[str, Any]) -> str:
     )
     if "error" in r:
         return f"{head}: {r['error']}"
-    largest = max((mesh_memory._bytes(s) for s in r["collectives"]["all-gather"]), default=0)
+    largest = targets.largest_gather(r["collectives"])
     return (
         f"{head}: peak {r['memory']['peak'] / 2**30:.2f} GiB a device, "
         f"{r['memory']['peak'] / r['pair_share']:.2f}x its share of the pair "
@@ -210,9 +210,7 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
         got = targets.in_child(f"{__name__}:compile_grid_cell", dataclasses.asdict(cell), log)
         row = dataclasses.asdict(cell) | got
         if "error" not in row:
-            largest = max(
-                (mesh_memory._bytes(s) for s in row["collectives"]["all-gather"]), default=0
-            )
+            largest = targets.largest_gather(row["collectives"])
             row |= dict(
                 over_share=row["memory"]["peak"] / row["pair_share"],
                 largest_gather=largest,

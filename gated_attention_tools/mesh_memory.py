@@ -104,29 +104,12 @@ def summarize(row: dict[str, Any], one: dict[str, Any]) -> dict[str, Any]:
     if "error" in row:
         return row
     ideal = one["memory"]["peak"] / row["devices"] if "memory" in one else None
-    largest = max((_bytes(s) for s in row["collectives"]["all-gather"]), default=0)
+    largest = targets.largest_gather(row["collectives"])
     return row | dict(
         over_ideal=None if ideal is None else row["memory"]["peak"] / ideal,
         one_device_peak=one.get("memory", {}).get("peak"),
         largest_gather_over_input=largest / row["input_bytes"],
         all_to_all=len(row["collectives"]["all-to-all"]),
-    )
-
-
-_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "pred": 1, "s32": 4, "u32": 4, "f64": 8}
-
-
-def _bytes(shape: str) -> int:
-    """Bytes of an HLO result type such as 'bf16[8,4,2048,2048]{...}' (a tuple: its largest)."""
-    import re
-
-    parts = re.findall(r"([a-z]+\d*)\[([\d,]*)\]", shape)
-    return max(
-        (
-            _ITEMSIZE.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
-            for t, dims in parts
-        ),
-        default=0,
     )
 
 

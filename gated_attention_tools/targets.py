@@ -213,6 +213,29 @@ def collectives(compiled) -> dict[str, list[str]]:
     return found
 
 
+_ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2, "pred": 1, "s32": 4, "u32": 4, "f64": 8}
+
+
+def result_bytes(shape: str) -> int:
+    """Bytes of an HLO result type such as 'bf16[8,4,2048,2048]{...}' (a tuple: its largest)."""
+    import math
+    import re
+
+    parts = re.findall(r"([a-z]+\d*)\[([\d,]*)\]", shape)
+    return max(
+        (
+            _ITEMSIZE.get(t, 4) * math.prod(int(d) for d in dims.split(",") if d)
+            for t, dims in parts
+        ),
+        default=0,
+    )
+
+
+def largest_gather(found: dict[str, list[str]]) -> int:
+    """Bytes of the largest all-gather's result among collectives()' findings (0: none)."""
+    return max((result_bytes(s) for s in found["all-gather"]), default=0)
+
+
 def spec(shape, dtype, name: str):
     """An abstract argument of this shape and dtype on the target's device."""
     import jax
