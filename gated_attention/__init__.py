@@ -31,9 +31,6 @@ from gated_attention.alphafold import (
     MSAColumnGlobalAttention,
     MSARowAttentionWithPairBias,
     TriangleAttention,
-    apply_dropout,
-    dropout_update,
-    dropout_wrapper,
 )
 from gated_attention.attention import (
     IMPLEMENTATIONS,
@@ -45,6 +42,7 @@ from gated_attention.base import Implementation
 from gated_attention.chunked import ChunkedAttention
 from gated_attention.config import GlobalConfig, ModuleConfig
 from gated_attention.cudnn import CudnnAttention
+from gated_attention.dropout import apply_dropout, dropout_update, dropout_wrapper
 from gated_attention.modules import Attention, GlobalAttention
 from gated_attention.pallas import PallasAttention
 from gated_attention.pallas_tpu import PallasTpuAttention

@@ -50,8 +50,6 @@ pair representations keeps its [h, r, r] bias per example and never broadcast to
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -60,12 +58,8 @@ import jax
 import jax.numpy as jnp
 
 from gated_attention import config as config_lib
-from gated_attention import mapping, modules, numerics, sharding
-
-# Axis whose dropout mask is shared when config.shared_dropout, per orientation (AF2: per_row -> 0,
-# per_column -> 1 of [N_seq|N_res, N_res, c]); counted from the end so leading axes may be added.
-_SHARED_DROPOUT_AXIS = {"per_row": -3, "per_column": -2}
-
+from gated_attention import modules, pair_bias, sharding
+from gated_attention.dropout import apply_dropout, dropout_update, dropout_wrapper  # noqa: F401
 
 # --------------------------------------------------------------------------------------------------
 # Checks and small pieces shared by the modules.
@@ -100,141 +94,6 @@ def _check_orientation(config: config_lib.ModuleConfig, expected: str, module: s
             f"config.orientation must be {expected!r} for {module} (as in AF2's config), got "
             f"{config.orientation!r}"
         )
-
-
-def _norm_params(name: str, channels: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """AF2's LayerNorm parameters '<name>/scale' (ones) and '<name>/offset' (zeros) [channels],
-    in float32 (float64 for float64 activations), as hk.LayerNorm creates them for the float32
-    input AF2 gives it."""
-    acc = numerics.accumulation_dtype(dtype)
-    with hk.name_scope(name):
-        scale = hk.get_parameter("scale", (channels,), acc, init=jnp.ones)
-        offset = hk.get_parameter("offset", (channels,), acc, init=jnp.zeros)
-    return scale, offset
-
-
-def _layer_norm(x: jax.Array, norm: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """hk.LayerNorm's formula over channels (eps 1e-5), computed and returned in norm's dtype."""
-    scale, offset = norm
-    x = x.astype(scale.dtype)
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    variance = jnp.var(x, axis=-1, keepdims=True)
-    return scale * jax.lax.rsqrt(variance + jnp.asarray(1e-5, x.dtype)) * (x - mean) + offset
-
-
-def _normalizer(norm: tuple[jax.Array, jax.Array]) -> Callable[[jax.Array], jax.Array]:
-    """The LayerNorm as the attention's input_transform: applied inside each row tile (so it is
-    recomputed in the backward pass, not saved whole) and cast back to the input's dtype."""
-    return lambda x: _layer_norm(x, norm).astype(x.dtype)
-
-
-def _bias_rows(pair, scale, offset, weights):
-    """[rows, k, c_z] -> [rows, k, h]: the pair bias of some pair rows, from the float32 (float64)
-    LayerNorm output."""
-    normed = _layer_norm(pair, (scale, offset))
-    return jnp.einsum("qkc,ch->qkh", normed, weights.astype(normed.dtype))
-
-
-def _pair_bias(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget_mib: float):
-    """feat_2d_weights [c_z, h] ~ N(0, 1/c_z) in `dtype`, and the [h, q, k] bias of the
-    layer-normed pair, computed in float32 (the op adds it to float32 logits).
-
-    It runs in tiles of pair rows that fit the memory budget, each recomputed in the backward
-    pass: the normed pair and its LayerNorm's cotangents, each the size of the pair (512 MiB at
-    N_res 1,024), are never held whole."""
-    weights = _feat_2d_weights(pair_act.shape[-1], num_head, dtype)
-    rows = _bias_tile_rows(pair_act.shape, budget_mib)
-    args = [pair_act, *(x[None] for x in norm), weights[None]]  # size 1: shared by the tiles
-    batched = [True, False, False, False]
-    shared = lambda pair, scale, offset, w: _bias_rows(pair, scale[0], offset[0], w[0])
-    out = mapping.subbatch(shared, args, subbatch_size=rows, batched=batched, remat=True)
-    return jnp.moveaxis(out, -1, 0)  # [h, q, k]
-
-
-def _feat_2d_weights(c_z: int, num_head: int, dtype: Any) -> jax.Array:
-    init = hk.initializers.RandomNormal(stddev=1.0 / math.sqrt(c_z))
-    return hk.get_parameter("feat_2d_weights", (c_z, num_head), dtype, init=init)
-
-
-def _bias_tile_rows(shape: tuple[int, ...], budget_mib: float) -> int:
-    """Pair rows per bias tile: about six float32 arrays of a row (the normed pair, LayerNorm
-    temporaries, cotangents) in a quarter of the budget; the rest holds the attention's tiles and
-    the pair's cotangent."""
-    q_len, k_len, c_z = shape
-    return max(1, min(q_len, int(budget_mib * 2**20) // (4 * 6 * 4 * k_len * c_z)))
-
-
-def _with_pair_bias(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget_mib: float):
-    """(pair_act, _pair_bias(pair_act, ...)) for a module whose attention reads the same pair
-    (TriangleAttention): the attention must take the returned pair_act, so that its cotangent
-    comes into this function's backward pass, which adds the bias's share into that buffer tile
-    by tile. Differentiating _pair_bias apart would build the bias's pair-sized cotangent beside
-    the attention's and add the two: one more pair-sized temporary in a training step."""
-    weights = _feat_2d_weights(pair_act.shape[-1], num_head, dtype)
-    rows = _bias_tile_rows(pair_act.shape, budget_mib)
-    return _fused_pair_bias(pair_act, *norm, weights, rows)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fused_pair_bias(pair, scale, offset, weights, rows: int):
-    shared = lambda pair, scale, offset, w: _bias_rows(pair, scale[0], offset[0], w[0])
-    args = [pair, scale[None], offset[None], weights[None]]
-    out = mapping.subbatch(shared, args, subbatch_size=rows, batched=[True, False, False, False])
-    return pair, jnp.moveaxis(out, -1, 0)
-
-
-def _fused_pair_bias_fwd(pair, scale, offset, weights, rows):
-    return _fused_pair_bias(pair, scale, offset, weights, rows), (pair, scale, offset, weights)
-
-
-def _fused_pair_bias_bwd(rows, residuals, cotangents):
-    """The pair's cotangent from the attention, with each tile's bias cotangent added in place
-    (a fori_loop carry: no second pair-sized buffer); parameter cotangents summed in float32."""
-    pair, scale, offset, weights = residuals
-    d_pair, d_bias = cotangents
-    d_bias = jnp.moveaxis(d_bias, 0, -1)  # [q, k, h]
-    args = (pair, d_pair, d_bias, scale, offset, weights)
-    # Pair rows over devices: each device adds its own rows' share, its parameters' partial sums
-    # added over the devices.
-    out = sharding.map_rows(
-        functools.partial(_pair_bias_grads, rows),
-        args,
-        rows=(True, True, True, False, False, False),
-        sums=(False, True, True, True),
-    )
-    d_pair, d_scale, d_offset, d_weights = out or _pair_bias_grads(rows, *args)
-    return (
-        d_pair,
-        d_scale.astype(scale.dtype),
-        d_offset.astype(offset.dtype),
-        d_weights.astype(weights.dtype),
-    )
-
-
-def _pair_bias_grads(rows, pair, d_pair, d_bias, scale, offset, weights):
-    """(d_pair with each tile's bias cotangent added, the parameters' cotangents in the
-    accumulation dtype) over these pair rows, `rows` at a time."""
-    acc = numerics.accumulation_dtype(pair.dtype)
-
-    def tile(start, size: int, carry):
-        d_pair, *d_params = carry
-        piece = jax.lax.dynamic_slice_in_dim(pair, start, size)
-        _, vjp = jax.vjp(_bias_rows, piece, scale, offset, weights)
-        d_piece, *d_tile = vjp(jax.lax.dynamic_slice_in_dim(d_bias, start, size))
-        total = jax.lax.dynamic_slice_in_dim(d_pair, start, size) + d_piece.astype(d_pair.dtype)
-        d_pair = jax.lax.dynamic_update_slice_in_dim(d_pair, total, start, 0)
-        return d_pair, *(a + b.astype(acc) for a, b in zip(d_params, d_tile, strict=True))
-
-    rows = min(rows, pair.shape[0])  # one device's rows may be fewer than a tile
-    num_full, remainder = divmod(pair.shape[0], rows)
-    carry = (d_pair, *(jnp.zeros(x.shape, acc) for x in (scale, offset, weights)))
-    carry = jax.lax.fori_loop(0, num_full, lambda t, c: tile(t * rows, rows, c), carry)
-    if remainder:
-        carry = tile(num_full * rows, remainder, carry)
-    return carry
-
-
-_fused_pair_bias.defvjp(_fused_pair_bias_fwd, _fused_pair_bias_bwd)
 
 
 def _on_rows_with_params(fn, args, placement, row_dims, out_dim, mapper=None):
@@ -316,7 +175,7 @@ class _FamilyModule(hk.Module):
 
     def _pair_bias(self, pair_act, norm, dtype) -> jax.Array:
         budget = self.global_config.memory_budget_mib
-        return _pair_bias(pair_act, norm, self.config.num_head, dtype, budget)
+        return pair_bias.of_pair(pair_act, norm, self.config.num_head, dtype, budget)
 
     @hk.transparent
     def _placement(self):
@@ -382,7 +241,7 @@ class _FamilyModule(hk.Module):
             mask,
             bias,
             subbatch_size=self._subbatch_size(is_training),
-            input_transform=_normalizer(norm),
+            input_transform=pair_bias.normalizer(norm),
         )
 
 
@@ -438,8 +297,8 @@ class MSARowAttentionWithPairBias(_FamilyModule):
         placement = None if grid else self._placement()
 
         def update(msa_act, msa_mask, pair_act):
-            norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
-            pair_norm = _norm_params("feat_2d_norm", pair_act.shape[-1], pair_act.dtype)
+            norm = pair_bias.norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
+            pair_norm = pair_bias.norm_params("feat_2d_norm", pair_act.shape[-1], pair_act.dtype)
             bias = self._pair_bias(pair_act, pair_norm, msa_act.dtype)  # [h, r, r]
             keys_over = None
             if grid:  # the pair tile's bias: every query of this device's keys, which travel
@@ -485,7 +344,7 @@ class MSAColumnAttention(_FamilyModule):
         placement = None if grid else self._placement()
 
         def update(msa_act, msa_mask):
-            norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
+            norm = pair_bias.norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
             msa_act, msa_mask = _to_columns(placement, msa_act, msa_mask)
             cols = jnp.swapaxes(msa_act, -3, -2)  # [r, s, c_m]
             mask = _key_mask(jnp.swapaxes(msa_mask, -2, -1))  # [r, 1, 1, s]
@@ -534,7 +393,7 @@ class MSAColumnGlobalAttention(_FamilyModule):
         placement = self._placement()
 
         def update(msa_act, msa_mask):
-            norm = _norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
+            norm = pair_bias.norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
             attention = modules.GlobalAttention(
                 self.config, self.global_config, msa_act.shape[-1], name="attention"
             )
@@ -545,7 +404,7 @@ class MSAColumnGlobalAttention(_FamilyModule):
                 msa_act,
                 msa_mask.astype(bool),
                 subbatch_size=self._subbatch_size(is_training),
-                input_transform=_normalizer(norm),
+                input_transform=pair_bias.normalizer(norm),
                 positions_first=True,
             )
             return _to_rows(placement, out)
@@ -592,7 +451,7 @@ class TriangleAttention(_FamilyModule):
             return self._tiled(pair_act, pair_mask, is_training, per_column, self._grid())
 
         def update(pair_act, pair_mask):
-            norm = _norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
+            norm = pair_bias.norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
             if per_column:  # the transposed pair's rows: with rows over devices, one all-to-all
                 pair_act, pair_mask = _to_columns(placement, pair_act, pair_mask)
                 pair_act, pair_mask = (
@@ -601,8 +460,8 @@ class TriangleAttention(_FamilyModule):
                 )
             budget = self.global_config.memory_budget_mib
             # The attention reads the pair that comes back, so the bias's cotangent is added
-            # into the attention's in place (_with_pair_bias).
-            pair_act, bias = _with_pair_bias(
+            # into the attention's in place (pair_bias.with_pair).
+            pair_act, bias = pair_bias.with_pair(
                 pair_act, norm, self.config.num_head, pair_act.dtype, budget
             )  # bias [h, r, r] (this device's rows' [h, r / devices, r] with rows split)
             if placement is not None:
@@ -635,11 +494,11 @@ class TriangleAttention(_FamilyModule):
     @hk.transparent
     def _on_grid_update(self, pair_act, pair_mask, is_training, per_column, ring):
         """One device's tile: ring = (the axes its positions are split over, the other) or None."""
-        norm = _norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
+        norm = pair_bias.norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
         if per_column:
             pair_act, pair_mask = jnp.swapaxes(pair_act, -3, -2), jnp.swapaxes(pair_mask, -2, -1)
         budget = self.global_config.memory_budget_mib
-        pair_act, bias = _with_pair_bias(
+        pair_act, bias = pair_bias.with_pair(
             pair_act, norm, self.config.num_head, pair_act.dtype, budget
         )  # [h, this tile's rows, its columns]
         keys_over = None
@@ -648,116 +507,3 @@ class TriangleAttention(_FamilyModule):
             bias = jax.lax.all_gather(bias, other, axis=1, tiled=True)  # every query, own keys
         out = self._attention(pair_act, norm, _key_mask(pair_mask), bias, is_training, keys_over)
         return jnp.swapaxes(out, -3, -2) if per_column else out
-
-
-# --------------------------------------------------------------------------------------------------
-# Dropout, as AF2's Evoformer applies it to these modules' updates.
-
-
-def apply_dropout(
-    tensor: jax.Array,
-    rate: float,
-    is_training: bool,
-    *,
-    broadcast_dim: int | None = None,
-    rng: jax.Array | None = None,
-) -> jax.Array:
-    """Inverted dropout: zeroes each entry with probability `rate`, scales the rest by 1/(1-rate).
-
-    Args:
-      tensor: any shape, floating point.
-      rate: drop probability in [0, 1).
-      is_training: when False (or rate == 0) the tensor is returned unchanged.
-      broadcast_dim: an axis along which one mask value is shared (the mask has size 1 there), e.g.
-        -3 to drop whole [r, c] entries alike for every MSA row; None: independent entries.
-      rng: a PRNG key; None draws one with hk.next_rng_key() (inside hk.transform with an rng).
-
-    Returns:
-      tensor's shape and dtype.
-    """
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
-        raise ValueError(f"rate must be a number in [0, 1), got {rate!r}")
-    if not is_training or rate == 0.0:
-        return tensor
-    shape = list(tensor.shape)
-    if broadcast_dim is not None:
-        if not -tensor.ndim <= broadcast_dim < tensor.ndim:
-            raise ValueError(
-                f"broadcast_dim={broadcast_dim} is out of range for a tensor of shape "
-                f"{tuple(tensor.shape)}"
-            )
-        shape[broadcast_dim] = 1
-    rng = hk.next_rng_key() if rng is None else rng
-    keep_rate = 1.0 - rate
-    keep = jax.random.bernoulli(rng, keep_rate, shape)
-    return jnp.where(
-        keep, tensor / jnp.asarray(keep_rate, tensor.dtype), jnp.zeros((), tensor.dtype)
-    )
-
-
-def dropout_update(
-    config: Any,
-    global_config: Any,
-    update: jax.Array,
-    is_training: bool,
-    *,
-    rng: jax.Array | None = None,
-) -> jax.Array:
-    """Dropout on a family module's update with AF2's rules (its dropout_wrapper).
-
-    The rate is config.dropout_rate, or 0 when global_config.deterministic. Dropout runs when
-    is_training, or always when global_config.eval_dropout. With config.shared_dropout one mask value
-    is shared along the orientation's axis: 'per_row' -> axis -3 (every row of [s|r, r, c] alike),
-    'per_column' -> axis -2 (every column alike).
-
-    Args:
-      config: the module's config (ModuleConfig or AF2's ConfigDict).
-      global_config: the global config.
-      update: [..., N, N_res, c], the module's output.
-      is_training: training mode.
-      rng: a PRNG key; None uses hk.next_rng_key().
-
-    Returns:
-      update with dropout applied, same shape and dtype.
-    """
-    config = config_lib.module_config(config)
-    global_config = config_lib.global_config(global_config)
-    rate = 0.0 if global_config.deterministic else config.dropout_rate
-    broadcast_dim = _SHARED_DROPOUT_AXIS[config.orientation] if config.shared_dropout else None
-    return apply_dropout(
-        update,
-        rate,
-        is_training or global_config.eval_dropout,
-        broadcast_dim=broadcast_dim,
-        rng=rng,
-    )
-
-
-def dropout_wrapper(
-    module: _FamilyModule,
-    input_act: jax.Array,
-    mask: jax.Array,
-    *args: Any,
-    is_training: bool = False,
-    output_act: jax.Array | None = None,
-    rng: jax.Array | None = None,
-    **kwargs: Any,
-) -> jax.Array:
-    """The residual update AF2's Evoformer makes: output_act + dropout(module(input_act, mask, ...)).
-
-    Args:
-      module: a family module instance (its config and global_config set the dropout).
-      input_act: the module's activations input, e.g. msa_act or pair_act.
-      mask: the module's mask input.
-      *args: further positional inputs (MSARowAttentionWithPairBias: pair_act).
-      is_training: training mode.
-      output_act: the activations the update is added to (default input_act).
-      rng: a PRNG key for dropout; None uses hk.next_rng_key().
-      **kwargs: further keyword inputs of the module.
-
-    Returns:
-      output_act + dropout(update), output_act's shape.
-    """
-    update = module(input_act, mask, *args, is_training=is_training, **kwargs)
-    update = dropout_update(module.config, module.global_config, update, is_training, rng=rng)
-    return (input_act if output_act is None else output_act) + update

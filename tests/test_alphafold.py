@@ -155,7 +155,7 @@ def test_family_runs_every_implementation(implementation):
     assert_close(out, expected, reference.tolerance("float32", family=True))
 
 
-# 4 pair rows per bias tile (alphafold._bias_tile_rows: 96 * R * C_Z bytes a row): R = 6 rows run
+# 4 pair rows per bias tile (pair_bias.tile_rows: 96 * R * C_Z bytes a row): R = 6 rows run
 # as a full tile and a remainder of 2, in the forward and in the backward's in-place accumulation.
 BIAS_TILES = dict(GLOBAL, memory_budget_mib=4 * 96 * R * C_Z / 2**20)
 

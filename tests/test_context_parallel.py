@@ -264,6 +264,7 @@ def test_columns_over_devices_errors():
         for fn, match in cases:
             t = hk.transform(fn)
             with pytest.raises(ValueError, match=match):
-                t.apply(t.init(jax.random.PRNGKey(0)), jax.random.PRNGKey(0))
+                params = jax.eval_shape(t.init, jax.random.PRNGKey(0))
+                jax.eval_shape(t.apply, params, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match=r"share \['keys'\]: one axis splits one dimension"):
         config.global_config(dict(shard_rows_over="keys", shard_columns_over="keys"))
