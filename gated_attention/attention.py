@@ -477,10 +477,10 @@ def dot_product_attention(
         parallelism): each device attends its queries to the key blocks in turn, passed around
         the devices, and merges them by log-sum-exp, never gathering K or V (ring.py). A bias or
         mask with a query axis is split along it and stays; one with a key axis only travels
-        with the keys. Under Auto mesh axes (jit with sharded inputs; under Explicit ones only
-        where no other explicit axis splits the inputs); inside a shard_map over the axis the
-        arrays are the device's blocks, and a bias or mask may also hold every query (each
-        device slices its own) or every key (it stays, sliced per block).
+        with the keys. Under Auto and Explicit mesh axes (other explicit axes, such as one
+        splitting the batch, become manual in the ring's shard_map); inside a shard_map over
+        the axis the arrays are the device's blocks, and a bias or mask may also hold every
+        query (each device slices its own) or every key (it stays, sliced per block).
 
     Returns:
       [..., T, N, Hv] in query's dtype; with return_residual, (that, the residual [..., T, N]).

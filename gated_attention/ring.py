@@ -128,9 +128,51 @@ def attend(
     dims = [rank - 3, rank - 3, rank - 3, _split_dim(mask, rank), None, None]
     dims += [_split_dim(b, rank) for b in biases]
     out_dims = (rank - 3, rank - 3) if residual else rank - 3
+    if _other_explicit_axes(mesh, axes):
+        return _with_explicit_axes(local, args, mesh, axes, dims, residual)
     return sharding.on_rows(
         local, args, placement, row_dims=dims, out_dims=out_dims, what="shard_keys_over"
     )
+
+
+def _other_explicit_axes(mesh, axes) -> set[str]:
+    kinds = zip(mesh.axis_names, mesh.axis_types, strict=True)
+    return {n for n, k in kinds if k == jax.sharding.AxisType.Explicit and n not in axes}
+
+
+def _with_explicit_axes(local, args, mesh, axes, dims, residual: bool):
+    """local(*args) in a shard_map over the ring's axes and every other explicit axis, each
+    array split as its type says along the others (a batch split over 'rows' stays so) and over
+    the ring's axes along dims: no axis is left typed on the arrays inside, where the kernels'
+    bodies would meet it. The lengths split as the query's batch dimensions."""
+    query = args[0]
+    batch = sharding.explicit_axes(query)[1][:-3]
+    ring = tuple(axes)
+
+    def wanted(x, dim, lengths=False):
+        if x is None:
+            return None
+        if lengths:
+            return batch[-x.ndim :] if x.ndim else ()
+        got = [tuple(a for a in d if a not in ring) for d in sharding.explicit_axes(x)[1]]
+        if dim is not None:
+            got[dim] = (*got[dim], *ring)
+        return tuple(got)
+
+    specs = [
+        wanted(x, d, lengths=i in (4, 5)) for i, (x, d) in enumerate(zip(args, dims, strict=True))
+    ]
+    args = [
+        x if w is None else sharding.conform(x, mesh, w) for x, w in zip(args, specs, strict=True)
+    ]
+    in_specs = tuple(jax.sharding.PartitionSpec() if w is None else sharding.spec(w) for w in specs)
+    out = sharding.spec(specs[0])
+    lse = sharding.spec(specs[0][:-1])  # [..., T, N]: the query's without its head dim
+    names = set(ring) | _other_explicit_axes(mesh, ring)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=in_specs, out_specs=(out, lse) if residual else out,
+        axis_names=names, check_vma=False,  # the implementations' loops are untyped for it
+    )(*args)  # fmt: skip
 
 
 def _ring(attend_block, axes, devices: int, static):

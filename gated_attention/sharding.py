@@ -69,7 +69,7 @@ def _entry_axes(entry: Any) -> Axes:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _spec(axes: Sequence[Axes]) -> P:
+def spec(axes: Sequence[Axes]) -> P:
     """Axes per dimension -> PartitionSpec, without trailing Nones (P(None, 'x') == its spec)."""
     entries = [None if not a else (a[0] if len(a) == 1 else tuple(a)) for a in axes]
     while entries and entries[-1] is None:
@@ -91,13 +91,13 @@ def _mesh_and_axes(arrays: Sequence[Any]) -> tuple[Any, set[str]]:
     return None, set()
 
 
-def _conform(x: Any, mesh: Any, wanted: Sequence[Axes]) -> Any:
+def conform(x: Any, mesh: Any, wanted: Sequence[Axes]) -> Any:
     """x resharded to `wanted` (mesh axes per dimension) unless it is sharded so already: a
     shard_map takes its inputs only as its in_specs say. This is where a key sharded along S is
     gathered, or a shared bias replicated."""
     if explicit_axes(x)[1] == tuple(wanted):
         return x
-    return jax.sharding.reshard(x, NamedSharding(mesh, _spec(wanted)))
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec(wanted)))
 
 
 def batch_shards(batched: Sequence[Any], axis: int) -> int:
@@ -184,10 +184,10 @@ def shard_attention(
     wanted += [pair_axes(mask)] if mask is not None else []
     wanted += [length_axes(x) for x in lengths if x is not None]
     inputs = [
-        _conform(x, mesh, w)
+        conform(x, mesh, w)
         for x, w in zip([query, key, value, *biases, *present], wanted, strict=True)
     ]
-    specs = [_spec(w) for w in wanted]
+    specs = [spec(w) for w in wanted]
     num_biases = len(biases)
     local_q_len = query.shape[seq] // math.prod(mesh.shape[a] for a in t_axes)
 
@@ -207,9 +207,9 @@ def shard_attention(
 
     out_axes = [*batch_axes, (), (), ()]
     out_axes[seq], out_axes[head] = t_axes, n_axes
-    out_specs = _spec(out_axes)
+    out_specs = spec(out_axes)
     if residual:
-        out_specs = (out_specs, _spec([*batch_axes, t_axes, n_axes]))
+        out_specs = (out_specs, spec([*batch_axes, t_axes, n_axes]))
     return jax.shard_map(
         attend_local,
         mesh=mesh,
@@ -240,7 +240,7 @@ def map_rows(
     _, manual = _mesh_and_axes(flagged)
     wanted = [[axes if (r and d == 0) else () for d in range(len(x.shape))] for x, r in
               zip(args, rows, strict=True)]  # fmt: skip
-    inputs = [_conform(x, mesh, w) for x, w in zip(args, wanted, strict=True)]
+    inputs = [conform(x, mesh, w) for x, w in zip(args, wanted, strict=True)]
 
     def local(*args):
         out = fn(*args)
@@ -251,7 +251,7 @@ def map_rows(
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=tuple(_spec(w) for w in wanted),
+        in_specs=tuple(spec(w) for w in wanted),
         out_specs=tuple(P() if s else P(axes if len(axes) > 1 else axes[0]) for s in sums),
         axis_names=manual,
         check_vma=False,  # the implementations (loops, custom_vjp) are not typed for varying axes
@@ -393,7 +393,7 @@ def out_sharding(x: Any, keep: int) -> NamedSharding | None:
     mesh, axes = explicit_axes(x)
     if mesh is None:
         return None
-    return NamedSharding(mesh, _spec([*axes[:keep], ()]))
+    return NamedSharding(mesh, spec([*axes[:keep], ()]))
 
 
 # AlphaFold 2's attention parameters sharded by head: name -> (rank, index of the head dimension).
@@ -470,5 +470,5 @@ def head_parallel_specs(params: Any, head_axis: str | Sequence[str], mesh: Any =
                     f"params[{module!r}][{name!r}] of shape {shape} has {shape[head_dim]} "
                     f"heads, which the {size} devices of mesh axes {axes} cannot share evenly"
                 )
-            specs[module][name] = _spec([axes if d == head_dim else () for d in range(len(shape))])
+            specs[module][name] = spec([axes if d == head_dim else () for d in range(len(shape))])
     return specs

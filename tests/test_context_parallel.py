@@ -104,6 +104,31 @@ def test_keys_over_devices_match_one_device(name):
     assert re.search(r"collective-permute(-start)?\(", text)
 
 
+def test_keys_over_devices_under_explicit_axes():
+    """Explicit mesh axes, the batch over one and the positions over the other: the ring's
+    shard_map makes both manual (no axis left typed on the arrays inside); a causal training
+    step with a pair bias matches one device and keeps the query's sharding."""
+    x = _inputs(3)
+
+    def step(keys, q, k, v, bias, cot):
+        attend = lambda *a: ga.dot_product_attention(
+            *a, is_causal=True, implementation="xla", shard_keys_over=keys
+        )
+        out, vjp = jax.vjp(attend, q, k, v, bias)
+        return out, vjp(cot)
+
+    args = (x["q"], x["k"], x["v"], x["pair_bias"], x["cot"])
+    want = jax.jit(functools.partial(step, None))(*args)
+    mesh = _mesh(AxisType.Explicit)
+    with jax.set_mesh(mesh):
+        specs = (P("rows", "keys"),) * 3 + (P(None, "keys"), P("rows", "keys"))
+        placed = [jax.device_put(a, s) for a, s in zip(args, specs, strict=True)]
+        got = jax.jit(functools.partial(step, "keys"))(*placed)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, reference.grad_tolerance("float32", w))
+    assert got[0].sharding.spec[:2] == ("rows", "keys")
+
+
 def test_a_causal_ring_skips_hidden_blocks_and_the_errors():
     """Blocks above the diagonal are skipped (a conditional around each step's attention);
     positions that do not split, and both shard_*_over at once, are refused by name."""
