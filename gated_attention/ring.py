@@ -12,18 +12,18 @@ Biases and masks ([..., N|1, T|1, S|1]): one with a query axis is split with the
 (each step slices its key block, as the logits it is added to are laid out); one with a key axis
 only travels with the keys; one with neither is replicated. Causal, window and length masks are
 shifted to each block's positions (masking.Structure's q_offset), and a block that the causal or
-window mask hides from all of a device's queries is skipped (lax.cond).
+window mask hides from all of a device's queries is skipped (lax.cond): it gives what a block
+without keys gives (_keyless), so a query with no key anywhere gets the uniform average of all
+values, as on one device.
 
 Gradients: a custom VJP runs the ring again backwards. Each step recomputes its block's
-attention and differentiates it with the merged output's cotangent weighted by exp(lse_s - lse),
-the log-sum-exp's cotangent carrying the rest (the implementations' residual_gradient); dK, dV
+attention and differentiates it with the merged output's cotangent weighted by the block's share
+(exp(lse_s - max) / sum, the forward's statistics), the log-sum-exp's cotangent carrying the rest (the implementations' residual_gradient); dK, dV
 and the travelling biases' gradients travel with their blocks and are home after P steps. So the
 backward holds one block's residuals at a time, never the P blocks a plain autodiff would keep.
 
 Whatever implementation 'auto' (or the caller) picks runs each block: xla, chunked, the Pallas
 kernels; cudnn's residual has no gradient, so it is refused inside the ring and 'auto' moves on.
-A query with no key to attend to anywhere gets an average of values (never NaN), not necessarily
-the single-device uniform average (which counts every key that some query attends).
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gated_attention import masking, sharding
-
-_SKIPPED = -2e9  # a skipped block's log-sum-exp: below a keyless row's (-1e9 + log S), weight 0
+from gated_attention import masking, numerics, sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +152,13 @@ def _with_explicit_axes(local, args, mesh, axes, dims, residual: bool):
             return None
         if lengths:
             return batch[-x.ndim :] if x.ndim else ()
-        got = [tuple(a for a in d if a not in ring) for d in sharding.explicit_axes(x)[1]]
+        own = sharding.explicit_axes(x)[1]
+        got = [  # batch dimensions as the query's (a mask's too), the others as x's type says
+            batch[i]
+            if i < len(batch) and x.shape[i] != 1
+            else tuple(a for a in own[i] if a not in ring)
+            for i in range(x.ndim)
+        ]
         if dim is not None:
             got[dim] = (*got[dim], *ring)
         return tuple(got)
@@ -246,6 +250,7 @@ def _ring(attend_block, axes, devices: int, static):
                 (d + i) % devices, q, carry, biases, mask, lengths, layouts
             )
             out_c, lse_c = _unless(hidden, attend_block, q, k_c, v_c, b_c, mask_c, structure)
+            # (a hidden block gives what a block without keys gives: _keyless)
             out_c, lse_c = out_c.astype(acc), lse_c.astype(acc)
             new = jnp.maximum(m, lse_c)
             old_w, w = jnp.exp(m - new), jnp.exp(lse_c - new)
@@ -263,21 +268,21 @@ def _ring(attend_block, axes, devices: int, static):
         carry = travelling(k, v, biases, mask, layouts)
         state = jax.lax.fori_loop(0, devices - 1, step, (carry, stats))
         _, (m, num, den) = step(devices - 1, state, last=True)
-        return (num / den[..., None]).astype(q.dtype), m + jnp.log(den)
+        return (num / den[..., None]).astype(q.dtype), m + jnp.log(den), (m, den)
 
     @jax.custom_vjp
     def ring(q, k, v, biases, mask, lengths):
-        return forward(q, k, v, biases, mask, lengths)
+        return forward(q, k, v, biases, mask, lengths)[:2]
 
     def ring_fwd(q, k, v, biases, mask, lengths):
-        out, lse = forward(q, k, v, biases, mask, lengths)
-        return (out, lse), (q, k, v, biases, mask, lengths, out, lse)
+        out, lse, stats = forward(q, k, v, biases, mask, lengths)
+        return (out, lse), (q, k, v, biases, mask, lengths, out, stats)
 
     def ring_bwd(res, cotangents):
-        q, k, v, biases, mask, lengths, out, lse = res
+        q, k, v, biases, mask, lengths, out, (m, den) = res
         g, g_lse = cotangents
         d = jax.lax.axis_index(axes)
-        acc = lse.dtype
+        acc = m.dtype
         g32, out32 = g.astype(acc), out.astype(acc)
         layouts = layouts_of(q, k, biases, mask)
         t, s = q.shape[-3], k.shape[-3]
@@ -288,10 +293,12 @@ def _ring(attend_block, axes, devices: int, static):
             None if lay.travels else zeros(b) for b, lay in zip(biases, layouts[0], strict=True)
         ]
 
-        def block_grads(q, k, v, b, mask_c, structure):
-            f = lambda q, k, v, b: attend_block(q, k, v, b, mask_c, structure)
+        def block_grads(q, k, v, b, mask_c, structure, block=attend_block):
+            f = lambda q, k, v, b: block(q, k, v, b, mask_c, structure)
             (out_c, lse_c), vjp = jax.vjp(f, q, k, v, b)
-            w = jnp.exp(lse_c.astype(acc) - lse)  # this block's share of each row
+            # This block's share of each row, from the forward's max and sum: exp(lse_c - lse)
+            # would round to 1 in rows without a key (lse = -1e9 + log(P s) is -1e9 in float32).
+            w = jnp.exp(lse_c.astype(acc) - m) / den
             g_out = (g32 * w[..., None]).astype(out_c.dtype)
             g_res = w * (jnp.sum(g32 * (out_c.astype(acc) - out32), axis=-1) + g_lse)
             return jax.tree.map(lambda x: x.astype(acc), vjp((g_out, g_res.astype(lse_c.dtype))))
@@ -303,8 +310,9 @@ def _ring(attend_block, axes, devices: int, static):
             k_c, v_c, b_c, mask_c, structure, hidden = block(
                 c, q, carry, biases, mask, lengths, layouts
             )
+            keyless = functools.partial(block_grads, block=_keyless)
             dq_c, dk_c, dv_c, db_c = _unless(
-                hidden, block_grads, q, k_c, v_c, b_c, mask_c, structure, zero=True
+                hidden, block_grads, q, k_c, v_c, b_c, mask_c, structure, instead=keyless
             )
             dk, dv, d_moving = grads
             d_moving, moved, d_stay = iter(d_moving), [], list(d_stay)
@@ -331,17 +339,29 @@ def _ring(attend_block, axes, devices: int, static):
     return ring
 
 
-def _unless(hidden, fn, q, k, v, biases, mask, structure, *, zero: bool = False):
-    """fn(...) unless the block is hidden (a traced bool, or False): then zeros (the
-    gradients, zero=True) or a zero output with a log-sum-exp of _SKIPPED."""
+def _unless(hidden, fn, q, k, v, biases, mask, structure, *, instead=None):
+    """fn(...) unless the block is hidden (a traced bool, or False), then instead(...)
+    (default _keyless): a lax.cond, so a hidden block costs a mean over its values."""
+    args = (q, k, v, biases, mask, structure)
     if hidden is False:
-        return fn(q, k, v, biases, mask, structure)
-    shapes = jax.eval_shape(fn, q, k, v, biases, mask, structure)
+        return fn(*args)
+    return jax.lax.cond(hidden, instead or _keyless, fn, *args)
 
-    def skipped(*_):
-        if zero:
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-        out, lse = shapes
-        return jnp.zeros(out.shape, out.dtype), jnp.full(lse.shape, _SKIPPED, lse.dtype)
 
-    return jax.lax.cond(hidden, skipped, fn, q, k, v, biases, mask, structure)
+def _keyless(q, k, v, biases, mask, structure):
+    """(out, lse) of a block none of whose keys a query may attend, as an implementation gives
+    them for rows without a key: the uniform average of the block's values as given (query head
+    n reads kv head n // (N / K)) and the log-sum-exp MASK_VALUE + log(s), queries beyond their
+    length zero. So a query without a key anywhere averages every block alike: the uniform
+    average over all keys, as on one device; a query with one weighs this block exp(-1e9)."""
+    del k, biases, mask
+    acc = jnp.promote_types(v.dtype, jnp.float32)
+    mean = jnp.mean(v.astype(acc), axis=-3)  # [..., K, Hv]
+    mean = jnp.repeat(mean, q.shape[-2] // v.shape[-2], axis=-2)  # [..., N, Hv]
+    out = jnp.broadcast_to(mean[..., None, :, :], (*q.shape[:-1], v.shape[-1]))
+    if structure.q_lengths is not None:
+        i = structure.q_offset + jnp.arange(q.shape[-3], dtype=jnp.int32)  # [t]
+        valid = i < structure.q_lengths[..., None]  # [..., t]
+        out = jnp.where(valid[..., None, None], out, jnp.zeros((), out.dtype))
+    lse = jnp.full(q.shape[:-1], numerics.MASK_VALUE + math.log(v.shape[-3]), acc)
+    return out.astype(q.dtype), lse

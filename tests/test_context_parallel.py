@@ -109,11 +109,13 @@ def test_keys_over_devices_under_explicit_axes():
     shard_map makes both manual (no axis left typed on the arrays inside); a causal training
     step with a pair bias matches one device and keeps the query's sharding."""
     x = _inputs(3)
+    mask = x["key_mask"]  # with the causal mask, some queries have no key: the uniform average
+    assert not bool(jnp.all(mask[..., 0]))
 
     def step(keys, q, k, v, bias, cot):
         attend = lambda *a: ga.dot_product_attention(
-            *a, is_causal=True, implementation="xla", shard_keys_over=keys
-        )
+            *a, mask, is_causal=True, implementation="xla", shard_keys_over=keys
+        )  # the key mask unplaced: split as the query's batch inside
         out, vjp = jax.vjp(attend, q, k, v, bias)
         return out, vjp(cot)
 
