@@ -446,29 +446,13 @@ class TriangleAttention(_FamilyModule):
             )
         _check_mask("pair_mask", pair_mask, tuple(pair_act.shape[:-1]), "pair_act")
         per_column = self.config.orientation == "per_column"
-        placement = self._placement()
         if self.global_config.shard_columns_over is not None:
             return self._tiled(pair_act, pair_mask, is_training, per_column, self._grid())
-
-        def update(pair_act, pair_mask):
-            norm = pair_bias.norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
-            if per_column:  # the transposed pair's rows: with rows over devices, one all-to-all
-                pair_act, pair_mask = _to_columns(placement, pair_act, pair_mask)
-                pair_act, pair_mask = (
-                    jnp.swapaxes(pair_act, -3, -2),
-                    jnp.swapaxes(pair_mask, -2, -1),
-                )
-            budget = self.global_config.memory_budget_mib
-            # The attention reads the pair that comes back, so the bias's cotangent is added
-            # into the attention's in place (pair_bias.with_pair).
-            pair_act, bias = pair_bias.with_pair(
-                pair_act, norm, self.config.num_head, pair_act.dtype, budget
-            )  # bias [h, r, r] (this device's rows' [h, r / devices, r] with rows split)
-            if placement is not None:
-                bias = jax.lax.all_gather(bias, placement[1], axis=1, tiled=True)
-            out = self._attention(pair_act, norm, _key_mask(pair_mask), bias, is_training)
-            return _to_rows(placement, jnp.swapaxes(out, -3, -2)) if per_column else out
-
+        placement = self._placement()
+        gather = None if placement is None else placement[1]
+        update = lambda act, mask: self._update(
+            act, mask, is_training, per_column, turn=placement, gather=gather
+        )
         return self._on_rows(
             lambda *a: _map_leading(update, pair_act.ndim - 3, *a),
             (pair_act, pair_mask),
@@ -483,27 +467,37 @@ class TriangleAttention(_FamilyModule):
         columns): no all-to-all turns the pair. Each device computes the bias of its tile and
         gathers it over the other axis only: every query of its own keys, which travel with
         them ([h, N, N / ring devices]); the pair is never gathered."""
-        axes = grid[1] if grid else None
-        ring = None if grid is None else (axes if per_column else axes[::-1])
-        update = lambda act, mask: self._on_grid_update(act, mask, is_training, per_column, ring)
+        keys_over = gather = None
+        if grid is not None:  # the axis attended along, and the other (the bias's gather)
+            keys_over, gather = grid[1] if per_column else grid[1][::-1]
+        update = lambda act, mask: self._update(
+            act, mask, is_training, per_column, gather=gather, keys_over=keys_over
+        )
         update_all = lambda *a: _map_leading(update, pair_act.ndim - 3, *a)
         if grid is None:  # Haiku's init
             return update_all(pair_act, pair_mask)
         return self._on_grid(update_all, (pair_act, pair_mask), (-3, -2), grid)
 
     @hk.transparent
-    def _on_grid_update(self, pair_act, pair_mask, is_training, per_column, ring):
-        """One device's tile: ring = (the axes its positions are split over, the other) or None."""
+    def _update(
+        self, pair_act, pair_mask, is_training, per_column, *, turn=None, gather=None,
+        keys_over=None,
+    ):  # fmt: skip
+        """One device's pair rows (or tile) -> its update. turn: rows over devices, turned to
+        columns by one all-to-all for the ending node and back; gather: the axes this device's
+        bias rows are all-gathered over (every row needs all of them, or on the grid every
+        query of its own keys); keys_over: the axes the positions are split over (a ring)."""
         norm = pair_bias.norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
-        if per_column:
+        if per_column:  # the transposed pair's rows
+            pair_act, pair_mask = _to_columns(turn, pair_act, pair_mask)
             pair_act, pair_mask = jnp.swapaxes(pair_act, -3, -2), jnp.swapaxes(pair_mask, -2, -1)
         budget = self.global_config.memory_budget_mib
+        # The attention reads the pair that comes back, so the bias's cotangent is added into
+        # the attention's in place (pair_bias.with_pair).
         pair_act, bias = pair_bias.with_pair(
             pair_act, norm, self.config.num_head, pair_act.dtype, budget
-        )  # [h, this tile's rows, its columns]
-        keys_over = None
-        if ring is not None:
-            keys_over, other = ring
-            bias = jax.lax.all_gather(bias, other, axis=1, tiled=True)  # every query, own keys
+        )  # [h, this device's rows, r (or its columns)]
+        if gather is not None:
+            bias = jax.lax.all_gather(bias, gather, axis=1, tiled=True)
         out = self._attention(pair_act, norm, _key_mask(pair_mask), bias, is_training, keys_over)
-        return jnp.swapaxes(out, -3, -2) if per_column else out
+        return _to_rows(turn, jnp.swapaxes(out, -3, -2)) if per_column else out
