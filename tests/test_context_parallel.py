@@ -227,8 +227,12 @@ RING = dict(triangle_start=4, triangle_end=2, msa_row=4, msa_column=2)
 TRAINING = ("triangle_end", "msa_row")
 
 
-@pytest.mark.parametrize("what", sorted(RING))
-def test_family_modules_on_tiled_inputs_match_one_device(what):
+@pytest.mark.parametrize(
+    "what, kind",
+    [(w, AxisType.Auto) for w in sorted(RING)] + [("triangle_end", AxisType.Explicit)],
+    ids=[*sorted(RING), "triangle_end-explicit"],
+)
+def test_family_modules_on_tiled_inputs_match_one_device(what, kind):
     """The pair [N, N, c] and the MSA [S, N, c] tiled over the 2 x 4 grid (shard_rows_over x
     shard_columns_over): each device keeps its tiles; the starting node and MSA row attention
     attend along the columns by the ring, the ending node and MSA column attention along the
@@ -251,7 +255,7 @@ def test_family_modules_on_tiled_inputs_match_one_device(what):
         return out, vjp(cot)
 
     want = jax.jit(functools.partial(step, one))(params, msa, msa_mask, pair, pair_mask, cot)
-    mesh = _mesh()
+    mesh = _mesh(kind)  # Auto: jax.jit with sharded inputs; Explicit: typed on the mesh
     tile = lambda x: jax.device_put(x, NamedSharding(mesh, P("rows", "keys")))
     args = (params, *(tile(x) for x in (msa, msa_mask, pair, pair_mask, cot)))
     with jax.set_mesh(mesh):
