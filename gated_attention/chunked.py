@@ -416,7 +416,7 @@ def _key_runs(structure, i, t: _Tiling) -> _Runs:
         return _Runs(0, 0, n_k, n_k)
     start, stop = i * t.tq, masking.min_(i * t.tq + t.tq, t.q_len)
     reach = structure.key_range(start, stop, t.kv_len)
-    full = structure.full_key_range(start, stop, t.kv_len)
+    full = structure.key_range(start, stop, t.kv_len, every=True)
     return _Runs.make(reach, full, t.tk, t.kv_len, n_k)
 
 
@@ -427,7 +427,7 @@ def _query_runs(structure, j, t: _Tiling) -> _Runs:
         return _Runs(0, 0, n_q, n_q)
     start, stop = j * t.tk, masking.min_(j * t.tk + t.tk, t.kv_len)
     reach = structure.query_range(start, stop, t.q_len)
-    full = structure.full_query_range(start, stop, t.q_len)
+    full = structure.query_range(start, stop, t.q_len, every=True)
     return _Runs.make(reach, full, t.tq, t.q_len, n_q)
 
 

@@ -45,6 +45,90 @@ def _and(a, b):
     return b if a is None else a & b
 
 
+# ------------------------------------------------------------------------------------------------
+# The one rule. Query i may attend key j iff lower <= j - i <= upper (the band of the causal and
+# window masks), i < q_length and j < kv_length. Everything else here, the Pallas kernels and the
+# chunked tiles derive their masks and their skipped tiles from these functions.
+
+
+def diagonals(is_causal: bool, window: tuple[int, int] | None):
+    """(lower, upper): the band lower <= j - i <= upper of the causal and window masks; None
+    where unbounded."""
+    lower = None if window is None else -window[0]
+    upper = None if window is None else window[1]
+    if is_causal:
+        upper = 0 if upper is None else min(upper, 0)
+    return lower, upper
+
+
+def allowed(i, j, is_causal: bool, window, q_length=None, kv_length=None):
+    """bool: whether query position i may attend key position j (arrays broadcast; lengths
+    None: unbounded). None when nothing is masked."""
+    lower, upper = diagonals(is_causal, window)
+    ok = None
+    if lower is not None:
+        ok = j - i >= lower
+    if upper is not None:
+        ok = _and(ok, j - i <= upper)
+    if q_length is not None:
+        ok = _and(ok, i < q_length)
+    if kv_length is not None:
+        ok = _and(ok, j < kv_length)
+    return ok
+
+
+def _span(first, last, lower, upper, start, stop, every: bool):
+    """[lo, hi) within [start, stop): the positions p with lower <= p - x <= upper for some x in
+    [first, last] (every: for each x); hi == lo when empty."""
+    a, b = (last, first) if every else (first, last)
+    lo = start if lower is None else max_(start, a + lower)
+    hi = stop if upper is None else min_(stop, b + upper + 1)
+    return lo, max_(hi, lo)
+
+
+def _gate(keep, stop, empty):
+    """stop where `keep` holds, else empty (a range that then holds nothing)."""
+    if isinstance(keep, bool):
+        return stop if keep else empty
+    return jnp.where(keep, stop, empty)
+
+
+def key_span(
+    first, last, is_causal, window, kv_len: int, q_length=None, kv_length=None, every=False
+):
+    """[lo, hi): the keys that some query (every: each query) at positions [first, last] may
+    attend. Lengths: None, or values that broadcast with first (one row's, or [B, 1])."""
+    lower, upper = diagonals(is_causal, window)
+    stop = kv_len if kv_length is None else min_(kv_len, kv_length)
+    if q_length is not None:  # a query at or past its row's length attends nothing
+        stop = _gate((last if every else first) < q_length, stop, 0)
+    return _span(first, last, lower, upper, 0, stop, every)
+
+
+def query_span(
+    k_first, k_last, is_causal, window, q_start, q_len: int, q_length=None, kv_length=None,
+    every=False,
+):  # fmt: skip
+    """[lo, hi): the query positions in [q_start, q_start + q_len) that attend some key (every:
+    each key) at positions [k_first, k_last]: key_span's converse."""
+    lower, upper = diagonals(is_causal, window)
+    stop = q_start + q_len if q_length is None else min_(q_start + q_len, q_length)
+    if kv_length is not None:  # a key at or past its row's length is attended by nothing
+        stop = _gate((k_last if every else k_first) < kv_length, stop, q_start)
+    flip = lambda d: None if d is None else -d
+    return _span(k_first, k_last, flip(upper), flip(lower), q_start, stop, every)
+
+
+def tiles(lo, hi, size: int):
+    """[first, stop): the tiles of `size` positions that [lo, hi) touches (first == stop when
+    it is empty); ints stay ints, traced values give int32."""
+    if isinstance(lo, int) and isinstance(hi, int):
+        return (lo // size, -(-hi // size)) if hi > lo else (lo // size, lo // size)
+    lo, hi = jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32)
+    first = lo // size
+    return first, jnp.where(hi > lo, -(-hi // size), first)
+
+
 @dataclasses.dataclass(frozen=True)
 class Structure:
     """Causal, window and length masks of one call (a pytree: the lengths are its leaves).
@@ -97,48 +181,41 @@ class Structure:
 
         None when the structure masks nothing. q_start and k_start may be traced (tile loops).
         """
+        if self.trivial:
+            return None
         i = q_start + self._offset() + jax.lax.broadcasted_iota(jnp.int32, (1, q_size, 1), 1)
         j = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, 1, k_size), 2)
-        ok = None
-        if self.is_causal:
-            ok = j <= i
-        if self.window is not None:
-            left, right = self.window
-            ok = _and(ok, (j >= i - left) & (j <= i + right))
-        if self.q_lengths is not None:
-            ok = _and(ok, i < self.q_lengths[:, None, None])  # [B, q_size, 1|k_size]
-        if self.kv_lengths is not None:
-            ok = _and(ok, j < self.kv_lengths[:, None, None])  # [B, 1|q_size, k_size]
-        return None if ok is None else ok[:, None]
+        q_lengths, kv_lengths = (
+            None if x is None else x[:, None, None] for x in (self.q_lengths, self.kv_lengths)
+        )
+        ok = allowed(i, j, self.is_causal, self.window, q_lengths, kv_lengths)
+        return ok[:, None]
 
-    def key_range(self, q_start, q_stop, kv_len: int):
-        """[lo, hi): the keys that some query in [q_start, q_stop) of some row may attend."""
+    def key_range(self, q_start, q_stop, kv_len: int, every: bool = False):
+        """[lo, hi): the keys that some query (every: each query) in local [q_start, q_stop) of
+        some row (every: of each row) may attend (key_span)."""
         first, last = q_start + self._offset(), q_stop - 1 + self._offset()
-        lo, hi = 0, kv_len
-        if self.window is not None:
-            lo, hi = max_(lo, first - self.window[0]), min_(hi, last + self.window[1] + 1)
-        if self.is_causal:
-            hi = min_(hi, last + 1)
-        if self.kv_lengths is not None:
-            hi = min_(hi, jnp.max(self.kv_lengths))
-        if self.q_lengths is not None:
-            hi = jnp.where(first < jnp.max(self.q_lengths), hi, lo)
-        return lo, max_(hi, lo)
+        q_length, kv_length = self._lengths(every)
+        return key_span(
+            first, last, self.is_causal, self.window, kv_len, q_length, kv_length, every
+        )
 
-    def query_range(self, k_start, k_stop, q_len: int):
-        """[lo, hi): the local queries that some key in [k_start, k_stop) of some row may serve."""
+    def query_range(self, k_start, k_stop, q_len: int, every: bool = False):
+        """[lo, hi): the local queries that some key (every: each key) in [k_start, k_stop) of
+        some row (every: of each row) may serve (query_span)."""
+        q_length, kv_length = self._lengths(every)
         offset = self._offset()
-        lo, hi = offset, offset + q_len  # global positions
-        if self.window is not None:
-            lo, hi = max_(lo, k_start - self.window[1]), min_(hi, k_stop + self.window[0])
-        if self.is_causal:
-            lo = max_(lo, k_start)
-        if self.q_lengths is not None:
-            hi = min_(hi, jnp.max(self.q_lengths))
-        if self.kv_lengths is not None:
-            hi = jnp.where(k_start < jnp.max(self.kv_lengths), hi, lo)
-        lo = lo - offset
-        return lo, max_(hi - offset, lo)
+        lo, hi = query_span(
+            k_start, k_stop - 1, self.is_causal, self.window, offset, q_len, q_length, kv_length,
+            every,
+        )  # fmt: skip
+        return lo - offset, hi - offset
+
+    def _lengths(self, every: bool):
+        """The lengths that bound a range over all rows: the longest (some row), or the
+        shortest (every row)."""
+        reduce = jnp.min if every else jnp.max
+        return (None if x is None else reduce(x) for x in (self.q_lengths, self.kv_lengths))
 
     def valid_queries(self, q_len: int):
         """bool [B, T]: the queries within q_lengths (None: all are)."""
@@ -147,66 +224,22 @@ class Structure:
         i = self._offset() + jnp.arange(q_len, dtype=jnp.int32)[None]  # [1, T]
         return i < self.q_lengths[:, None]
 
-    def full_key_range(self, q_start, q_stop, kv_len: int):
-        """[lo, hi): the keys that every query in [q_start, q_stop) of every row may attend, as
-        far as this structure says (tiles there need no structured mask)."""
-        first, last = q_start + self._offset(), q_stop - 1 + self._offset()
-        lo, hi = 0, kv_len
-        if self.window is not None:
-            lo, hi = max_(lo, last - self.window[0]), min_(hi, first + self.window[1] + 1)
-        if self.is_causal:
-            hi = min_(hi, first + 1)
-        if self.kv_lengths is not None:
-            hi = min_(hi, jnp.min(self.kv_lengths))
-        if self.q_lengths is not None:
-            hi = jnp.where(last < jnp.min(self.q_lengths), hi, lo)
-        return lo, max_(hi, lo)
-
-    def full_query_range(self, k_start, k_stop, q_len: int):
-        """[lo, hi): the local queries that attend every key in [k_start, k_stop) in every row,
-        as far as this structure says."""
-        offset = self._offset()
-        lo, hi = offset, offset + q_len
-        if self.window is not None:
-            lo, hi = max_(lo, k_stop - 1 - self.window[1]), min_(hi, k_start + self.window[0] + 1)
-        if self.is_causal:
-            lo = max_(lo, k_stop - 1)
-        if self.q_lengths is not None:
-            hi = min_(hi, jnp.min(self.q_lengths))
-        if self.kv_lengths is not None:
-            hi = jnp.where(k_stop - 1 < jnp.min(self.kv_lengths), hi, lo)
-        lo = lo - offset
-        return lo, max_(hi - offset, lo)
-
     def _key_intervals(self, q_len: int, kv_len: int):
         """Per batch row and query, the keys [lo, hi) it may attend: int32 [B|1, T] each."""
         i = self._offset() + jnp.arange(q_len, dtype=jnp.int32)[None]  # [1, T]
-        lo, hi = jnp.zeros_like(i), jnp.full_like(i, kv_len)
-        if self.window is not None:
-            lo, hi = jnp.maximum(lo, i - self.window[0]), jnp.minimum(hi, i + self.window[1] + 1)
-        if self.is_causal:
-            hi = jnp.minimum(hi, i + 1)
-        if self.kv_lengths is not None:
-            hi = jnp.minimum(hi, self.kv_lengths[:, None])
-        if self.q_lengths is not None:
-            hi = jnp.where(i < self.q_lengths[:, None], hi, lo)
-        return lo, jnp.maximum(hi, lo)
+        q_length, kv_length = self._row_lengths()
+        return _full(i, *key_span(i, i, self.is_causal, self.window, kv_len, q_length, kv_length))
 
     def _query_intervals(self, q_len: int, kv_len: int):
         """Per batch row and key, the local queries [lo, hi) that may attend it: [B|1, S] each."""
-        offset = self._offset()
         j = jnp.arange(kv_len, dtype=jnp.int32)[None]  # [1, S]
-        lo, hi = jnp.full_like(j, 0) + offset, jnp.full_like(j, q_len) + offset
-        if self.window is not None:
-            lo, hi = jnp.maximum(lo, j - self.window[1]), jnp.minimum(hi, j + self.window[0] + 1)
-        if self.is_causal:
-            lo = jnp.maximum(lo, j)
-        if self.q_lengths is not None:
-            hi = jnp.minimum(hi, self.q_lengths[:, None])
-        if self.kv_lengths is not None:
-            hi = jnp.where(j < self.kv_lengths[:, None], hi, lo)
-        lo = lo - offset
-        return lo, jnp.maximum(hi - offset, lo)
+        q_length, kv_length = self._row_lengths()
+        offset = self._offset()
+        lo, hi = query_span(j, j, self.is_causal, self.window, offset, q_len, q_length, kv_length)
+        return _full(j, lo - offset, hi - offset)
+
+    def _row_lengths(self):
+        return (None if x is None else x[:, None] for x in (self.q_lengths, self.kv_lengths))
 
     def live(self, mask, q_len: int, kv_len: int):
         """(live queries [B|1, N|1, T], live keys [B|1, N|1, S]), bool, or (None, None).
@@ -223,6 +256,12 @@ class Structure:
         if mask is None:
             return (k_hi > k_lo)[:, None], (q_hi > q_lo)[:, None]
         return _any_between(mask, 3, k_lo, k_hi), _any_between(mask, 2, q_lo, q_hi)
+
+
+def _full(positions, lo, hi):
+    """lo and hi as int32 arrays of one shape, with the positions' axis whole."""
+    shape = jnp.broadcast_shapes(positions.shape, jnp.shape(lo), jnp.shape(hi))
+    return tuple(jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape) for x in (lo, hi))
 
 
 def _any_between(mask, axis: int, lo, hi):

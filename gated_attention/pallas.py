@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gated_attention import base, checks, numerics
+from gated_attention import base, checks, masking, numerics
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 128
@@ -468,39 +468,26 @@ class _Tiles:
         """[lo, hi): the key blocks that some query of query block i may attend (all without a
         structure): the loops skip the tiles the structure masks whole."""
         plan = self.plan
-        count = -(-self.k_len // plan.block_k)
         if st is None:
-            return 0, count
+            return 0, -(-self.k_len // plan.block_k)
         first = st.offset + i * plan.block_q
-        last = first + plan.block_q - 1
-        lo, hi = jnp.int32(0), jnp.minimum(st.kv_length, self.k_len)
-        if plan.window is not None:
-            lo = jnp.maximum(lo, first - plan.window[0])
-            hi = jnp.minimum(hi, last + plan.window[1] + 1)
-        if plan.causal:
-            hi = jnp.minimum(hi, last + 1)
-        lo_block = lo // plan.block_k
-        hi_block = (hi + plan.block_k - 1) // plan.block_k
-        return lo_block, jnp.where((first < st.q_length) & (hi > lo), hi_block, lo_block)
+        lo, hi = masking.key_span(
+            first, first + plan.block_q - 1, plan.causal, plan.window, self.k_len, st.q_length,
+            st.kv_length,
+        )  # fmt: skip
+        return masking.tiles(lo, hi, plan.block_k)
 
     def query_blocks(self, st: _Structure | None, j):
         """[lo, hi): the query blocks with some query that may attend a key of key block j."""
         plan = self.plan
-        count = -(-self.q_len // plan.block_q)
         if st is None:
-            return 0, count
+            return 0, -(-self.q_len // plan.block_q)
         k_first = j * plan.block_k
-        k_last = k_first + plan.block_k - 1
-        lo, hi = jnp.int32(0), jnp.minimum(st.q_length - st.offset, self.q_len)  # local
-        if plan.window is not None:
-            lo = jnp.maximum(lo, k_first - plan.window[1] - st.offset)
-            hi = jnp.minimum(hi, k_last + plan.window[0] + 1 - st.offset)
-        if plan.causal:
-            lo = jnp.maximum(lo, k_first - st.offset)
-        lo = jnp.maximum(lo, 0)
-        lo_block = lo // plan.block_q
-        hi_block = (hi + plan.block_q - 1) // plan.block_q
-        return lo_block, jnp.where((k_first < st.kv_length) & (hi > lo), hi_block, lo_block)
+        lo, hi = masking.query_span(
+            k_first, k_first + plan.block_k - 1, plan.causal, plan.window, st.offset, self.q_len,
+            st.q_length, st.kv_length,
+        )  # fmt: skip
+        return masking.tiles(lo - st.offset, hi - st.offset, plan.block_q)
 
     def span(self, index: int, block: int, length: int):
         pl, _ = _pallas()
@@ -568,17 +555,12 @@ class _Tiles:
         return plgpu.load(ref.at[bb, nn, q_index, k_index], mask=mask, other=other)
 
     def allowed(self, st: _Structure, q_span, k_span):
-        """bool [bq, bk]: the causal, window and length masks of a tile (masking.py)."""
+        """bool [bq, bk]: the causal, window and length masks of a tile (masking.allowed)."""
         plan = self.plan
         q_start, k_start = q_span[0].start, k_span[0].start
         qi = st.offset + q_start + jnp.arange(plan.block_q, dtype=jnp.int32)[:, None]
         kj = k_start + jnp.arange(plan.block_k, dtype=jnp.int32)[None, :]
-        ok = (qi < st.q_length) & (kj < st.kv_length)
-        if plan.causal:
-            ok = ok & (kj <= qi)
-        if plan.window is not None:
-            ok = ok & (kj >= qi - plan.window[0]) & (kj <= qi + plan.window[1])
-        return ok
+        return masking.allowed(qi, kj, plan.causal, plan.window, st.q_length, st.kv_length)
 
     def logits(self, q, k, bias_refs, extras, st, b, n, q_span, k_span):
         """Scaled, biased, soft-capped, masked float32 logits [bq, bk] (keys past the end -inf),

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gated_attention import base, checks, numerics
+from gated_attention import base, checks, masking, numerics
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MAX_HEAD_DIM = 128
@@ -352,15 +352,11 @@ def any_allowed(plan: _Plan, i, j, offset, q_length, kv_length):
     """Whether the causal, window and length masks let any query of tile (i, j) attend any of its
     keys (a scalar; ints or traced): tiles they mask whole are skipped."""
     first = offset + i * plan.block_q
-    last = first + plan.block_q - 1
-    lo, hi = 0, jnp.minimum(kv_length, plan.k_len)
-    if plan.window is not None:
-        lo = jnp.maximum(lo, first - plan.window[0])
-        hi = jnp.minimum(hi, last + plan.window[1] + 1)
-    if plan.causal:
-        hi = jnp.minimum(hi, last + 1)
+    lo, hi = masking.key_span(
+        first, first + plan.block_q - 1, plan.causal, plan.window, plan.k_len, q_length, kv_length
+    )
     k_first = j * plan.block_k
-    return (first < q_length) & (hi > lo) & (k_first < hi) & (k_first + plan.block_k > lo)
+    return (hi > lo) & (k_first < hi) & (k_first + plan.block_k > lo)
 
 
 class _Tile:
@@ -382,18 +378,12 @@ class _Tile:
             self.any_allowed = any_allowed(plan, i, j, offset, q_length, kv_length)
 
     def _allowed(self, offset, q_length, kv_length):
-        """bool [bq, bk]: the causal, window and length masks of this tile (masking.py)."""
+        """bool [bq, bk]: the causal, window and length masks of this tile (masking.allowed)."""
         plan = self.plan
         shape = (plan.block_q, plan.block_k)
         qi = offset + self.i * plan.block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
         kj = self.j * plan.block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
-        ok = (qi < q_length) & (kj < kv_length)
-        if plan.causal:
-            ok = ok & (kj <= qi)
-        if plan.window is not None:
-            left, right = plan.window
-            ok = ok & (kj >= qi - left) & (kj <= qi + right)
-        return ok
+        return masking.allowed(qi, kj, plan.causal, plan.window, q_length, kv_length)
 
     def when_allowed(self, body):
         """Runs body() unless the structure masks this tile whole."""
