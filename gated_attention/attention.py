@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from gated_attention import base, checks, masking, numerics, platforms, ring, sharding
+from gated_attention import base, checks, masking, memory, numerics, platforms, ring, sharding
 from gated_attention.chunked import DEFAULT_MEMORY_BUDGET_BYTES, ChunkedAttention
 from gated_attention.cudnn import CudnnAttention
 from gated_attention.pallas import PallasAttention
@@ -120,7 +120,7 @@ class Auto:
                 except NotImplementedError as e:  # the next rule applies
                     refused.append(f"{impl.name} refused: {e}")
         _, q_len, heads, _ = query.shape
-        row_bytes = 2 * 4 * heads * q_len * key.shape[1]
+        row_bytes = memory.dense_row_bytes(heads, q_len, key.shape[1])
         limit = min(self.memory_budget_bytes, self.dense_row_bytes)
         sizes = f"one row's dense logits need {_mib(row_bytes)} MiB, limit {_mib(limit)} MiB"
         return (self.chunked if row_bytes > limit else self.xla), "; ".join([*refused, sizes])
@@ -130,7 +130,7 @@ Spec = str | base.Implementation | Auto | Sequence[str | base.Implementation] | 
 
 
 def _mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.3g}"
+    return f"{num_bytes / memory.MIB:.3g}"
 
 
 def _instance(item: Any, name: str) -> base.Implementation:

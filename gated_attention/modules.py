@@ -22,7 +22,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gated_attention import attention, checks, mapping, numerics, platforms, sharding
+from gated_attention import attention, checks, mapping, memory, numerics, platforms, sharding
 from gated_attention import config as config_lib
 
 
@@ -149,7 +149,7 @@ class _AttentionModule(hk.Module):
         implementation, policy = config_lib.attention_implementation(
             self.config, self.global_config
         )
-        budget = int(self.global_config.memory_budget_mib * 2**20)
+        budget = memory.budget_bytes(self.global_config.memory_budget_mib)
         batch = args[0].shape[axis]
         batched = [x is not None and x.shape[axis] == batch for x in args]
         remat = remat_saveable(self.global_config.remat_policy)
@@ -239,13 +239,11 @@ def rows_per_tile(
       row_logits: logits (heads x queries x keys) in one row, or None: too few to tile for.
       platform: the kind the program is compiled for (platforms.py; None: the host's).
     """
-    bound = max(1, memory_budget_bytes // 2)  # the other half: the loop's stacked outputs
-    if subbatch_size not in (None, "auto"):
-        bound = max(bound, subbatch_size * row_bytes)
+    bound = memory.module_tile_budget(memory_budget_bytes, subbatch_size, row_bytes)
     rows = mapping.subbatch_size_for_budget(batch, tile_row_bytes, bound)
     platform = platforms.host() if platform is None else platform
     if row_logits is not None and platform == "cpu":
-        cache_rows = TILE_BYTES // (4 * row_logits)
+        cache_rows = memory.logits_rows(TILE_BYTES, row_logits)
         if cache_rows >= 1 and cache_rows * row_queries >= MIN_TILE_QUERIES:
             rows = min(rows, cache_rows)
     return rows if rows < batch else None
@@ -346,16 +344,13 @@ class Attention(_AttentionModule):
 
             return forward
 
-        # Per row: float32 logits and weights, q, gate and the weighted average per query, k and
-        # v per key (key_dim and value_dim per head).
+        # Per row: AF2's dense working set, and ours in a training step (memory.py).
         queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
-        row_bytes = 4 * h * (2 * queries * k_len + queries * (key_dim + 2 * value_dim))
-        row_bytes += 4 * h * keys * (key_dim + value_dim)
-        # Ours in a training step: inputs, output, q, gate, weighted and gated averages per query,
-        # k and v (with the op's head-major copies of q, k and v), and a cotangent of each.
-        per_query = a + self.output_dim + h * (2 * key_dim + 3 * value_dim)
-        per_key = m + 2 * h * (key_dim + value_dim)
-        tile_row_bytes = 2 * 4 * (queries * per_query + keys * per_key)
+        dims = dict(heads=h, queries=queries, keys=keys, key_dim=key_dim, value_dim=value_dim)
+        row_bytes = memory.attention_row_bytes(k_len=k_len, **dims)
+        tile_row_bytes = memory.attention_tile_row_bytes(
+            q_channels=a, m_channels=m, output_dim=self.output_dim, **dims
+        )
         args = [q_data, None if m_data is q_data else m_data, mask, *biases]
         return self._run(
             make_forward,
@@ -537,14 +532,17 @@ class GlobalAttention(_AttentionModule):
 
             return forward
 
-        # Per row: gate and gated average per query, k and v per key.
+        # Per row: gate and gated average per query, k and v per key; in a training step also
+        # the inputs, and the cotangents (memory.py).
         if positions_first:
             queries, keys = q_len, k_len
         else:
             queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
-        row_bytes = 4 * (queries * (2 * h * value_dim + self.output_dim))
-        row_bytes += 4 * keys * (key_dim + value_dim)
-        tile_row_bytes = 2 * (row_bytes + 4 * (queries * a + keys * m))  # and the cotangents
+        dims = dict(heads=h, queries=queries, keys=keys, key_dim=key_dim, value_dim=value_dim)
+        row_bytes = memory.global_attention_row_bytes(output_dim=self.output_dim, **dims)
+        tile_row_bytes = memory.global_attention_tile_row_bytes(
+            q_channels=a, m_channels=m, output_dim=self.output_dim, **dims
+        )
         args = [q_data, None if m_data is q_data else m_data, q_mask]
         return self._run(
             make_forward,

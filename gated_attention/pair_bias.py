@@ -14,7 +14,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gated_attention import mapping, numerics, sharding
+from gated_attention import mapping, memory, numerics, sharding
 
 
 def norm_params(name: str, channels: int, dtype: Any) -> tuple[jax.Array, jax.Array]:
@@ -74,9 +74,9 @@ def feat_2d_weights(c_z: int, num_head: int, dtype: Any) -> jax.Array:
 def tile_rows(shape: tuple[int, ...], budget_mib: float) -> int:
     """Pair rows per bias tile: about six float32 arrays of a row (the normed pair, LayerNorm
     temporaries, cotangents) in a quarter of the budget; the rest holds the attention's tiles and
-    the pair's cotangent."""
+    the pair's cotangent (memory.pair_bias_tile_rows)."""
     q_len, k_len, c_z = shape
-    return max(1, min(q_len, int(budget_mib * 2**20) // (4 * 6 * 4 * k_len * c_z)))
+    return memory.pair_bias_tile_rows(q_len, k_len, c_z, budget_mib)
 
 
 def with_pair(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget_mib: float):

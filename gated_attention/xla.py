@@ -22,7 +22,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gated_attention import base, checks, numerics
+from gated_attention import base, checks, memory, numerics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class XlaAttention(base.Implementation):
         self, query, key, value, biases, mask, *, scale, compute_dtype, options=base.PLAIN
     ):
         batch, q_len, heads, _ = query.shape
-        rows = max(1, self.tile_bytes // (4 * heads * q_len * key.shape[1]))
+        rows = memory.xla_tile_rows(self.tile_bytes, heads, q_len, key.shape[1])
         if rows < batch:  # a bias shared by the tiles sums its gradient over them: in float32
             acc = numerics.accumulation_dtype(compute_dtype)
             biases = tuple(b.astype(acc) if b.shape[0] == 1 else b for b in biases)
