@@ -6,12 +6,17 @@ them, and every implementation asks it, inside its own tiles:
 
 * `block(q_start, q_size, k_start, k_size)`: the boolean block of one tile, from iotas;
 * `key_range(q_start, q_stop, kv_len)` and `query_range(k_start, k_stop, q_len)`: the keys that
-  some query of a range may attend (and the converse), so that tiles masked whole are skipped;
+  some query of a range may attend (and the converse; every=True: each query), so that tiles
+  masked whole are skipped and tiles kept whole build no mask;
 * `live(mask, q_len, kv_len)`: which queries have a key to attend to and which keys some query
   attends to, with the explicit mask too, exactly: per position the structure allows an interval
   of the other axis, and a prefix count of the mask tells whether it keeps any of it. Nothing of
   size [B, N, T, S] is built beyond the mask itself (numerics.py zeroes the dead positions and
   gives rows without a key the uniform average).
+
+All of them, and the Pallas kernels (which read one row's lengths from a meta ref), derive the
+ranges from one rule: `allowed(i, j, ...)` pointwise, `key_span` and its converse `query_span` for
+ranges, `tiles` for the tiles a range touches.
 
 Conventions (jax.nn's; positions counted from 0 at the top left whatever T and S): query i of
 batch row b may attend key j iff
@@ -63,17 +68,19 @@ def diagonals(is_causal: bool, window: tuple[int, int] | None):
 
 def allowed(i, j, is_causal: bool, window, q_length=None, kv_length=None):
     """bool: whether query position i may attend key position j (arrays broadcast; lengths
-    None: unbounded). None when nothing is masked."""
+    None: unbounded). None when nothing is masked. The band is compared as j against i's
+    bounds (vectors of a tile's rows), never as j - i (a tile-sized temporary: registers in
+    the GPU kernel)."""
     lower, upper = diagonals(is_causal, window)
     ok = None
-    if lower is not None:
-        ok = j - i >= lower
-    if upper is not None:
-        ok = _and(ok, j - i <= upper)
     if q_length is not None:
-        ok = _and(ok, i < q_length)
+        ok = i < q_length
     if kv_length is not None:
         ok = _and(ok, j < kv_length)
+    if lower is not None:
+        ok = _and(ok, j >= i + lower)
+    if upper is not None:
+        ok = _and(ok, j <= i + upper)
     return ok
 
 
