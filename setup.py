@@ -45,7 +45,10 @@ setup(
         "absl-py>=1.0",
         "ml_collections>=0.1.1",
     ],
-    package_data={"gated_attention_tools": ["target_configs/*.txtpb"]},
+    package_data={
+        "gated_attention": ["pallas_tiles.json"],  # the Pallas GPU kernels' tiles (pallas_tiles.py)
+        "gated_attention_tools": ["target_configs/*.txtpb"],
+    },
     extras_require={
         # ruff pinned: its format output changes between releases. AF2 as users install it
         # (alphafold-colabfold, whose modules.py imports colabfold-kernels): the tests run its

@@ -37,11 +37,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gated_attention import base, checks, masking, numerics
+from gated_attention import base, checks, masking, numerics, pallas_tiles
+from gated_attention.pallas_tiles import (
+    MIN_TILE,
+    SHARED_MEMORY_LIMIT,
+    _pow2_tile,
+    kernel_form,
+    shared_memory_estimate,
+)
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 128
-MIN_TILE = 16  # Triton's dot needs at least 16 rows, columns and contraction elements
 
 
 def _pallas():
@@ -68,120 +74,10 @@ def _index(ref, axis: int, i):
     return i if ref.shape[axis] > 1 else jnp.zeros((), jnp.int32)
 
 
-def _pow2_tile(n: int) -> int:
-    return max(MIN_TILE, 1 << max(0, n - 1).bit_length())
-
-
-# (block_q, block_k, num_warps, num_stages) by (dtype kind, float32 dot precision level, head dim
-# padded to a power of two >= 16): the largest tiles that compiled for both an A100 (sm_80) and an
-# H100 (sm_90) with 0 spill bytes in all three kernels, shared memory within the A100's 166,912
-# bytes and MMA instructions in every non-IEEE kernel, in the heaviest case (a shared and a per-row
-# bias, a full mask; deviceless compiles, ptxas 12.9; benchmark_results/gpu_kernels/ has the
-# per-kernel figures and the command). Half precision ignores the level. float32 at "high" (three
-# TF32 passes) and "highest" (IEEE) need 8 warps in the backward kernels to stay spill-free.
-TILES = {
-    ("float32", "default", 16): (64, 64, 4, 2),
-    ("float32", "default", 32): (32, 32, 4, 2),
-    ("float32", "default", 64): (32, 32, 4, 1),
-    ("float32", "default", 128): (16, 16, 4, 1),
-    ("float32", "high", 16): (64, 32, 4, 2),
-    ("float32", "high", 32): (32, 16, 8, 1),
-    ("float32", "high", 64): (32, 16, 8, 1),
-    ("float32", "high", 128): (16, 16, 8, 1),
-    ("float32", "highest", 16): (32, 32, 8, 2),
-    ("float32", "highest", 32): (64, 32, 8, 2),
-    ("float32", "highest", 128): (16, 16, 8, 1),
-    ("half", "default", 16): (64, 64, 4, 2),
-    ("half", "default", 32): (64, 64, 4, 2),
-    ("half", "default", 64): (64, 32, 4, 2),
-    ("half", "default", 128): (32, 32, 4, 1),
-}
-# With the op's further arguments (grouped-query attention, causal/window/length masks, soft cap:
-# more registers held in the dk/dv kernel), in the heaviest form (both biases, full mask, all of
-# them at once): these keys' TILES spilled 8-92 B on one target or both
-# (benchmark_results/gpu_kernels/*_options.md). Other keys take TILES' entry with 8 warps (IEEE
-# float32: one stage).
-OPTIONS_TILES = {
-    ("float32", "default", 16): (32, 32, 8, 2),
-    ("float32", "high", 16): (32, 32, 8, 1),
-    ("float32", "highest", 64): (16, 16, 4, 1),
-    ("half", "default", 32): (32, 32, 8, 1),
-    ("half", "default", 128): (32, 16, 8, 1),
-}
-# Where a form spilled 4-24 B with TILES' entry (ptxas's register allocation is not monotone in
-# the work: lighter forms spilled, and the kernels with the op's further arguments moved the heavy
-# form's figures), by (dtype kind, precision level, head dim padded, bias form, mask form)
-# (kernel_form): the candidate nearest TILES' that compiled clean for both targets in every case
-# of the key (benchmark_results/gpu_kernels/).
-FORM_TILES = {
-    ("float32", "default", 16, "none", "key"): (64, 64, 8, 2),
-    ("float32", "default", 64, "per_row", "full"): (32, 32, 8, 1),
-    ("float32", "default", 64, "shared", "full"): (32, 32, 8, 1),
-    ("float32", "high", 16, "both", "full"): (64, 32, 8, 1),
-    ("float32", "high", 16, "both", "key"): (32, 32, 4, 2),
-    ("float32", "high", 16, "none", "key"): (64, 32, 8, 2),
-    ("float32", "high", 16, "per_row", "key"): (64, 16, 8, 1),
-    ("float32", "high", 16, "shared", "key"): (64, 16, 8, 1),
-    ("float32", "high", 32, "both", "full"): (16, 16, 8, 1),
-    ("float32", "high", 32, "none", "key"): (16, 16, 8, 1),
-    ("float32", "high", 32, "per_row", "full"): (16, 16, 8, 1),
-    ("float32", "high", 32, "shared", "full"): (16, 16, 8, 1),
-    ("float32", "high", 128, "both", "key"): (16, 16, 8, 2),
-    ("float32", "high", 128, "per_row", "key"): (16, 16, 8, 2),
-    ("float32", "high", 128, "shared", "key"): (16, 16, 8, 2),
-    ("float32", "highest", 16, "none", "key"): (32, 32, 8, 1),
-    ("float32", "highest", 16, "per_row", "full"): (32, 16, 8, 2),
-    ("float32", "highest", 16, "per_row", "key"): (32, 16, 8, 2),
-    ("float32", "highest", 16, "shared", "full"): (32, 16, 8, 2),
-    ("float32", "highest", 16, "shared", "key"): (32, 16, 8, 2),
-    ("float32", "highest", 32, "per_row", "key"): (64, 32, 8, 1),
-    ("float32", "highest", 32, "per_row", "none"): (64, 32, 8, 1),
-    ("float32", "highest", 32, "shared", "key"): (64, 32, 8, 1),
-    ("float32", "highest", 64, "both", "key"): (16, 16, 8, 1),
-    ("half", "default", 16, "both", "key"): (64, 64, 8, 2),
-    ("half", "default", 32, "both", "key"): (64, 64, 8, 2),
-    ("half", "default", 128, "both", "full"): (32, 32, 8, 1),
-}
-# Anything else: the smallest tiles, which compile everywhere (may spill: see the results).
-FALLBACK_TILES = (16, 16, 4, 1)
-SHARED_MEMORY_LIMIT = 166_912  # an A100's opt-in shared memory per block, the smaller target's
-
-
 def _extra_options(options, query, key) -> bool:
     """Whether the call asks for more than plain attention in the kernels' registers (the
     residual and precision cost none)."""
     return bool(options.asked(query, key).keys() - {"precision", "return_residual"})
-
-
-def kernel_form(biases, mask) -> tuple[str, str]:
-    """(bias form, mask form) of a call, the names of gpu_kernels' matrix: 'shared' (batch
-    dimension 1), 'per_row', 'both' or 'none'; 'key' ([B|1, 1, 1, S]), 'full' or 'none'."""
-    shared = any(b.shape[0] == 1 for b in biases)
-    per_row = any(b.shape[0] != 1 for b in biases)
-    bias = {(True, True): "both", (True, False): "shared", (False, True): "per_row"}
-    masks = "none" if mask is None else "key" if mask.shape[1] == mask.shape[2] == 1 else "full"
-    return bias.get((shared, per_row), "none"), masks
-
-
-def _dtype_kind(dtype) -> str:
-    return "float32" if jnp.dtype(dtype) == jnp.float32 else "half"
-
-
-def _precision_level(precision) -> str:
-    if precision is None or precision == lax.Precision.DEFAULT:
-        return "default"
-    return "highest" if precision == lax.Precision.HIGHEST else "high"
-
-
-def shared_memory_estimate(block_q, block_k, stages, head_dim, dtype, biases, masked) -> int:
-    """An upper estimate of a kernel's shared memory, bytes: per pipeline stage the streamed
-    key/value (or query/output-gradient) tiles and the bias and mask tiles, plus the resident
-    tiles, with a 10 % margin (checked against ptxas: benchmark_results/gpu_kernels/)."""
-    item = jnp.dtype(dtype).itemsize
-    padded, rows = _pow2_tile(head_dim), max(block_q, block_k)
-    tile_bytes = block_q * block_k * (sum(jnp.dtype(b.dtype).itemsize for b in biases) + masked)
-    streamed = 2 * rows * padded * item + tile_bytes
-    return int(1.1 * (stages * streamed + 2 * rows * padded * item))
 
 
 # jax_default_matmul_precision's names -> the three levels of lax.Precision.
@@ -226,10 +122,10 @@ class PallasAttention(base.Implementation):
 
     Attributes:
       block_q: queries per tile (a power of two >= 16; shorter sequences take a smaller tile;
-        None: from TILES, by dtype, precision and head dim).
+        None: from pallas_tiles' table).
       block_k: keys per tile (likewise).
-      num_warps: Triton warps per program (None: from TILES).
-      num_stages: Triton software-pipelining stages (None: from TILES).
+      num_warps: Triton warps per program (None: from pallas_tiles' table).
+      num_stages: Triton software-pipelining stages (None: from pallas_tiles' table).
       bias_grad_programs: about how many programs the dq/bias-gradient kernel should have when a
         bias is shared over the batch; batch rows are grouped so that it does.
       interpret: run the kernels in Pallas's interpreter (any backend; slow, for tests).
@@ -293,18 +189,10 @@ class PallasAttention(base.Implementation):
         options: bool = False,
         form: tuple[str, str] | None = None,
     ) -> tuple[int, int, int, int]:
-        """(block_q, block_k, num_warps, num_stages): the fields where given, else the table's
-        (OPTIONS_TILES when `options`, the op's further arguments, are asked; else FORM_TILES
-        for the call's kernel_form where it has an entry, else TILES)."""
-        level = _precision_level(precision)
-        key = (_dtype_kind(compute_dtype), level, _pow2_tile(head_dim))
-        table = TILES.get(key, FALLBACK_TILES)
-        if form is not None and not options:
-            table = FORM_TILES.get((*key, *form), table)
-        if options:
-            block_q, block_k, warps, stages = table
-            table = (block_q, block_k, max(warps, 8), 1 if level == "highest" else stages)
-            table = OPTIONS_TILES.get(key, table)
+        """(block_q, block_k, num_warps, num_stages): the fields where given, else pallas_tiles'
+        table's for the dtype, the dots' precision, the head dim, whether `options` (the op's
+        further arguments) are asked and the call's kernel_form (None: the heaviest form)."""
+        table = pallas_tiles.lookup(compute_dtype, precision, head_dim, options, form)
         given = (self.block_q, self.block_k, self.num_warps, self.num_stages)
         return tuple(g if g is not None else t for g, t in zip(given, table, strict=True))
 

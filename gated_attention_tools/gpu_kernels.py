@@ -4,12 +4,14 @@ For one case (dtype, head dims, bias and mask forms, lengths, precision) `kernel
 the op's forward and its gradient with PallasAttention for the target, dumps the PTX, runs
 `ptxas -v` on each kernel and reads back per kernel: registers per thread, spill stores and loads,
 the launch's dynamic shared memory, and whether its dots are tensor-core MMA instructions
-(`mma.sync` / `wgmma`). Nothing runs on a GPU: these say what compiles and how, never how fast.
+(`mma.sync` / `wgmma`), with the tiles it compiled with (`tiles`: block_q, block_k, num_warps,
+num_stages). Nothing runs on a GPU: these say what compiles and how, never how fast.
 
   python -m gated_attention_tools.gpu_kernels --target h100 --out benchmark_results/gpu_kernels/h100.json
 
 compiles the whole case matrix (each case in a child process) and writes the figures with a
-markdown summary beside them.
+markdown summary beside them; `--tiles 32,32,8,1` compiles every case with those tiles instead of
+the table's (candidates for gpu_tiles.py, which makes the table from these results).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def kernel_stats(
     import jax.numpy as jnp
 
     import gated_attention as ga
+    from gated_attention import pallas
 
     dt = jnp.dtype(dtype)
     qkv = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dt)
@@ -82,6 +85,8 @@ def kernel_stats(
     mask_spec = None if mask_shape is None else jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
     impl = ga.PallasAttention(**(tuning or {}))
     lax_precision = dict(default=None, high="high", highest="highest")[precision]
+    dots = pallas.dot_precision(lax_precision, dt, impl.interpret)
+    tiles = impl.tiles(dt, dots, head_dim, options, (bias, mask))
 
     def step(q, k, v, biases, mask, lengths, cotangent):
         extra = {}
@@ -127,7 +132,9 @@ def kernel_stats(
             kernels[name].update(launch)
     # jax 0.12.0.1's deviceless compile dumps no .ptx files (why not is unexamined): no kernels
     # to read, which ptx_files = 0 says.
-    return dict(kernels=kernels, compile_s=round(compile_s, 1), ptx_files=ptx_files)
+    return dict(
+        kernels=kernels, tiles=list(tiles), compile_s=round(compile_s, 1), ptx_files=ptx_files
+    )
 
 
 def _ptx_kernels(dump: str, arch: str) -> dict[str, dict[str, Any]]:
@@ -218,14 +225,20 @@ def main() -> None:
     parser.add_argument(
         "--options", action="store_true", help="with GQA, causal, window, lengths, soft cap"
     )
+    parser.add_argument(
+        "--tiles", default="", help="block_q,block_k,num_warps,num_stages for every case"
+    )
     args = parser.parse_args()
+    fields = ("block_q", "block_k", "num_warps", "num_stages")
+    tuning = dict(zip(fields, map(int, args.tiles.split(",")), strict=True)) if args.tiles else None
     cases = matrix(args.biases.split(","), args.masks.split(","), args.options)
     cases = cases[: args.limit or None]
     rows = []
     for i, case in enumerate(cases):
         try:
             stats = targets.in_child(
-                "gated_attention_tools.gpu_kernels:kernel_stats", dict(target=args.target, **case)
+                "gated_attention_tools.gpu_kernels:kernel_stats",
+                dict(target=args.target, tuning=tuning, **case),
             )
             problems = verdict(args.target, case, stats)
         except RuntimeError as e:

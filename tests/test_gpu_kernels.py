@@ -1,6 +1,6 @@
 """The Pallas kernels compiled for an A100 (sm_80) and an H100 (sm_90) by XLA's GPU compiler and
-ptxas, deviceless (gated_attention_tools/gpu_kernels.py): with the tiles of pallas.TILES (and
-FORM_TILES, for the bias and mask forms that spilled with TILES' entry: two cases here), every
+ptxas, deviceless (gated_attention_tools/gpu_kernels.py): with the tiles of pallas_tiles' table
+(two cases here are forms whose tiles differ from the heaviest form's), every
 kernel of a case compiles with 0 spill bytes, within the target's shared memory, and with
 tensor-core MMA instructions wherever the precision allows them. A covering subset of the matrix
 (every dtype, every padded head dim, every bias and mask form, both targets, lengths that are not

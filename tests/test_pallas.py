@@ -9,7 +9,7 @@ import pytest
 from jax import lax
 
 import gated_attention as ga
-from gated_attention import masking, pallas
+from gated_attention import masking, pallas, pallas_tiles
 from tests import implementation_harness as harness
 from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
@@ -30,7 +30,7 @@ class TestPallasInterpreted(ImplementationTests):
 
 @on_device("gpu")
 class TestPallasCompiled(ImplementationTests):
-    """The kernels compiled by Triton and run on the GPU, with the tiles of pallas.TILES: the whole
+    """The kernels compiled by Triton and run on the GPU, with pallas_tiles' tiles: the whole
     contract in every dtype they take, float32 at JAX's default precision (TF32 dots:
     reference.FLOAT32_DOTS' tolerances)."""
 
@@ -217,26 +217,25 @@ def test_bad_tuning_is_refused(kwargs, match):
 
 
 def test_tiles_come_from_the_table_and_oversized_ones_are_refused():
-    """Tiles not given come from TILES (by dtype, precision and head dim; FORM_TILES for a bias
-    and mask form that spilled with those); tiles whose shared
+    """Tiles not given come from pallas_tiles' table (by dtype, precision, head dim, the op's
+    further arguments and the bias and mask form); tiles whose shared
     memory would pass an A100's are refused by check (so 'auto' moves on), never a compile error."""
     impl = ga.PallasAttention()
+    table = pallas_tiles.table()
     assert (
         impl.tiles(jnp.float32, lax.Precision.DEFAULT, 128)
-        == pallas.TILES[("float32", "default", 128)]
+        == table[("float32", "default", 128, False, "both", "full")]
     )
     assert ga.PallasAttention(block_q=32).tiles(jnp.bfloat16, None, 64)[0] == 32
-    # A form that spilled with TILES' entry takes FORM_TILES'; the op's further arguments don't.
+    # Forms differ where one spilled with the heaviest form's tiles; the op's further arguments
+    # take the heaviest form's in every form.
     high = lax.Precision.HIGH
-    form = pallas.kernel_form((jnp.zeros((1, 2, 3, 4)),), jnp.zeros((2, 1, 1, 4), bool))
+    form = pallas_tiles.kernel_form((jnp.zeros((1, 2, 3, 4)),), jnp.zeros((2, 1, 1, 4), bool))
     assert form == ("shared", "key")
     assert impl.tiles(jnp.float32, high, 128, form=form) == (16, 16, 8, 2)
-    assert (
-        impl.tiles(jnp.float32, high, 128, form=("both", "full"))
-        == pallas.TILES[("float32", "high", 128)]
-    )
+    assert impl.tiles(jnp.float32, high, 128, form=("both", "full")) == (16, 16, 8, 1)
     assert impl.tiles(jnp.float32, high, 128, True, form)[:2] == (16, 16)
-    assert pallas.kernel_form((), jnp.zeros((2, 1, 3, 4), bool)) == ("none", "full")
+    assert pallas_tiles.kernel_form((), jnp.zeros((2, 1, 3, 4), bool)) == ("none", "full")
     q, k, v, bias, mask = _specs(jnp.float32, head_dim=128)
     impl.check(q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu")
     big = ga.PallasAttention(block_q=128, block_k=128, num_stages=2)

@@ -1,0 +1,260 @@
+"""The Pallas GPU kernels' tile table, gated_attention/pallas_tiles.json, generated from the kernel
+matrices' ptxas results (benchmark_results/gpu_kernels/*.json, written by gpu_kernels.py).
+
+    python -m gated_attention_tools.gpu_tiles           # writes the table
+    python -m gated_attention_tools.gpu_tiles --check   # exit status 1 where the shipped one differs
+
+A results row is one case (dtype, head dim, bias and mask forms, precision, the op's further
+arguments or not) compiled for one target with one tile, (block_q, block_k, num_warps,
+num_stages). A key of the table (pallas_tiles.table_key) holds every case of the matrix
+(gpu_kernels.matrix) whose dtype kind, precision and padded head dim, further arguments and forms
+map to it. A tile is clean for a key when every case of the key compiled with it for both targets
+with 0 spill bytes in all three kernels, shared memory within the A100's (the smaller) limit and
+MMA instructions in every non-IEEE kernel. Per key the table takes, among the clean tiles: for the
+heaviest form (both biases, a full mask) without further arguments the largest; for any other key
+the one nearest that (fewest changed fields, a halved block counting once per halving; then the
+largest). The further arguments' matrix compiles the heaviest form only: every form takes its tile.
+
+Rows record the tile they compiled with (`tiles`, gpu_kernels.py); rows without one compiled with
+the tiles of UNRECORDED, checked against each kernel's thread count (num_warps x 32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from gated_attention import pallas_tiles
+from gated_attention_tools import gpu_kernels
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmark_results" / "gpu_kernels"
+TARGETS = ("a100", "h100")  # a tile must compile clean for both
+KINDS = ("float32", "half")
+LEVELS = ("default", "high", "highest")
+HEAD_DIMS = (16, 32, 64, 128)  # gpu_kernels.HEAD_DIMS padded (pallas_tiles._pow2_tile)
+HEAVIEST = pallas_tiles.HEAVIEST_FORM
+
+# Rows without a `tiles` field (gpu_kernels recorded none when they were compiled) compiled with
+# these, the hand tables pallas.py had: a base by (dtype kind, level, padded head dim; a key not
+# listed: pallas_tiles.FALLBACK), replaced by UNRECORDED_FORMS' entry for a bias and mask form, and
+# with the op's further arguments by UNRECORDED_OPTIONS' or else the base with 8 warps (IEEE
+# float32: 1 stage).
+UNRECORDED_BASE = {
+    ("float32", "default", 16): (64, 64, 4, 2),
+    ("float32", "default", 32): (32, 32, 4, 2),
+    ("float32", "default", 64): (32, 32, 4, 1),
+    ("float32", "default", 128): (16, 16, 4, 1),
+    ("float32", "high", 16): (64, 32, 4, 2),
+    ("float32", "high", 32): (32, 16, 8, 1),
+    ("float32", "high", 64): (32, 16, 8, 1),
+    ("float32", "high", 128): (16, 16, 8, 1),
+    ("float32", "highest", 16): (32, 32, 8, 2),
+    ("float32", "highest", 32): (64, 32, 8, 2),
+    ("float32", "highest", 128): (16, 16, 8, 1),
+    ("half", "default", 16): (64, 64, 4, 2),
+    ("half", "default", 32): (64, 64, 4, 2),
+    ("half", "default", 64): (64, 32, 4, 2),
+    ("half", "default", 128): (32, 32, 4, 1),
+}
+UNRECORDED_OPTIONS = {
+    ("float32", "default", 16): (32, 32, 8, 2),
+    ("float32", "high", 16): (32, 32, 8, 1),
+    ("float32", "highest", 64): (16, 16, 4, 1),
+    ("half", "default", 32): (32, 32, 8, 1),
+    ("half", "default", 128): (32, 16, 8, 1),
+}
+UNRECORDED_FORMS = {
+    ("float32", "default", 16, "none", "key"): (64, 64, 8, 2),
+    ("float32", "default", 64, "per_row", "full"): (32, 32, 8, 1),
+    ("float32", "default", 64, "shared", "full"): (32, 32, 8, 1),
+    ("float32", "high", 16, "both", "full"): (64, 32, 8, 1),
+    ("float32", "high", 16, "both", "key"): (32, 32, 4, 2),
+    ("float32", "high", 16, "none", "key"): (64, 32, 8, 2),
+    ("float32", "high", 16, "per_row", "key"): (64, 16, 8, 1),
+    ("float32", "high", 16, "shared", "key"): (64, 16, 8, 1),
+    ("float32", "high", 32, "both", "full"): (16, 16, 8, 1),
+    ("float32", "high", 32, "none", "key"): (16, 16, 8, 1),
+    ("float32", "high", 32, "per_row", "full"): (16, 16, 8, 1),
+    ("float32", "high", 32, "shared", "full"): (16, 16, 8, 1),
+    ("float32", "high", 128, "both", "key"): (16, 16, 8, 2),
+    ("float32", "high", 128, "per_row", "key"): (16, 16, 8, 2),
+    ("float32", "high", 128, "shared", "key"): (16, 16, 8, 2),
+    ("float32", "highest", 16, "none", "key"): (32, 32, 8, 1),
+    ("float32", "highest", 16, "per_row", "full"): (32, 16, 8, 2),
+    ("float32", "highest", 16, "per_row", "key"): (32, 16, 8, 2),
+    ("float32", "highest", 16, "shared", "full"): (32, 16, 8, 2),
+    ("float32", "highest", 16, "shared", "key"): (32, 16, 8, 2),
+    ("float32", "highest", 32, "per_row", "key"): (64, 32, 8, 1),
+    ("float32", "highest", 32, "per_row", "none"): (64, 32, 8, 1),
+    ("float32", "highest", 32, "shared", "key"): (64, 32, 8, 1),
+    ("float32", "highest", 64, "both", "key"): (16, 16, 8, 1),
+    ("half", "default", 16, "both", "key"): (64, 64, 8, 2),
+    ("half", "default", 32, "both", "key"): (64, 64, 8, 2),
+    ("half", "default", 128, "both", "full"): (32, 32, 8, 1),
+}
+
+
+def case_key(case: dict[str, Any]) -> tuple:
+    """The table key a matrix case belongs to."""
+    kind = "float32" if case["dtype"] == "float32" else "half"
+    level = case.get("precision", "default") if kind == "float32" else "default"
+    head_dim = pallas_tiles._pow2_tile(case["head_dim"])
+    return (kind, level, head_dim, bool(case.get("options")), case["bias"], case["mask"])
+
+
+def _case_id(case: dict[str, Any]) -> tuple:
+    precision = case.get("precision", "default") if case["dtype"] == "float32" else "default"
+    return (case["dtype"], case["head_dim"], case["bias"], case["mask"], precision)
+
+
+def unrecorded_tiles(case: dict[str, Any]) -> tuple[int, int, int, int]:
+    """The tile a row without a `tiles` field compiled with (UNRECORDED)."""
+    kind, level, head_dim, options, bias, mask = case_key(case)
+    tile = UNRECORDED_BASE.get((kind, level, head_dim), pallas_tiles.FALLBACK)
+    if not options:
+        return UNRECORDED_FORMS.get((kind, level, head_dim, bias, mask), tile)
+    block_q, block_k, warps, stages = tile
+    tile = (block_q, block_k, max(warps, 8), 1 if level == "highest" else stages)
+    return UNRECORDED_OPTIONS.get((kind, level, head_dim), tile)
+
+
+def row_tiles(row: dict[str, Any]) -> tuple[int, int, int, int]:
+    """The tile a row compiled with; a row's kernels' thread counts must agree with its warps."""
+    tile = tuple(row["tiles"]) if "tiles" in row else unrecorded_tiles(row["case"])
+    threads = {k["threads"] for k in row.get("kernels", {}).values() if "threads" in k}
+    if threads - {tile[2] * 32}:
+        raise ValueError(f"{row['case']}: kernels ran {sorted(threads)} threads, tiles {tile}")
+    return tile
+
+
+def clean(row: dict[str, Any]) -> bool:
+    """All three kernels compiled, 0 spill bytes, shared memory within the A100's, MMA unless the
+    case is IEEE float32."""
+    case, kernels = row["case"], row.get("kernels", {})
+    wants_mma = case["dtype"] != "float32" or case.get("precision") != "highest"
+    return not row.get("problems") and all(
+        name in kernels
+        and not kernels[name]["spill_store_bytes"]
+        and not kernels[name]["spill_load_bytes"]
+        and kernels[name].get("shared_memory_bytes", 0) <= pallas_tiles.SHARED_MEMORY_LIMIT
+        and (kernels[name]["mma"] or not wants_mma)
+        for name in gpu_kernels.KERNELS
+    )
+
+
+def expected_cases() -> dict[tuple, set[tuple]]:
+    """{table key: its matrix cases}: every form without the further arguments, the heaviest with."""
+    cases = gpu_kernels.matrix() + gpu_kernels.matrix([HEAVIEST[0]], [HEAVIEST[1]], options=True)
+    expected = defaultdict(set)
+    for case in cases:
+        expected[case_key(case)].add(_case_id(case))
+    return expected
+
+
+def load_rows(paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """Every row of the results files, each with its file's target."""
+    rows = []
+    for path in sorted(paths):
+        result = json.loads(Path(path).read_text())
+        rows += [dict(row, target=result["target"]) for row in result["rows"]]
+    return rows
+
+
+def _size_order(tile) -> tuple:
+    block_q, block_k, warps, stages = tile
+    return (-block_q * block_k, -block_q, warps, -stages)
+
+
+def _distance(tile, base) -> float:
+    blocks = sum(abs(math.log2(a / b)) for a, b in zip(tile[:2], base[:2], strict=True))
+    return blocks + (tile[2] != base[2]) + (tile[3] != base[3])
+
+
+def generate(rows: Iterable[dict[str, Any]]) -> dict[tuple, tuple[int, int, int, int]]:
+    """{table key: tile} from results rows (the rule in the module's docstring)."""
+    expected = expected_cases()
+    outcomes = defaultdict(lambda: defaultdict(dict))  # key -> tile -> (target, case) -> clean
+    for row in rows:
+        if row["target"] not in TARGETS:
+            continue
+        seen = outcomes[case_key(row["case"])][row_tiles(row)]
+        where = (row["target"], _case_id(row["case"]))
+        seen[where] = seen.get(where, True) and clean(row)
+
+    def clean_tiles(key):
+        wanted = {(target, case) for target in TARGETS for case in expected[key]}
+        found = outcomes.get(key, {})
+        return [t for t, seen in found.items() if wanted <= seen.keys() and all(seen.values())]
+
+    table, missing = {}, []
+    heaviest = [k for k in expected if k[3:] == (False, *HEAVIEST)]
+    for key in heaviest + [k for k in expected if k not in heaviest]:
+        tiles = clean_tiles(key)
+        if not tiles:
+            missing.append(key)
+        elif key in heaviest:
+            table[key] = min(tiles, key=_size_order)
+        elif (base := table.get((*key[:3], False, *HEAVIEST))) is not None:
+            table[key] = min(tiles, key=lambda t, base=base: (_distance(t, base), _size_order(t)))
+    if missing:
+        raise ValueError(f"no tile compiled clean for both targets in every case of {missing}")
+    for key in list(table):
+        if key[3:] == (True, *HEAVIEST):
+            for bias in gpu_kernels.BIASES:
+                for mask in gpu_kernels.MASKS:
+                    table.setdefault((*key[:4], bias, mask), table[key])
+    return table
+
+
+def _order(key) -> tuple:
+    kind, level, head_dim, options, bias, mask = key
+    return (
+        KINDS.index(kind),
+        LEVELS.index(level),
+        head_dim,
+        options,
+        gpu_kernels.BIASES.index(bias),
+        gpu_kernels.MASKS.index(mask),
+    )
+
+
+def render(table: dict[tuple, tuple[int, int, int, int]]) -> str:
+    """The table file's text: one key and its tile a line, in a fixed order."""
+    rows = [json.dumps([*key, *table[key]]) for key in sorted(table, key=_order)]
+    lines = [
+        "{",
+        ' "generated_by": "python -m gated_attention_tools.gpu_tiles (do not edit by hand)",',
+        f' "columns": {json.dumps(list(pallas_tiles.COLUMNS))},',
+        ' "tiles": [',
+        ",\n".join(f"  {row}" for row in rows),
+        " ]",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the *.json results' folder")
+    parser.add_argument("--out", type=Path, default=pallas_tiles.TABLE_FILE)
+    parser.add_argument("--check", action="store_true", help="compare with --out, write nothing")
+    args = parser.parse_args(argv)
+    table = generate(load_rows(args.results.glob("*.json")))
+    text = render(table)
+    if args.check:
+        same = args.out.exists() and args.out.read_text() == text
+        print(f"{args.out}: {'up to date' if same else 'differs from the results: regenerate'}")
+        return 0 if same else 1
+    args.out.write_text(text)
+    print(f"{args.out}: {len(table)} keys")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

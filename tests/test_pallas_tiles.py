@@ -1,0 +1,179 @@
+"""The Pallas GPU kernels' tile table (gated_attention/pallas_tiles.py and .json): the shipped
+table is what gated_attention_tools/gpu_tiles.py makes of the kernel matrices' results, it gives
+every key the tiles the hand tables it replaced gave, the fields a user gives still win, and a key
+it lacks gets the fallback."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import gated_attention as ga
+from gated_attention import pallas_tiles
+from gated_attention_tools import gpu_kernels, gpu_tiles
+
+# The hand tables and rule PallasAttention.tiles had before the generated table, frozen: every key
+# must keep these tiles (a change to them is a change to the results, regenerated).
+OLD_TILES = {
+    ("float32", "default", 16): (64, 64, 4, 2),
+    ("float32", "default", 32): (32, 32, 4, 2),
+    ("float32", "default", 64): (32, 32, 4, 1),
+    ("float32", "default", 128): (16, 16, 4, 1),
+    ("float32", "high", 16): (64, 32, 4, 2),
+    ("float32", "high", 32): (32, 16, 8, 1),
+    ("float32", "high", 64): (32, 16, 8, 1),
+    ("float32", "high", 128): (16, 16, 8, 1),
+    ("float32", "highest", 16): (32, 32, 8, 2),
+    ("float32", "highest", 32): (64, 32, 8, 2),
+    ("float32", "highest", 128): (16, 16, 8, 1),
+    ("half", "default", 16): (64, 64, 4, 2),
+    ("half", "default", 32): (64, 64, 4, 2),
+    ("half", "default", 64): (64, 32, 4, 2),
+    ("half", "default", 128): (32, 32, 4, 1),
+}
+OLD_OPTIONS_TILES = {
+    ("float32", "default", 16): (32, 32, 8, 2),
+    ("float32", "high", 16): (32, 32, 8, 1),
+    ("float32", "highest", 64): (16, 16, 4, 1),
+    ("half", "default", 32): (32, 32, 8, 1),
+    ("half", "default", 128): (32, 16, 8, 1),
+}
+OLD_FORM_TILES = {
+    ("float32", "default", 16, "none", "key"): (64, 64, 8, 2),
+    ("float32", "default", 64, "per_row", "full"): (32, 32, 8, 1),
+    ("float32", "default", 64, "shared", "full"): (32, 32, 8, 1),
+    ("float32", "high", 16, "both", "full"): (64, 32, 8, 1),
+    ("float32", "high", 16, "both", "key"): (32, 32, 4, 2),
+    ("float32", "high", 16, "none", "key"): (64, 32, 8, 2),
+    ("float32", "high", 16, "per_row", "key"): (64, 16, 8, 1),
+    ("float32", "high", 16, "shared", "key"): (64, 16, 8, 1),
+    ("float32", "high", 32, "both", "full"): (16, 16, 8, 1),
+    ("float32", "high", 32, "none", "key"): (16, 16, 8, 1),
+    ("float32", "high", 32, "per_row", "full"): (16, 16, 8, 1),
+    ("float32", "high", 32, "shared", "full"): (16, 16, 8, 1),
+    ("float32", "high", 128, "both", "key"): (16, 16, 8, 2),
+    ("float32", "high", 128, "per_row", "key"): (16, 16, 8, 2),
+    ("float32", "high", 128, "shared", "key"): (16, 16, 8, 2),
+    ("float32", "highest", 16, "none", "key"): (32, 32, 8, 1),
+    ("float32", "highest", 16, "per_row", "full"): (32, 16, 8, 2),
+    ("float32", "highest", 16, "per_row", "key"): (32, 16, 8, 2),
+    ("float32", "highest", 16, "shared", "full"): (32, 16, 8, 2),
+    ("float32", "highest", 16, "shared", "key"): (32, 16, 8, 2),
+    ("float32", "highest", 32, "per_row", "key"): (64, 32, 8, 1),
+    ("float32", "highest", 32, "per_row", "none"): (64, 32, 8, 1),
+    ("float32", "highest", 32, "shared", "key"): (64, 32, 8, 1),
+    ("float32", "highest", 64, "both", "key"): (16, 16, 8, 1),
+    ("half", "default", 16, "both", "key"): (64, 64, 8, 2),
+    ("half", "default", 32, "both", "key"): (64, 64, 8, 2),
+    ("half", "default", 128, "both", "full"): (32, 32, 8, 1),
+}
+OLD_FALLBACK = (16, 16, 4, 1)
+PRECISIONS = {"default": None, "high": lax.Precision.HIGH, "highest": lax.Precision.HIGHEST}
+DTYPES = {"float32": jnp.float32, "half": jnp.bfloat16}
+
+
+def old_tiles(kind, level, head_dim, options, bias, mask):
+    key = (kind, level, head_dim)
+    tiles = OLD_TILES.get(key, OLD_FALLBACK)
+    if not options:
+        return OLD_FORM_TILES.get((*key, bias, mask), tiles)
+    block_q, block_k, warps, stages = tiles
+    tiles = (block_q, block_k, max(warps, 8), 1 if level == "highest" else stages)
+    return OLD_OPTIONS_TILES.get(key, tiles)
+
+
+def old_keys():
+    for kind in ("float32", "half"):
+        for level in PRECISIONS if kind == "float32" else ("default",):
+            yield from itertools.product(
+                [kind], [level], (16, 32, 64, 128), (False, True), gpu_kernels.BIASES,
+                gpu_kernels.MASKS,
+            )  # fmt: skip
+
+
+def generated():
+    return gpu_tiles.generate(gpu_tiles.load_rows(gpu_tiles.RESULTS.glob("*.json")))
+
+
+def test_the_shipped_table_is_what_the_generator_makes_of_the_results():
+    """A hand edit of pallas_tiles.json, or results it was not regenerated from, fails here:
+    `python -m gated_attention_tools.gpu_tiles` regenerates it."""
+    assert gpu_tiles.render(generated()) == pallas_tiles.TABLE_FILE.read_text()
+    assert gpu_tiles.main(["--check"]) == 0
+
+
+def test_every_key_keeps_the_tiles_of_the_hand_tables():
+    expected = {key: old_tiles(*key) for key in old_keys()}
+    assert dict(pallas_tiles.table()) == expected
+    impl = ga.PallasAttention()
+    for (kind, level, head_dim, options, bias, mask), tiles in expected.items():
+        dtype, precision = DTYPES[kind], PRECISIONS[level]
+        assert impl.tiles(dtype, precision, head_dim, options, (bias, mask)) == tiles
+        # head dims pad to a power of two >= 16
+        assert impl.tiles(dtype, precision, head_dim // 2 + 1, options, (bias, mask)) == tiles
+    # a call that names no form: the heaviest's
+    assert impl.tiles(jnp.float32, lax.Precision.HIGH, 32) == (16, 16, 8, 1)
+
+
+def test_given_fields_override_the_table_and_missing_keys_get_the_fallback():
+    form = ("shared", "key")
+    table = pallas_tiles.lookup(jnp.float32, lax.Precision.HIGH, 16, False, form)
+    assert table == (64, 16, 8, 1)
+    impl = ga.PallasAttention(block_k=32, num_stages=3)
+    assert impl.tiles(jnp.float32, lax.Precision.HIGH, 16, False, form) == (64, 32, 8, 3)
+    given = ga.PallasAttention(block_q=16, block_k=16, num_warps=2, num_stages=1)
+    assert given.tiles(jnp.float16, None, 128, True, form) == (16, 16, 2, 1)
+    assert pallas_tiles.FALLBACK == OLD_FALLBACK
+    assert ga.PallasAttention().tiles(jnp.float32, None, 256) == pallas_tiles.FALLBACK
+    assert pallas_tiles.lookup(jnp.bfloat16, lax.Precision.HIGH, 64) == pallas_tiles.FALLBACK
+
+
+def _recorded(rows, key, tiles, spill=0, targets=gpu_tiles.TARGETS):
+    """Rows compiling every case of `key` with `tiles` (recorded), from the results' rows."""
+    out = []
+    for row in rows:
+        if gpu_tiles.case_key(row["case"]) == key and row["target"] in targets:
+            row = copy.deepcopy(row)
+            row["tiles"] = list(tiles)
+            for kernel in row["kernels"].values():
+                kernel["spill_store_bytes"] = spill
+                if "threads" in kernel:
+                    kernel["threads"] = 32 * tiles[2]
+            out.append(row)
+    return out
+
+
+def test_the_rule_takes_the_largest_clean_tiles_then_the_nearest_clean_ones():
+    rows = gpu_tiles.load_rows(gpu_tiles.RESULTS.glob("*.json"))
+    heavy = ("float32", "default", 32, False, "both", "full")
+    light = ("float32", "default", 32, False, "shared", "key")
+    candidates = (
+        _recorded(rows, heavy, (64, 64, 4, 2))  # larger than (32, 32, 4, 2): taken
+        + _recorded(rows, heavy, (64, 64, 8, 2), spill=8)  # larger, but spills
+        + _recorded(rows, light, (64, 64, 4, 2), spill=4)  # the heaviest's, but spills
+        + _recorded(rows, light, (64, 64, 4, 1), targets=("a100",))  # one target only
+        + _recorded(rows, light, (64, 32, 4, 2))  # one halving away
+        + _recorded(rows, light, (64, 64, 8, 2))  # one field away, larger: taken
+    )
+    table = gpu_tiles.generate(rows + candidates)
+    assert table[heavy] == (64, 64, 4, 2)
+    assert table[light] == (64, 64, 8, 2)
+    unchanged = {k: v for k, v in generated().items() if k[:3] != heavy[:3] or k[3]}
+    assert unchanged.items() <= table.items()
+    # the further arguments' tiles (only the heaviest form is compiled) serve every form
+    options = ("half", "default", 64, True)
+    assert {
+        table[(*options, *form)]
+        for form in itertools.product(gpu_kernels.BIASES, gpu_kernels.MASKS)
+    } == {table[(*options, *gpu_tiles.HEAVIEST)]}
+    with pytest.raises(ValueError, match="no tile compiled clean"):
+        gpu_tiles.generate([r for r in rows if gpu_tiles.case_key(r["case"]) != heavy])
+    wrong = _recorded(rows, light, (64, 64, 8, 2))
+    for row in wrong:
+        row["tiles"][2] = 4
+    with pytest.raises(ValueError, match="threads"):
+        gpu_tiles.generate(rows + wrong)
