@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gated_attention import base, checks, masking, numerics
+from gated_attention import base, checks, mapping, masking, numerics
 from gated_attention.numerics import MASK_VALUE, accumulation_dtype
 
 # Logit of padded keys: exp(_PAD_VALUE - MASK_VALUE) == 0, so padding never takes weight.
@@ -720,12 +720,21 @@ class _Blocks:
         k, v = (_pad_axis(x, 2, t.kv_len, t.kv_pad, 0) for x in (k, v))
         return q, k, v, raw_v, structure, live
 
-    def map(self, fn, *args):
-        """fn(i) for every block, outputs concatenated along the batch (one call: no loop)."""
-        if self.count == 1:
-            return fn(0)
-        stacked = jax.lax.map(fn, jnp.arange(self.count))
-        return jax.tree.map(lambda x: x.reshape((self.batch, *x.shape[2:])), stacked)
+    def loop(self, step, init):
+        """carry = step(i, start, carry) for every block i (its rows from `start`): the row
+        loop (mapping.rows)."""
+        rows = self.t.rows
+        return mapping.rows(
+            self.batch, rows, lambda start, n, c: step(start // rows, start, c), init
+        )
+
+
+def _put_rows(buffers, pieces, start):
+    """Each piece written into its buffer at `start` along the batch (the first axis)."""
+    return tuple(
+        jax.lax.dynamic_update_slice_in_dim(b, p.astype(b.dtype), start, 0)
+        for b, p in zip(buffers, pieces, strict=True)
+    )
 
 
 def _blocks_forward(query, key, value, biases, mask, structure, t: _Tiling):
@@ -745,7 +754,11 @@ def _blocks_forward(query, key, value, biases, mask, structure, t: _Tiling):
         out, m, row_sum = (groups.merge(x)[:, :, : t.q_len] for x in (out, m, row_sum))
         return jnp.swapaxes(out, 1, 2).astype(query.dtype), m, row_sum  # [rows, T, N, Hv]
 
-    return blocks.map(block)
+    if blocks.count == 1:
+        return block(0)
+    stats = jnp.zeros((blocks.batch, query.shape[2], t.q_len), acc)  # [B, N, T]
+    init = (jnp.zeros((*query.shape[:3], value.shape[3]), query.dtype), stats, stats)
+    return blocks.loop(lambda i, start, outs: _put_rows(outs, block(i), start), init)
 
 
 def _blocks_backward(res, g, g_lse, t: _Tiling):
@@ -801,21 +814,23 @@ def _blocks_backward(res, g, g_lse, t: _Tiling):
     if blocks.count == 1:
         grads, dbias = block(0)
     else:
+        # Per-row results written in place; a bias shared by the batch summed over the blocks.
+        rows = lambda x: jnp.zeros(x.shape, x.dtype)
+        init = (
+            tuple(rows(x) for x in (query, key, value)),
+            tuple(jnp.zeros(b.shape, acc) for b in biases),
+        )
 
-        def step(total, i):
+        def step(i, start, carry):
             grads, dbias = block(i)
-            total = tuple(s + dbias[j] for s, j in zip(total, shared, strict=True))
-            batched = tuple(d for j, d in enumerate(dbias) if j not in shared)
-            return total, (grads, batched)
+            total, parts = carry
+            parts = tuple(
+                p + d if j in shared else jax.lax.dynamic_update_slice_in_dim(p, d, start, 0)
+                for j, (p, d) in enumerate(zip(parts, dbias, strict=True))
+            )
+            return _put_rows(total, grads, start), parts
 
-        init = tuple(jnp.zeros(biases[j].shape, acc) for j in shared)
-        total, (grads, batched) = jax.lax.scan(step, init, jnp.arange(blocks.count))
-        grads, batched = jax.tree.map(lambda x: x.reshape((-1, *x.shape[2:])), (grads, batched))
-        parts = {
-            **dict(zip(shared, total, strict=True)),
-            **dict(zip([j for j in range(len(biases)) if j not in shared], batched, strict=True)),
-        }
-        dbias = tuple(parts[j] for j in range(len(biases)))
+        grads, dbias = blocks.loop(step, init)
     dbias = tuple(d.astype(b.dtype) for d, b in zip(dbias, biases, strict=True))
     return (*grads, dbias)
 

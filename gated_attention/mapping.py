@@ -15,13 +15,15 @@ the tests). It works under jax.jit and jax.grad; the gradient keeps every subbat
 unless `remat` says otherwise (remat=True: nothing is kept, each subbatch is recomputed, and a
 training step's memory is bounded by a subbatch too).
 
-On a mesh with explicit axes, a batch split over devices is subbatched on each device: every
-device runs its own rows, subbatch_size at a time, and no row crosses devices (sharding.py).
+`rows` is the library's one row loop (subbatch's tiles, chunked's blocks of batch rows, the
+fused pair-bias backward); `tiled` is that loop with a custom VJP, subbatch's only gradient path,
+and knows nothing of sharding: on a mesh with explicit axes, a batch split over devices is
+subbatched on each device by sharding.per_device_rows, so every device runs its own rows,
+subbatch_size at a time, and no row crosses devices.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
@@ -92,156 +94,208 @@ def subbatch(
         _check_outputs(out, axis, np.shape(pieces[i])[where[i]])
         return out
 
+    loop = lambda fn, args, where, out_axis: tiled(fn, args, where, size, out_axis, remat)
     if shards == 1:
-        return _loop(checked, args, where, size, lambda ndim: _leaf_axis(axis, ndim), remat)
-
-    # On a mesh with explicit axes the batch may be split over devices: each device then runs its
-    # own rows, subbatch_size at a time, and the loop never cuts across devices (sharding.py). The
-    # plain loop runs on the args viewed as [..., shards, batch // shards, ...], along the second.
-    def per_shard(*split_args):
-        full = [_merge(x, where[i]) if i in where else x for i, x in enumerate(split_args)]
-        return jax.tree.map(lambda x: _split(x, _leaf_axis(axis, x.ndim), shards), checked(*full))
-
-    split = [_split(x, where[i], shards) if i in where else x for i, x in enumerate(args)]
-    inner = {i: w + 1 for i, w in where.items()}
-    out = _loop(per_shard, split, inner, size, lambda ndim: _leaf_axis(axis, ndim - 1) + 1, remat)
-    return jax.tree.map(lambda x: _merge(x, _leaf_axis(axis, x.ndim - 1)), out)
+        return loop(checked, args, where, lambda ndim: axis % ndim)
+    # The batch split over devices (explicit mesh axes): each device loops over its own rows.
+    return sharding.per_device_rows(loop, checked, args, where, axis, shards)
 
 
-def _plain_loop(fn, args, where: dict[int, int], size: int, out_axis, remat) -> Any:
-    """fn on subbatches of `size` along where[i] of each cut arg i, outputs in place along
-    out_axis(leaf rank) of one output buffer: the full subbatches as one compiled loop body, a
-    remainder as one call.
-
-    Each subbatch is sliced inside its (rematerialized) call and written into the output with
-    dynamic_update_slice, so neither the slices nor the outputs are stacked: the gradient keeps
-    only what `remat` saves per subbatch, and the output buffer is the result, never copied."""
-    first = next(iter(where))
-    length = np.shape(args[first])[where[first]]
+def rows(length: int, size: int, step: Callable[[Any, int, Any], Any], carry: Any) -> Any:
+    """The row loop: carry = step(start, rows, carry) over [0, length) in tiles of `size` rows,
+    the full tiles as one compiled loop body (start traced) and a remainder as one more call."""
     num_full, remainder = divmod(length, size)
-
-    def tile(start, rows: int):
-        def call(start, *full):
-            pieces = list(full)
-            for i, w in where.items():
-                pieces[i] = jax.lax.dynamic_slice_in_dim(full[i], start, rows, axis=w)
-            return fn(*pieces)
-
-        if remat is not None:
-            call = jax.checkpoint(call, policy=remat)
-        return call(start, *args)
-
-    # fn traced once for the full subbatches: the loop body evaluates that trace, whose output
-    # shapes also size the output buffer.
-    body, shapes = jax.make_jaxpr(lambda start: tile(start, size), return_shape=True)(0)
-    full_tile = lambda start: jax.tree.unflatten(
-        jax.tree.structure(shapes), jax.extend.core.jaxpr_as_fun(body)(start)
-    )
-
-    def put(out, start, piece):
-        update = lambda o, x: _write_once(o, x, start, out_axis(x.ndim), x.shape[out_axis(x.ndim)])
-        return jax.tree.map(update, out, piece)
-
-    def full(s):  # the output leaf for the whole batch, sharded as the subbatch's output
-        shape = list(s.shape)
-        shape[out_axis(len(shape))] = length
-        mesh = sharding.explicit_axes(s)[0]
-        zeros = _fresh_zeros(shape, s.dtype, args[first])
-        return zeros if mesh is None else jax.sharding.reshard(zeros, s.sharding)
-
-    out = jax.tree.map(full, shapes)
-    step = lambda t, out: put(out, t * size, full_tile(t * size))
-    out = jax.lax.fori_loop(0, num_full, step, out)
+    if num_full == 1:
+        carry = step(0, size, carry)
+    elif num_full > 1:
+        carry = jax.lax.fori_loop(0, num_full, lambda t, c: step(t * size, size, c), carry)
     if remainder:
-        out = put(out, num_full * size, tile(num_full * size, remainder))
-    return out
+        carry = step(num_full * size, remainder, carry)
+    return carry
 
 
-def _loop(fn, args, where: dict[int, int], size: int, out_axis, remat) -> Any:
-    """_plain_loop; when a tile keeps nothing for the backward pass (the default remat) and no
-    arg is split over explicit mesh axes, with that backward pass written out
-    (_recomputed_loop)."""
-    plain = remat is not jax.checkpoint_policies.nothing_saveable
-    if plain or any(sharding.explicit_axes(args[i])[0] is not None for i in where):
-        return _plain_loop(fn, args, where, size, out_axis, remat)
-    return _recomputed_loop(fn, args, where, size, out_axis)
+def tiled(fn, args, where: dict[int, int], size: int, out_axis, remat=None) -> Any:
+    """fn on tiles of `size` rows along where[i] of each cut arg i, outputs written in place along
+    out_axis(leaf rank) of one buffer per output leaf, as a custom VJP: its backward pass is a
+    row loop of its own, and the only gradient path.
 
+    remat: None keeps each tile's residuals (as autodiff of a scan would); a jax.checkpoint
+    policy keeps what it saves; nothing_saveable keeps nothing and recomputes each tile in the
+    backward pass. Residuals are kept in buffers stacked over the full tiles, and a closed-over
+    value (a parameter) that a tile keeps as it is is kept once, not per tile.
 
-def _recomputed_loop(fn, args, where: dict[int, int], size: int, out_axis) -> Any:
-    """_plain_loop with nothing kept per tile, as a custom VJP whose backward pass is a loop of
-    its own over the tiles: each recomputed and differentiated, its input cotangents written
-    into (or, for shared args and fn's closed-over parameters, added to) buffers made when that
-    loop starts. Autodiff of _plain_loop gives the same values, but accumulates the cotangents of
-    the args it closes over from zeros that XLA merges with any zeros of their shape in the
-    program (CSE) and creates for the earliest user: an Evoformer training step compiled for an
-    H100 held four pair-sized ones from the forward through its peak at N_res 1,024."""
+    The backward pass writes each tile's input cotangents into (for shared args and fn's
+    closed-over parameters, adds them to) buffers made when it starts, from zeros that XLA can
+    neither merge with other zeros of their shape nor create early: autodiff of a loop
+    accumulates from zeros that XLA merges (CSE) and creates for the earliest user, and an
+    Evoformer training step compiled for an H100 held four pair-sized ones from the forward
+    through its peak at N_res 1,024. Nothing here reads a sharding: buffers take the sharding
+    of the values they hold (explicit mesh axes), as the rest of the program."""
     first = next(iter(where))
     length = np.shape(args[first])[where[first]]
     num_full, remainder = divmod(length, size)
+    keep = remat is not jax.checkpoint_policies.nothing_saveable
 
     def piece_spec(i, x, rows: int):  # a tile's slice of arg i
         if x is None or i not in where:
             return x
         shape = list(np.shape(x))
         shape[where[i]] = rows
-        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=_sharding_of(x))
 
     # fn with its closed-over values (parameters) as explicit inputs, for each tile size; the
     # consts of both conversions are passed (a value in both gets the sum of its cotangents).
     conversions, consts = {}, []
-    for rows in [r for r in (size, remainder) if r]:
-        specs = [piece_spec(i, x, rows) for i, x in enumerate(args)]
+    for n in [r for r in (size, remainder) if r]:
+        specs = [piece_spec(i, x, n) for i, x in enumerate(args)]
         converted, found = jax.closure_convert(lambda *pieces: fn(*pieces), *specs)
-        conversions[rows] = (converted, len(consts), len(found))
+        conversions[n] = (converted, len(consts), len(found))
         consts += found
     consts = tuple(consts)
 
-    def slices(xs, start, rows: int):
+    def slices(xs, start, n: int):
         return [
-            jax.lax.dynamic_slice_in_dim(x, start, rows, axis=where[i]) if i in where else x
+            jax.lax.dynamic_slice_in_dim(x, start, n, axis=where[i]) if i in where else x
             for i, x in enumerate(xs)
         ]
 
     def call(consts, pieces):
-        rows = np.shape(pieces[first])[where[first]]
-        converted, start, count = conversions[rows]
+        n = np.shape(pieces[first])[where[first]]
+        converted, start, count = conversions[n]
         return converted(*pieces, *consts[start : start + count])
 
-    def forward(consts, args):
-        return _plain_loop(
-            lambda *pieces: call(consts, pieces), args, where, size, out_axis, remat=None
-        )
+    inexact = lambda x: x is not None and jnp.issubdtype(x.dtype, jnp.inexact)
+    diff = lambda xs: [x if inexact(x) else None for x in xs]
+    fixed = lambda xs, ds: [d if inexact(x) else x for x, d in zip(xs, ds, strict=True)]
+
+    def linearized(consts, pieces):
+        """(the tile's output, its VJP closure) with the policy's residuals."""
+
+        def differentiable(c, p):  # of the inexact consts and pieces only
+            return call(fixed(consts, c), fixed(pieces, p))
+
+        if remat is not None and keep:  # (a recomputed tile is differentiated once, whole)
+            differentiable = jax.checkpoint(differentiable, policy=remat)
+        return jax.vjp(differentiable, diff(consts), diff(pieces))
+
+    # Shapes are read from specs, never from the values: a trace given this trace's tracers
+    # would keep them (jax's caches) past it.
+    const_specs, arg_specs = [_spec(c) for c in consts], [_spec(x) for x in args]
+    out_specs = jax.eval_shape(lambda c, a: call(c, slices(a, 0, size)), const_specs, arg_specs)
+
+    def buffer(s, after):  # an output leaf for the whole batch, made when `after` is
+        shape = list(s.shape)
+        shape[out_axis(len(shape))] = length
+        return _fresh_zeros(shape, s.dtype, after, _sharding_of(s))
+
+    def put(out, start, piece):
+        update = lambda o, x: jax.lax.dynamic_update_slice_in_dim(o, x, start, out_axis(x.ndim))
+        return jax.tree.map(update, out, piece)
+
+    def pullback(consts, pieces):
+        """(the tile's output, its VJP as a function of (cotangent, *residuals), the
+        residuals): the VJP's leaves, so that they can be kept in buffers and the function
+        rebuilt in the backward pass's trace."""
+        y, vjp = linearized(consts, pieces)
+        residuals, tree = jax.tree.flatten(vjp)
+        return y, lambda g, *kept: jax.tree.unflatten(tree, kept)(g), residuals
+
+    def residual_layout(n: int):
+        """Per residual of a tile of n rows: where it comes from when it is a const or the
+        tile's slice of an arg as it is (kept once, or sliced again: never stacked), else its
+        ShapeDtypeStruct (read from a trace of its own)."""
+        index = []
+
+        def traced(consts, args):
+            pieces = slices(args, 0, n)
+            _, _, residuals = pullback(consts, pieces)
+            index[:] = [_source(x, consts, pieces) for x in residuals]
+            return [x for x, k in zip(residuals, index, strict=True) if k is None]
+
+        specs = iter(jax.eval_shape(traced, const_specs, arg_specs))
+        return [k if k is not None else next(specs) for k in index]
+
+    pullbacks = {}  # tile rows -> the VJP function, from the forward pass's trace
+
+    def forward(consts, args, with_residuals: bool):
+        layouts = {}
+        if with_residuals and keep:
+            layouts = {n: residual_layout(n) for n in conversions}
+
+        def stacked(layout):  # buffers of the full tiles' residuals
+            return [
+                None if isinstance(x, tuple) else _stacked_zeros(num_full, x, args[first])
+                for x in layout
+            ]
+
+        saved = stacked(layouts[size]) if layouts and num_full else []
+        last = []
+
+        def step(start, n: int, carry):
+            out, saved = carry
+            pieces = slices(args, start, n)
+            if not layouts:
+                return put(out, start, call(consts, pieces)), saved
+            y, pullbacks[n], residuals = pullback(consts, pieces)
+            kinds = layouts[n]
+            if n == size:
+                t = start // size
+                saved = [
+                    s if isinstance(k, tuple) else jax.lax.dynamic_update_index_in_dim(s, x, t, 0)
+                    for s, k, x in zip(saved, kinds, residuals, strict=True)
+                ]
+            else:  # the remainder's residuals, kept as they are
+                last[:] = [
+                    None if isinstance(k, tuple) else x
+                    for k, x in zip(kinds, residuals, strict=True)
+                ]
+            return put(out, start, y), saved
+
+        out = jax.tree.map(lambda s: buffer(s, args[first]), out_specs)
+        out, saved = rows(length, size, step, (out, saved))
+        return out, (saved, last), layouts
 
     @jax.custom_vjp
     def run(consts, args):
-        return forward(consts, args)
+        return forward(consts, args, False)[0]
+
+    layouts_seen = {}
 
     def run_fwd(consts, args):
-        return forward(consts, args), (consts, args)
+        out, residuals, layouts = forward(consts, args, True)
+        layouts_seen.update(layouts)
+        return out, (consts, args, residuals)
 
-    def run_bwd(residuals, cotangent):
-        consts, args = residuals
+    def run_bwd(res, cotangent):
+        consts, args, (saved, last) = res
         after = jax.tree.leaves(cotangent)[0]
-        inexact = lambda x: x is not None and jnp.issubdtype(x.dtype, jnp.inexact)
-        zeros = lambda xs: [
-            _fresh_zeros(x.shape, x.dtype, after) if inexact(x) else None for x in xs
-        ]
+        zeros = lambda xs: [_fresh_zeros_like(x, after) if inexact(x) else None for x in xs]
 
-        def tile(start, rows: int, grads):
+        def vjp_of(start, n: int):
+            if not layouts_seen:
+                return linearized(consts, slices(args, start, n))[1]
+            kinds = layouts_seen[n]
+            sources = {"const": consts, "piece": slices(args, start, n)}
+            if n == size:
+                t = start // size
+                own = [
+                    None if s is None else jax.lax.dynamic_index_in_dim(s, t, 0, keepdims=False)
+                    for s in saved
+                ]
+            else:
+                own = last
+            kept = [
+                sources[k[0]][k[1]] if isinstance(k, tuple) else x
+                for k, x in zip(kinds, own, strict=True)
+            ]
+            return lambda g: pullbacks[n](g, *kept)
+
+        def step(start, n: int, grads):
             d_consts, d_args = grads
-            pieces = slices(args, start, rows)
             g = jax.tree.map(
-                lambda c: jax.lax.dynamic_slice_in_dim(c, start, rows, out_axis(c.ndim)),
-                cotangent,
+                lambda c: jax.lax.dynamic_slice_in_dim(c, start, n, out_axis(c.ndim)), cotangent
             )
-            diff = lambda xs: [x if inexact(x) else None for x in xs]
-            fixed = lambda xs, ds: [d if inexact(x) else x for x, d in zip(xs, ds, strict=True)]
-
-            def differentiable(c, p):  # of the inexact consts and pieces only
-                return call(fixed(consts, c), fixed(pieces, p))
-
-            _, vjp = jax.vjp(differentiable, diff(consts), diff(pieces))
-            dc, dp = vjp(g)
+            dc, dp = vjp_of(start, n)(g)
             add = lambda a, b: None if a is None else a + b
             d_consts = [add(a, b) for a, b in zip(d_consts, dc, strict=True)]
             d_args = [
@@ -254,43 +308,56 @@ def _recomputed_loop(fn, args, where: dict[int, int], size: int, out_axis) -> An
             ]
             return d_consts, d_args
 
-        grads = (zeros(consts), zeros(args))
-        grads = jax.lax.fori_loop(0, num_full, lambda t, gr: tile(t * size, size, gr), grads)
-        if remainder:
-            grads = tile(num_full * size, remainder, grads)
-        d_consts, d_args = grads
+        d_consts, d_args = rows(length, size, step, (zeros(consts), zeros(args)))
         return tuple(d_consts), list(d_args)
 
     run.defvjp(run_fwd, run_bwd)
     return run(consts, list(args))
 
 
-def _fresh_zeros(shape, dtype, after: jax.Array) -> jax.Array:
+def _spec(x):
+    """x's ShapeDtypeStruct (with its sharding where explicit), or None."""
+    if x is None:
+        return None
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=_sharding_of(x))
+
+
+def _source(x, consts, pieces) -> tuple[str, int] | None:
+    """("const", k) or ("piece", i) when residual x is that value as it is, else None."""
+    for name, values in (("const", consts), ("piece", pieces)):
+        k = next((k for k, c in enumerate(values) if x is c), None)
+        if k is not None:
+            return name, k
+    return None
+
+
+def _sharding_of(x):
+    """x's sharding where it is part of its type (explicit mesh axes), else None: what a buffer
+    holding x's values is made with."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        sharding = x.sharding
+    else:
+        sharding = getattr(jax.typeof(x), "sharding", None)
+    types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return sharding if any(t == jax.sharding.AxisType.Explicit for t in types) else None
+
+
+def _fresh_zeros(shape, dtype, after: jax.Array, out_sharding) -> jax.Array:
     """Zeros of `shape` that XLA can neither merge with other zeros of that shape nor create
-    before `after` exists (see _recomputed_loop): a loop's output buffer made when its input is."""
+    before `after` exists (see tiled): a loop's buffer made when its input is."""
     zero = jax.lax.optimization_barrier((jnp.zeros((), dtype), after))[0]
-    return jnp.broadcast_to(zero, shape)
+    return jnp.broadcast_to(zero, shape, out_sharding=out_sharding)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _write_once(out: jax.Array, piece: jax.Array, start, axis: int, size: int) -> jax.Array:
-    """dynamic_update_slice of `piece` into a slice of `out` that is written exactly once and
-    held zeros before (the loop's output buffer). Its backward pass hands the output's cotangent
-    on unchanged instead of zeroing the slice (dynamic_update_slice's own transpose), so a
-    training step neither writes nor copies that cotangent: it is an argument of the step, which
-    XLA would otherwise copy to zero slices of it (one more output-sized temporary)."""
-    return jax.lax.dynamic_update_slice_in_dim(out, piece, start, axis)
+def _stacked_zeros(count: int, spec, after: jax.Array) -> jax.Array:
+    """_fresh_zeros [count, *spec.shape], each entry sharded as spec."""
+    zeros = _fresh_zeros(spec.shape, spec.dtype, after, _sharding_of(spec))
+    return jnp.broadcast_to(zeros[None], (count, *spec.shape))
 
 
-def _write_once_fwd(out, piece, start, axis, size):
-    return _write_once(out, piece, start, axis, size), start
-
-
-def _write_once_bwd(axis, size, start, cotangent):
-    return cotangent, jax.lax.dynamic_slice_in_dim(cotangent, start, size, axis), None
-
-
-_write_once.defvjp(_write_once_fwd, _write_once_bwd)
+def _fresh_zeros_like(x: jax.Array, after: jax.Array) -> jax.Array:
+    """_fresh_zeros of x's shape, dtype and sharding."""
+    return _fresh_zeros(x.shape, x.dtype, after, _sharding_of(x))
 
 
 def subbatch_size_for_budget(batch: int, bytes_per_example: Real, memory_budget_bytes: Real) -> int:
@@ -325,10 +392,6 @@ def _axis(axis: int, arg: Any, index: int) -> int:
     return axis % ndim
 
 
-def _leaf_axis(axis: int, ndim: int) -> int:
-    return axis % ndim
-
-
 def _batched_flags(args: tuple, axis: int, batched: Sequence[bool] | None) -> list[bool]:
     """Decides which args are cut, and checks that their sizes along `axis` agree."""
     if batched is None:
@@ -359,19 +422,6 @@ def _batched_flags(args: tuple, axis: int, batched: Sequence[bool] | None) -> li
                 f"{sizes[first]} (from args[{first}]); batched args must agree"
             )
     return flags
-
-
-def _split(x: jax.Array, axis: int, shards: int) -> jax.Array:
-    """[..., batch, ...] -> [..., shards, batch // shards, ...] (axis: the batch's index). Each
-    device's rows stay its own: on a mesh the shards dimension takes the batch's sharding."""
-    shape = np.shape(x)
-    return x.reshape(shape[:axis] + (shards, shape[axis] // shards) + shape[axis + 1 :])
-
-
-def _merge(x: jax.Array, axis: int) -> jax.Array:
-    """[..., shards, rows, ...] (shards at `axis`) -> [..., shards * rows, ...], inverting _split."""
-    shape = np.shape(x)
-    return x.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2 :])
 
 
 def _check_outputs(tree: Any, axis: int, size: int) -> None:

@@ -141,12 +141,8 @@ def _grads(rows, pair, d_pair, d_bias, scale, offset, weights):
         return d_pair, *(a + b.astype(acc) for a, b in zip(d_params, d_tile, strict=True))
 
     rows = min(rows, pair.shape[0])  # one device's rows may be fewer than a tile
-    num_full, remainder = divmod(pair.shape[0], rows)
     carry = (d_pair, *(jnp.zeros(x.shape, acc) for x in (scale, offset, weights)))
-    carry = jax.lax.fori_loop(0, num_full, lambda t, c: tile(t * rows, rows, c), carry)
-    if remainder:
-        carry = tile(num_full * rows, remainder, carry)
-    return carry
+    return mapping.rows(pair.shape[0], rows, tile, carry)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

@@ -111,6 +111,39 @@ def batch_shards(batched: Sequence[Any], axis: int) -> int:
     return 1
 
 
+def per_device_rows(
+    loop: Callable[..., Any], fn, args, where: dict[int, int], axis: int, shards: int
+):
+    """A row loop over each device's own rows of a batch split over `shards` devices.
+
+    loop(fn, args, where, out_axis) is mapping.subbatch's loop (where[i]: the batch axis of cut
+    arg i; out_axis(ndim): the batch axis of an output leaf). Here it runs on the args viewed
+    as [..., shards, batch // shards, ...], along the second: the first keeps the batch's
+    sharding, so no row crosses devices and no loop slices a sharded dimension (refused under
+    explicit axes, or a gather of the whole batch onto every device)."""
+
+    def per_shard(*split_args):
+        full = [_merge(x, where[i]) if i in where else x for i, x in enumerate(split_args)]
+        return jax.tree.map(lambda x: _split(x, axis % x.ndim, shards), fn(*full))
+
+    split = [_split(x, where[i], shards) if i in where else x for i, x in enumerate(args)]
+    inner = {i: w + 1 for i, w in where.items()}
+    out = loop(per_shard, split, inner, lambda ndim: axis % (ndim - 1) + 1)
+    return jax.tree.map(lambda x: _merge(x, axis % (x.ndim - 1)), out)
+
+
+def _split(x, axis: int, shards: int):
+    """[..., batch, ...] -> [..., shards, batch // shards, ...] (axis: the batch's index)."""
+    shape = x.shape
+    return x.reshape(shape[:axis] + (shards, shape[axis] // shards) + shape[axis + 1 :])
+
+
+def _merge(x, axis: int):
+    """[..., shards, rows, ...] (shards at `axis`) -> [..., shards * rows, ...], inverting _split."""
+    shape = x.shape
+    return x.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2 :])
+
+
 def shard_attention(
     attend: Callable[..., Any],
     query: Any,
