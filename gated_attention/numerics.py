@@ -27,8 +27,8 @@ take inside its own tiles:
      masks' per-tile blocks are selected likewise.
   3. `finish_rows_without_key` (`uniform_where_no_key` for the output alone): a row with no key
      to attend to gives the uniform average of the values over all keys, AlphaFold 2's result
-     (every logit replaced by the same value), and the log-sum-exp MASK_VALUE + log(S). The
-     chunked implementation does the same inside its query tiles, on its (max, sum) statistics.
+     (every logit replaced by the same value), and the log-sum-exp MASK_VALUE + log(S). Every
+     implementation calls it on its result, once, outside its kernels or tiles.
 A value that one row attends to and another masks still meets the masking row's zero weight in
 the weighted sum, so a NaN there reaches both rows (as in jax.nn.dot_product_attention).
 """

@@ -96,14 +96,3 @@ def lookup(compute_dtype, precision, head_dim: int, options: bool = False, form=
     """(block_q, block_k, num_warps, num_stages) for a call (table_key), FALLBACK where the table
     has no entry."""
     return table().get(table_key(compute_dtype, precision, head_dim, options, form), FALLBACK)
-
-
-def shared_memory_estimate(block_q, block_k, stages, head_dim, dtype, biases, masked) -> int:
-    """An upper estimate of a kernel's shared memory, bytes: per pipeline stage the streamed
-    key/value (or query/output-gradient) tiles and the bias and mask tiles, plus the resident
-    tiles, with a 10 % margin (checked against ptxas: benchmark_results/gpu_kernels/)."""
-    item = jnp.dtype(dtype).itemsize
-    padded, rows = _pow2_tile(head_dim), max(block_q, block_k)
-    tile_bytes = block_q * block_k * (sum(jnp.dtype(b.dtype).itemsize for b in biases) + masked)
-    streamed = 2 * rows * padded * item + tile_bytes
-    return int(1.1 * (stages * streamed + 2 * rows * padded * item))

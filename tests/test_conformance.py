@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gated_attention as ga
-from gated_attention import chunked, masking
+from gated_attention import chunked_plan, chunked_tiles, masking
 from tests import implementation_harness as harness
 from tests import reference
 from tests.helpers import as_f64, assert_close, device_param, rand
@@ -476,15 +476,15 @@ def test_chunked_skips_the_tiles_the_structure_masks():
     """Causal, T = S = 8 in 2 x 2 tiles: query tile i meets key tiles 0..i, of which 0..i-1
     whole (no mask built) and i in part; key tile j is met by query tiles j..3: forward and
     backward do 10 of 16 tiles. A window and key lengths cut more."""
-    t = chunked._Tiling(1.0, 2, 2, 8, 8, 1, jnp.float32)
+    t = chunked_plan.Tiling(1.0, 2, 2, 8, 8, 1, jnp.float32)
     causal = masking.Structure(is_causal=True)
-    assert _runs(lambda i: chunked._key_runs(causal, i, t), 4) == [
+    assert _runs(lambda i: chunked_tiles._key_runs(causal, i, t), 4) == [
         (0, 0, 0, 1),
         (0, 0, 1, 2),
         (0, 0, 2, 3),
         (0, 0, 3, 4),
     ]
-    assert _runs(lambda j: chunked._query_runs(causal, j, t), 4) == [
+    assert _runs(lambda j: chunked_tiles._query_runs(causal, j, t), 4) == [
         (0, 1, 4, 4),
         (1, 2, 4, 4),
         (2, 3, 4, 4),
@@ -493,7 +493,7 @@ def test_chunked_skips_the_tiles_the_structure_masks():
     window = masking.Structure(is_causal=True, window=(2, 0), kv_lengths=jnp.array([5, 3]))
     # Query tile 3 (rows 6, 7) reaches keys 4..7, but no row has a key beyond 4: tile 2 only,
     # in part (row 1 has no key beyond 2).
-    assert _runs(lambda i: chunked._key_runs(window, i, t), 4) == [
+    assert _runs(lambda i: chunked_tiles._key_runs(window, i, t), 4) == [
         (0, 0, 0, 1),
         (0, 1, 1, 2),
         (1, 3, 3, 3),

@@ -1,8 +1,9 @@
 """memory.py's estimates: each equal to the formula its callers wrote inline before, and the
-callers' choices (XlaAttention's row tiles, Auto's rule, modules.rows_per_tile, pair_bias.tile_rows)
-unchanged."""
+callers' choices (XlaAttention's row tiles, Auto's rule, modules.rows_per_tile, pair_bias.tile_rows,
+the Pallas kernels' VMEM and shared-memory checks) unchanged."""
 
 import itertools
+import types
 
 import haiku as hk
 import jax
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import base, memory, pair_bias
+from gated_attention import base, memory, pair_bias, pallas_tiles, pallas_tpu_plan
 from gated_attention.modules import TILE_BYTES, rows_per_tile
 
 MIB = 2**20
@@ -226,3 +227,135 @@ def test_xla_tile_rows_used(monkeypatch, tile_bytes, expected):
     q = jnp.asarray(np.zeros((20, 128, 4, 8)), jnp.float32)
     ga.XlaAttention(tile_bytes=tile_bytes)(q, q, q, (), None, scale=1.0, compute_dtype=jnp.float32)
     assert seen == [expected] == [_old_xla_rows(tile_bytes, 4, 128, 128)]
+
+
+# The Pallas kernels' estimates as they were written before they moved here, kept verbatim.
+def _old_vmem_estimate(self, itemsize):  # pallas_tpu._Plan.vmem_estimate
+    LANES = 128  # noqa: N806
+    bq, bk, n, kv = self.block_q, self.block_k, self.heads, self.kv_heads
+    lanes = lambda heads, d: -(-heads * d // LANES) * LANES
+    widths = lambda heads: lanes(heads, self.head_dim) + lanes(heads, self.value_dim)
+    tiles = (bq * widths(n) + bk * widths(kv)) * itemsize
+    pairs = sum(
+        (s[1] * (bq if s[2] > 1 else 8) * (bk if s[3] > 1 else LANES)) * 4
+        for s in self.bias_shapes + ((self.mask_shape,) if self.mask_shape else ())
+    )
+    accumulators = max(kv * bk, n * bq) * (self.head_dim + self.value_dim) * 4
+    temps = 8 * max(bq, bk) * max(bq, bk) * 4
+    return int(1.25 * (2 * (tiles + pairs) + accumulators + temps))
+
+
+def _old_shared_memory(block_q, block_k, stages, head_dim, dtype, biases, masked):
+    # pallas_tiles.shared_memory_estimate
+    item = jnp.dtype(dtype).itemsize
+    padded, rows = pallas_tiles._pow2_tile(head_dim), max(block_q, block_k)
+    tile_bytes = block_q * block_k * (sum(jnp.dtype(b.dtype).itemsize for b in biases) + masked)
+    streamed = 2 * rows * padded * item + tile_bytes
+    return int(1.1 * (stages * streamed + 2 * rows * padded * item))
+
+
+_PAIRS = ((), ((1, 4, 300, 260),), ((2, 1, 300, 260), (1, 4, 1, 260)), ((2, 4, 1, 1),))
+
+
+def test_tpu_vmem_equals_the_old_estimate():
+    """memory.tpu_vmem_bytes, and Plan.vmem_estimate through it, give the integers the plan's own
+    estimate gave."""
+    sd = jax.ShapeDtypeStruct
+    for bq, bk, (n, kv), (h, hv), itemsize, pairs in _grid(
+        (128, 256, 300), (128, 384, 260), ((1, 1), (4, 1), (4, 2), (8, 8)),
+        ((8, 8), (16, 64), (100, 40), (128, 128)), (2, 4), _PAIRS,
+    ):  # fmt: skip
+        for mask in (None, pairs[-1] if pairs else (2, 1, 1, 260)):
+            plan = types.SimpleNamespace(
+                block_q=bq, block_k=bk, heads=n, kv_heads=kv, head_dim=h, value_dim=hv,
+                bias_shapes=pairs, mask_shape=mask,
+            )  # fmt: skip
+            new = memory.tpu_vmem_bytes(
+                block_q=bq, block_k=bk, heads=n, kv_heads=kv, head_dim=h, value_dim=hv,
+                itemsize=itemsize, pair_shapes=pairs + ((mask,) if mask else ()),
+            )  # fmt: skip
+            assert new == _old_vmem_estimate(plan, itemsize)
+    impl = ga.PallasTpuAttention(block_q=256, block_k=128)
+    q, kv = sd((2, 300, 4, 64), jnp.bfloat16), sd((2, 260, 2, 64), jnp.bfloat16)
+    biases = tuple(sd(s, jnp.float32) for s in _PAIRS[2])
+    mask = sd((2, 1, 1, 260), bool)
+    plan = pallas_tpu_plan.Plan.make(impl, q, kv, kv, biases, mask, 1.0, jnp.bfloat16, base.PLAIN)
+    assert plan.vmem_estimate(2) == _old_vmem_estimate(plan, 2) == 4_474_880
+
+
+def test_gpu_shared_memory_equals_the_old_estimate():
+    """memory.gpu_shared_memory_bytes at the padded head dim gives the integers
+    pallas_tiles.shared_memory_estimate gave."""
+    sd = jax.ShapeDtypeStruct
+    bias_sets = ((), (jnp.float32,), (jnp.bfloat16, jnp.float32), (jnp.float16,))
+    for bq, bk, stages, h, dtype, bias_dtypes, masked in _grid(
+        (16, 32, 64, 128), (16, 64, 128), (1, 2, 3, 4), (8, 16, 40, 64, 100, 128),
+        (jnp.float32, jnp.bfloat16, jnp.float16), bias_sets, (False, True),
+    ):  # fmt: skip
+        biases = tuple(sd((1, 2, 3, 4), d) for d in bias_dtypes)
+        new = memory.gpu_shared_memory_bytes(
+            block_q=bq,
+            block_k=bk,
+            stages=stages,
+            padded_head_dim=pallas_tiles._pow2_tile(h),
+            itemsize=jnp.dtype(dtype).itemsize,
+            pair_itemsize=sum(jnp.dtype(d).itemsize for d in bias_dtypes) + masked,
+        )
+        assert new == _old_shared_memory(bq, bk, stages, h, dtype, biases, masked)
+    # 128 x 128 float32 tiles, 2 stages, head dim 128, a float32 bias and a mask.
+    args = dict(block_q=128, block_k=128, stages=2, padded_head_dim=128, itemsize=4)
+    assert memory.gpu_shared_memory_bytes(**args, pair_itemsize=5) == 612_761
+
+
+def test_kernel_checks_use_the_estimates(monkeypatch):
+    """PallasAttention.check and PallasTpuAttention.check refuse tiles by memory's estimates."""
+    sd = jax.ShapeDtypeStruct
+    q = sd((2, 64, 2, 32), jnp.float32)
+    gpu, tpu = ga.PallasAttention(), ga.PallasTpuAttention()
+    gpu.check(q, q, q, (), None, compute_dtype=jnp.float32, platform="gpu")
+    tpu.check(q, q, q, (), None, compute_dtype=jnp.float32, platform="tpu")
+    monkeypatch.setattr(memory, "gpu_shared_memory_bytes", lambda **kw: 10**9)
+    monkeypatch.setattr(memory, "tpu_vmem_bytes", lambda **kw: 10**9)
+    with pytest.raises(NotImplementedError, match="1,000,000,000 bytes of shared memory"):
+        gpu.check(q, q, q, (), None, compute_dtype=jnp.float32, platform="gpu")
+    with pytest.raises(NotImplementedError, match="1,000,000,000 bytes of VMEM"):
+        tpu.check(q, q, q, (), None, compute_dtype=jnp.float32, platform="tpu")
+
+
+def _old_chunked_tile_bytes(batch, heads, tq, tk, head_dim, value_dim, dtype):  # chunked.py
+    acc = jnp.dtype(jnp.promote_types(dtype, jnp.float32)).itemsize
+    item = jnp.dtype(dtype).itemsize
+    per_head = (
+        3 * tq * tk * acc
+        + tq * (head_dim + 2 * value_dim + 2) * acc
+        + tk * (2 * head_dim + 2 * value_dim) * acc
+        + tq * (head_dim + value_dim) * item
+    )
+    return batch * heads * per_head
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
+def test_chunked_estimates_are_the_old_formulas(dtype):
+    """chunked's tile working set and a block row's (tiles plus head-major copies), as
+    ChunkedAttention.tiling wrote them inline, and the blocks it then picks."""
+    for b, n, tq, tk, h, hv in itertools.product(
+        (1, 3), (1, 4), (8, 64), (16, 128), (8, 32), (8, 16)
+    ):
+        want = _old_chunked_tile_bytes(b, n, tq, tk, h, hv, dtype)
+        assert memory.chunked_tile_bytes(b, n, tq, tk, h, hv, dtype) == want
+        t, s = 37, 29
+        copies = n * (t + s) * (h + hv) * jnp.dtype(dtype).itemsize
+        got = memory.chunked_block_row_bytes(n, t, s, tq, tk, h, hv, dtype)
+        assert got == _old_chunked_tile_bytes(1, n, tq, tk, h, hv, dtype) + copies
+    # The blocks and chunks ChunkedAttention.tiling picked before the move (float32).
+    if dtype != jnp.float32:
+        return
+    picked = {
+        2 * MIB: [(1, 128, 128), (6, 37, 29), (1, 64, 256)],
+        16 * MIB: [(8, 128, 128), (30, 37, 29), (8, 64, 256)],
+        64 * MIB: [(32, 128, 128), (30, 37, 29), (32, 64, 256)],
+    }
+    shapes = [(64, 4, 128, 128, 32, 32), (30, 8, 37, 29, 16, 8), (256, 4, 64, 256, 32, 32)]
+    for block_bytes, want in picked.items():
+        impl = ga.ChunkedAttention(block_bytes=block_bytes)
+        assert [impl.tiling(*shape, dtype) for shape in shapes] == want

@@ -9,7 +9,7 @@ import pytest
 from jax import lax
 
 import gated_attention as ga
-from gated_attention import masking, pallas, pallas_tiles
+from gated_attention import masking, pallas, pallas_kernels, pallas_plan, pallas_tiles
 from tests import implementation_harness as harness
 from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
@@ -262,11 +262,11 @@ def test_loops_skip_exactly_the_tiles_the_structure_masks_whole():
         kw = {**lengths, **kw}
         structure = masking.Structure(kw.get("is_causal", False), kw.get("local_window_size"))
         options = ga.base.Options(structure)
-        plan = pallas._Plan.make(impl, q, kv, kv, (), 1.0, jnp.float32, None, options=options)
-        tiles = pallas._Tiles(plan, t, s, 0)
+        plan = pallas_plan.Plan.make(impl, q, kv, kv, (), 1.0, jnp.float32, None, options=options)
+        tiles = pallas_kernels._Tiles(plan, t, s, 0)
         allowed = harness.allowed_by(t, s, kw)[:, 0]
         for row in range(b):
-            st = pallas._Structure(0, *(x[row] for x in lengths.values()))
+            st = pallas_kernels._Structure(0, *(x[row] for x in lengths.values()))
             per_tile = np.pad(allowed[row], ((0, -t % 64), (0, -s % 32)))
             per_tile = per_tile.reshape(-(-t // 64), 64, -(-s // 32), 32).any(axis=(1, 3))
             for i, tiles_row in enumerate(per_tile):

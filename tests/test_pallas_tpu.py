@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import masking, pallas_tpu
+from gated_attention import masking, pallas_tpu_kernels, pallas_tpu_plan
 from tests import implementation_harness as harness
 from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
@@ -151,8 +151,9 @@ def test_shared_bias_gradient_is_never_per_row():
 
 
 def test_skips_exactly_the_tiles_the_structure_masks_whole():
-    """pallas_tpu.any_allowed against the brute-force mask, tile by tile: no tile with an allowed
-    (query, key) pair is skipped (values would be wrong), and every other one is (the work)."""
+    """pallas_tpu_kernels.any_allowed against the brute-force mask, tile by tile: no tile with
+    an allowed (query, key) pair is skipped (values would be wrong), and every other one is (the
+    work)."""
     b, t, s, n, k, h = harness.WIDE
     sd = jax.ShapeDtypeStruct
     q, kv = sd((b, t, n, h), jnp.float32), sd((b, s, k, h), jnp.float32)
@@ -163,15 +164,15 @@ def test_skips_exactly_the_tiles_the_structure_masks_whole():
         kw = {**lengths, **kw}
         structure = masking.Structure(kw.get("is_causal", False), kw.get("local_window_size"))
         options = ga.base.Options(structure)
-        plan = pallas_tpu._Plan.make(INTERPRETED, q, kv, kv, (), None, 1.0, jnp.float32,
-                                     options, None, None)  # fmt: skip
+        plan = pallas_tpu_plan.Plan.make(INTERPRETED, q, kv, kv, (), None, 1.0, jnp.float32,
+                                         options, None, None)  # fmt: skip
         allowed = harness.allowed_by(t, s, kw)
         skipped = 0
         for row in range(b):
             for i in range(plan.q_blocks):
                 for j in range(plan.k_blocks):
                     tile = allowed[row, 0, i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
-                    take = pallas_tpu.any_allowed(
+                    take = pallas_tpu_kernels.any_allowed(
                         plan, i, j, 0, *(x[row] for x in lengths.values())
                     )
                     assert bool(take) == tile.any(), (kw, row, i, j)
