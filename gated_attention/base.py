@@ -32,7 +32,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import jax
 
-from gated_attention import mapping, masking
+from gated_attention import mapping, masking, platforms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,7 @@ class Implementation(abc.ABC):
 
         Arguments as for __call__ (arrays or jax.ShapeDtypeStructs), and `platform`: the kind of
         platform the program is compiled for ('cpu', 'gpu', 'tpu'; None: the host's,
-        jax.default_backend()), which is not always the host's (platforms.py). The default
+        platforms.host()), which is not always the host's (platforms.py). The default
         takes any arrays on any platform and the options in TAKES.
         """
         del value, biases, mask, compute_dtype, platform
@@ -154,7 +154,7 @@ def check_kernel(
     NotImplementedError naming `what` and the reason."""
     import jax.numpy as jnp
 
-    platform = jax.default_backend() if platform is None else platform
+    platform = platforms.host() if platform is None else platforms.kind(platform)
     if not getattr(impl, "interpret", False) and platform != runs_on:
         raise NotImplementedError(
             f"{what} runs on {runs_on.upper()} only, the program is for {platform!r} "

@@ -40,6 +40,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from gated_attention import platforms
+
 # Masked logits get this value: a fully masked row becomes a uniform average, as in AlphaFold 2.
 MASK_VALUE = -1e9
 
@@ -65,7 +67,7 @@ def compute_dtype(dtype, policy: str = "auto", backend: str | None = None) -> jn
     Args:
       dtype: the inputs' float dtype.
       policy: one of POLICIES (validated by the caller's boundary).
-      backend: platform name; None: jax.default_backend().
+      backend: platform name or kind; None: the host's (platforms.host()).
 
     Returns:
       float32 for a bfloat16/float16 dtype when the policy asks for it ('float32', or 'auto' on
@@ -76,8 +78,8 @@ def compute_dtype(dtype, policy: str = "auto", backend: str | None = None) -> jn
         return dtype
     if policy == "float32":
         return jnp.dtype(jnp.float32)
-    backend = jax.default_backend() if backend is None else backend
-    return jnp.dtype(jnp.float32) if backend == "cpu" else dtype
+    kind = platforms.host() if backend is None else platforms.kind(backend)
+    return jnp.dtype(jnp.float32) if kind == "cpu" else dtype
 
 
 def cast_floats(tree, dtype):

@@ -8,6 +8,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import gated_attention as ga
 from gated_attention import platforms
@@ -70,3 +71,17 @@ def test_no_reference_to_files_outside_the_repository():
     root = pathlib.Path(ga.__file__).parent
     citing = [p.name for p in root.glob("*.py") if "DESIGN.md" in p.read_text()]
     assert citing == []
+
+
+def test_the_host_is_asked_in_one_way(monkeypatch):
+    """Where no platform is given, the kernels' checks and the precision policy ask
+    platforms.host(), which names a ROCm or CUDA backend 'gpu' (jax.default_backend() names the
+    platform; before, a backend named 'rocm' made the GPU kernel refuse its own platform)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "rocm")
+    assert platforms.host() == "gpu"
+    q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.float16)
+    ga.PallasAttention().check(q, q, q, (), None, compute_dtype=jnp.float16)  # no refusal
+    with pytest.raises(NotImplementedError, match="runs on TPU only, the program is for 'gpu'"):
+        ga.PallasTpuAttention().check(q, q, q, (), None, compute_dtype=jnp.bfloat16)
+    assert ga.numerics.compute_dtype(jnp.bfloat16) == jnp.bfloat16  # an accelerator's policy
+    assert ga.numerics.compute_dtype(jnp.bfloat16, backend="cpu") == jnp.float32
