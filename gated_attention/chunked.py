@@ -104,8 +104,7 @@ class ChunkedAttention(base.Implementation):
             options.precision,
         )
         out, lse = _attention(query, key, value, tuple(biases), mask, options.structure, tiling)
-        live_q, _ = options.structure.live(mask, q_len, kv_len)
-        return numerics.finish_rows_without_key(out, lse, value, live_q, options.return_residual)
+        return (out, lse) if options.return_residual else out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -168,17 +167,18 @@ class _Blocks:
         return tuple(self.groups.split(b) for b in biases), self.groups.split(mask)
 
     def inputs(self, query, key, value, i):
-        """Block i's head-major q (grouped), k, v with dead positions zeroed and padded, the
-        structure of its rows and its live queries and keys (masking.Structure.live,
-        unpadded)."""
+        """Block i's head-major q (grouped), k, v with dead positions zeroed and padded, its
+        value as given (for the rows without a key), the structure of its rows and its live
+        queries and keys (masking.Structure.live, unpadded)."""
         t = self.t
         structure = self.structure.rows(lambda x: self.rows(x, i))
         live = structure.live(self.rows(self.mask, i), t.q_len, t.kv_len)
         q, k, v = (self.head_major(x, i) for x in (query, key, value))
+        raw_v = v
         q, k, v = numerics.zero_dead_inputs(q, k, v, *live, head_major=True)
         q = self.groups.split(_pad_axis(q, 2, t.q_len, t.q_pad, 0))
         k, v = (_pad_axis(x, 2, t.kv_len, t.kv_pad, 0) for x in (k, v))
-        return q, k, v, structure, live
+        return q, k, v, raw_v, structure, live
 
     def loop(self, step, init):
         """carry = step(i, start, carry) for every block i (its rows from `start`): the row
@@ -204,7 +204,7 @@ def _blocks_forward(query, key, value, biases, mask, structure, t: Tiling):
     acc = accumulation_dtype(t.compute_dtype)
 
     def block(i):
-        q, k, v, structure, (live_q, _) = blocks.inputs(query, key, value, i)
+        q, k, v, raw_v, structure, (live_q, _) = blocks.inputs(query, key, value, i)
         has_key = None
         if live_q is not None:
             has_key = groups.split(_pad_axis(live_q, 2, t.q_len, t.q_pad, True))
@@ -212,6 +212,9 @@ def _blocks_forward(query, key, value, biases, mask, structure, t: Tiling):
             q, k, v, *blocks.pair(i), structure, has_key, t, groups
         )
         out, m, row_sum = (groups.merge(x)[:, :, : t.q_len] for x in (out, m, row_sum))
+        # Rows without a key: numerics' rule, on this block's rows (one output-sized select
+        # after the loop would hold a second output).
+        out = numerics.uniform_where_no_key(out, raw_v, live_q)
         return jnp.swapaxes(out, 1, 2).astype(query.dtype), m, row_sum  # [rows, T, N, Hv]
 
     if blocks.count == 1:
@@ -230,12 +233,16 @@ def _blocks_backward(res, g, g_lse, t: Tiling):
     shared = [i for i, b in enumerate(biases) if not blocks.batched(b)]
 
     def block(i):
-        q, k, v, block_structure, (live_q, live_k) = blocks.inputs(query, key, value, i)
+        q, k, v, raw_v, block_structure, (live_q, live_k) = blocks.inputs(query, key, value, i)
         g_i, out_i = (blocks.head_major(x, i) for x in (g, out))  # [rows, N, T, Hv]
         m_i, sum_i = blocks.rows(m, i), blocks.rows(row_sum, i)  # [rows, N, T]
         g_lse_i = blocks.rows(g_lse, i).astype(acc)  # [rows, N, T]
-        if live_q is not None:  # a row without a key is a constant here: no cotangent
-            g_i = jnp.where(live_q[..., None], g_i, jnp.zeros((), g_i.dtype))
+        d_raw_v = None
+        if live_q is not None:
+            # Back through the forward's uniform_where_no_key: a row without a key sends its
+            # cotangent to the values as given, none into the attention; its lse is a constant.
+            finish = lambda o, v: numerics.uniform_where_no_key(o, v, live_q)  # noqa: E731
+            g_i, d_raw_v = jax.vjp(finish, out_i, raw_v)[1](g_i)
             g_lse_i = jnp.where(live_q, g_lse_i, 0.0)
         g_i, out_i = (_pad_axis(x, 2, t.q_len, t.q_pad, 0) for x in (g_i, out_i))
         m_i, g_lse_i = (_pad_axis(x, 2, t.q_len, t.q_pad, 0) for x in (m_i, g_lse_i))
@@ -252,6 +259,8 @@ def _blocks_backward(res, g, g_lse, t: Tiling):
         dk, dv = dk[:, :, : t.kv_len], dv[:, :, : t.kv_len]
         # Back through zero_dead_inputs: zeroed positions take no gradient.
         dq, dk, dv = numerics.zero_dead_inputs(dq, dk, dv, live_q, live_k, head_major=True)
+        if d_raw_v is not None:
+            dv = dv + d_raw_v.astype(dv.dtype)
         grads = tuple(
             jnp.swapaxes(d, 1, 2).astype(x.dtype) for d, x in ((dq, query), (dk, key), (dv, value))
         )

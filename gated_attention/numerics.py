@@ -28,7 +28,9 @@ take inside its own tiles:
   3. `finish_rows_without_key` (`uniform_where_no_key` for the output alone): a row with no key
      to attend to gives the uniform average of the values over all keys, AlphaFold 2's result
      (every logit replaced by the same value), and the log-sum-exp MASK_VALUE + log(S). Every
-     implementation calls it on its result, once, outside its kernels or tiles.
+     implementation calls it on its result, outside its kernels; chunked calls
+     `uniform_where_no_key` on each block of rows in its loop (its backward pass is that
+     function's VJP), and its statistics give such a row that log-sum-exp.
 A value that one row attends to and another masks still meets the masking row's zero weight in
 the weighted sum, so a NaN there reaches both rows (as in jax.nn.dot_product_attention).
 """
