@@ -143,14 +143,20 @@ def tiled(fn, args, where: dict[int, int], size: int, out_axis, remat=None) -> A
         shape[where[i]] = rows
         return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=_sharding_of(x))
 
-    # fn with its closed-over values (parameters) as explicit inputs, for each tile size; the
-    # consts of both conversions are passed (a value in both gets the sum of its cotangents).
+    # fn with its closed-over values (parameters) as explicit inputs, for each tile size; a
+    # value both conversions close over is one const (its cotangents summed once), so that every
+    # trace below sees the same distinct inputs.
     conversions, consts = {}, []
     for n in [r for r in (size, remainder) if r]:
         specs = [piece_spec(i, x, n) for i, x in enumerate(args)]
         converted, found = jax.closure_convert(lambda *pieces: fn(*pieces), *specs)
-        conversions[n] = (converted, len(consts), len(found))
-        consts += found
+        where_found = []
+        for x in found:
+            k = next((k for k, c in enumerate(consts) if c is x), None)
+            if k is None:
+                k, consts = len(consts), [*consts, x]
+            where_found.append(k)
+        conversions[n] = (converted, where_found)
     consts = tuple(consts)
 
     def slices(xs, start, n: int):
@@ -161,8 +167,8 @@ def tiled(fn, args, where: dict[int, int], size: int, out_axis, remat=None) -> A
 
     def call(consts, pieces):
         n = np.shape(pieces[first])[where[first]]
-        converted, start, count = conversions[n]
-        return converted(*pieces, *consts[start : start + count])
+        converted, where_found = conversions[n]
+        return converted(*pieces, *(consts[k] for k in where_found))
 
     inexact = lambda x: x is not None and jnp.issubdtype(x.dtype, jnp.inexact)
     diff = lambda xs: [x if inexact(x) else None for x in xs]
@@ -238,6 +244,7 @@ def tiled(fn, args, where: dict[int, int], size: int, out_axis, remat=None) -> A
                 return put(out, start, call(consts, pieces)), saved
             y, pullbacks[n], residuals = pullback(consts, pieces)
             kinds = layouts[n]
+            _check_layout(kinds, residuals, {"const": consts, "piece": pieces})
             if n == size:
                 t = start // size
                 saved = [
@@ -313,6 +320,22 @@ def tiled(fn, args, where: dict[int, int], size: int, out_axis, remat=None) -> A
 
     run.defvjp(run_fwd, run_bwd)
     return run(consts, list(args))
+
+
+def _check_layout(kinds, residuals, sources) -> None:
+    """The residuals of a tile's trace are those its layout (read from another trace) says, in
+    order: a wrong order would silently mix residuals up, so a difference is an error."""
+    same = len(kinds) == len(residuals) and all(
+        residual is sources[k[0]][k[1]]
+        if isinstance(k, tuple)
+        else (np.shape(residual), residual.dtype) == (k.shape, k.dtype)
+        for k, residual in zip(kinds, residuals, strict=False)
+    )
+    if not same:
+        raise RuntimeError(
+            "mapping.tiled: a tile's residuals differ from the layout traced for them "
+            f"({len(residuals)} against {len(kinds)}); please report this with fn"
+        )
 
 
 def _spec(x):

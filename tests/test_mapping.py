@@ -248,3 +248,26 @@ def test_subbatch_size_for_budget_errors():
         subbatch_size_for_budget(10, 0, 400)
     with pytest.raises(ValueError, match="memory_budget_bytes must be a positive number, got -1"):
         subbatch_size_for_budget(10, 100, -1)
+
+
+@pytest.mark.parametrize(
+    "remat",
+    [False, True, jax.checkpoint_policies.dots_with_no_batch_dims_saveable],
+    ids=["keep", "recompute", "policy"],
+)
+def test_gradients_of_closed_over_parameters_with_a_remainder(remat):
+    """Parameters closed over by fn (jit arguments, so traced) are read by the full tiles and the
+    remainder alike: each remat setting gives the single call's gradients (with a policy the
+    residuals kept per tile must line up with those the backward pass reads)."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((10, 6, 8)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((8, 8)), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((8,)), jnp.float32)
+
+    def loss(x, w1, w2, size):
+        fn = lambda x: jnp.tanh(x @ w1 + w2) @ w1.T  # noqa: E731
+        return jnp.sum(jnp.sin(subbatch(fn, [x], subbatch_size=size, remat=remat)))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    expected, got = grad(x, w1, w2, None), grad(x, w1, w2, 4)  # 4, 4 and a remainder of 2
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5), got, expected)
