@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gated_attention import base, checks, memory, numerics, pallas_kernels, pallas_tiles
-from gated_attention.pallas_plan import Plan, extra_options
+from gated_attention.pallas_plan import Plan, extra_options, triton_backend_missing
 from gated_attention.pallas_tiles import MIN_TILE, SHARED_MEMORY_LIMIT, _pow2_tile, kernel_form
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -122,6 +122,9 @@ class PallasAttention(base.Implementation):
         self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
     ):
         super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
+        missing = triton_backend_missing()
+        if missing is not None:
+            raise NotImplementedError(missing)
         base.check_kernel(
             "the Pallas kernel",
             "gpu",

@@ -7,8 +7,10 @@ pallas_call launch of the kernels of pallas_kernels.py.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from gated_attention import base
@@ -22,6 +24,21 @@ def pallas_modules():
     from jax.experimental.pallas import triton as plgpu
 
     return pl, plgpu
+
+
+def triton_backend_missing() -> str | None:
+    """None where this JAX has Pallas's Triton backend, else why not (it was deprecated in jax
+    0.11.0 for Mosaic GPU and is to be removed): the Triton kernel is then refused with this
+    reason, never an import error."""
+    try:  # by module name: what sys.modules holds decides, as for a fresh import
+        importlib.import_module("jax.experimental.pallas.triton")
+        importlib.import_module("jax._src.pallas.triton.pallas_call_registration")
+    except ImportError as e:
+        return (
+            f"Pallas's Triton backend is not in jax {jax.__version__} (deprecated in jax 0.11.0 "
+            f"for Mosaic GPU): {e}"
+        )
+    return None
 
 
 def extra_options(options, query, key) -> bool:

@@ -2,6 +2,9 @@
 harness, and lengths spanning several uneven tiles), their lowering to Triton for a CUDA target,
 the bias-gradient buffers' size, and dispatch (GPU only unless interpreted; 'auto' on GPU)."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -279,3 +282,30 @@ def test_loops_skip_exactly_the_tiles_the_structure_masks_whole():
                 live = tiles_column.nonzero()[0]
                 expected = (live[0], live[-1] + 1) if live.size else (lo, lo)
                 assert (lo, hi) == expected, (kw, row, j)
+
+
+def test_a_jax_without_the_triton_backend_refuses_the_kernel_and_auto_moves_on(monkeypatch):
+    """Pallas's Triton backend was deprecated in jax 0.11.0 (for Mosaic GPU): on a JAX without it
+    (simulated: its modules fail to import) the kernel is refused with a reason naming the JAX
+    version, 'auto' on a GPU moves on to cuDNN or XLA, and importing the library still works."""
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+    q = jax.ShapeDtypeStruct((2, 64, 4, 32), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 4, 64, 64), jnp.float32)
+    with pytest.raises(
+        NotImplementedError, match=rf"Triton backend is not in jax {jax.__version__}"
+    ):
+        ga.PallasAttention().check(
+            q, q, q, (bias,), None, compute_dtype=jnp.bfloat16, platform="gpu"
+        )
+    impl, reason = ga.Auto().choose(
+        q, q, q, (bias,), None, compute_dtype=jnp.bfloat16, platform="gpu"
+    )
+    assert impl.name != "pallas" and "pallas refused: Pallas's Triton backend is not in" in reason
+    script = (
+        "import sys; sys.modules['jax.experimental.pallas.triton'] = None\n"
+        "import gated_attention as ga, jax.numpy as jnp\n"
+        "print(ga.dot_product_attention(jnp.ones((1, 8, 2, 4)), jnp.ones((1, 8, 2, 4)), "
+        "jnp.ones((1, 8, 2, 4))).shape)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert "(1, 8, 2, 4)" in out.stdout
