@@ -369,7 +369,9 @@ def _fresh_zeros(shape, dtype, after: jax.Array, out_sharding) -> jax.Array:
     """Zeros of `shape` that XLA can neither merge with other zeros of that shape nor create
     before `after` exists (see tiled): a loop's buffer made when its input is."""
     zero = jax.lax.optimization_barrier((jnp.zeros((), dtype), after))[0]
-    return jnp.broadcast_to(zero, shape, out_sharding=out_sharding)
+    zeros = jnp.broadcast_to(zero, shape)
+    # reshard, not broadcast_to's out_sharding: jax 0.12 drops that outside a mesh context.
+    return zeros if out_sharding is None else jax.sharding.reshard(zeros, out_sharding)
 
 
 def _stacked_zeros(count: int, spec, after: jax.Array) -> jax.Array:
