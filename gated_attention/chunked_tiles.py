@@ -157,24 +157,25 @@ def _skips(structure) -> bool:
 
 def _key_runs(structure, i, t: Tiling) -> _Runs:
     """The key tiles query tile i meets (_Runs)."""
-    n_k = t.kv_pad // t.tk
-    if not _skips(structure):
-        return _Runs(0, 0, n_k, n_k)
-    start, stop = i * t.tq, masking.min_(i * t.tq + t.tq, t.q_len)
-    reach = structure.key_range(start, stop, t.kv_len)
-    full = structure.key_range(start, stop, t.kv_len, every=True)
-    return _Runs.make(reach, full, t.tk, t.kv_len, n_k)
+    return _runs(structure.key_range, i, (t.tq, t.q_len), (t.tk, t.kv_len), _skips(structure))
 
 
 def _query_runs(structure, j, t: Tiling) -> _Runs:
     """The query tiles key tile j meets (_Runs)."""
-    n_q = t.q_pad // t.tq
-    if not _skips(structure):
-        return _Runs(0, 0, n_q, n_q)
-    start, stop = j * t.tk, masking.min_(j * t.tk + t.tk, t.kv_len)
-    reach = structure.query_range(start, stop, t.q_len)
-    full = structure.query_range(start, stop, t.q_len, every=True)
-    return _Runs.make(reach, full, t.tq, t.q_len, n_q)
+    return _runs(structure.query_range, j, (t.tk, t.kv_len), (t.tq, t.q_len), _skips(structure))
+
+
+def _runs(span, index, source: tuple[int, int], target: tuple[int, int], skips: bool) -> _Runs:
+    """The tiles of the target axis that tile `index` of the source axis meets, from span (the
+    structure's key_range or query_range): (tile, length) of each axis."""
+    (size, length), (target_size, target_length) = source, target
+    count = -(-target_length // target_size)
+    if not skips:
+        return _Runs(0, 0, count, count)
+    start, stop = index * size, masking.min_(index * size + size, length)
+    reach = span(start, stop, target_length)
+    full = span(start, stop, target_length, every=True)
+    return _Runs.make(reach, full, target_size, target_length, count)
 
 
 # ------------------------------------------------------------------------------------------------
