@@ -70,6 +70,9 @@ setup(
             "nvidia-cuda-nvcc-cu12; sys_platform == 'linux' and platform_machine == 'x86_64'",
         ],
         "bench": ["matplotlib>=3.7", "alphafold-colabfold==2.3.27", "colabfold-kernels==0.9.0"],
+        # The documentation site and API reference (mkdocs.yml, docs/), built by .ci/run with
+        # `mkdocs build --strict`; pinned: what the build warns about changes between releases.
+        "docs": ["mkdocs==1.6.1", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11"],
         # The GPU benchmark's other kernels: AF2 as alphafold-colabfold runs it on GPU (with
         # colabfold-kernels), and tokamax 0.0.12 (the release AF3 pins with jax 0.10.2).
         "gpu-bench": [

@@ -195,7 +195,7 @@ class _AttentionModule(hk.Module):
 
 
 # The module's own tiling for speed on CPU, where a tile whose logits stay near TILE_BYTES stays
-# in cache (README, "On CPU: glibc's allocator": larger buffers are mapped afresh on every call),
+# in cache (docs/benchmarks.md, "On CPU: glibc's allocator": larger buffers are mapped afresh on every call),
 # once a tile holds enough queries for its projections' matmuls to gain (scripts/benchmark.py:
 # the triangle shape).
 TILE_BYTES = 2 * 2**20

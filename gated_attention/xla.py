@@ -9,7 +9,7 @@ Grouped-query attention contracts each key/value head with its group of query he
 
 `XlaAttention` runs `dense` on tiles of batch rows whose float32 logits take about `tile_bytes`,
 with the layout change and the compute-dtype cast inside each tile: on CPU, buffers of tens of MiB
-are mapped fresh on every call and page faults then dominate (README, "On CPU: glibc's allocator"), and no head-major copy of
+are mapped fresh on every call and page faults then dominate (docs/benchmarks.md, "On CPU: glibc's allocator"), and no head-major copy of
 the whole query, key and value is made. Each tile is recomputed in the backward pass
 (jax.checkpoint), so forward+backward memory is bounded by the tiles too; the structured masks
 (masking.py) are built per tile.

@@ -8,7 +8,7 @@ each variant `--calls` times under jax.profiler, maps every traced op to its ins
 compiled HLO, and sums the op times per call by kind: projections (dots without a batch of heads:
 q, k, v, gate, output and, in training, their weight gradients), the attention core (logits,
 softmax, weighted sum and their gradients), LayerNorm, copies (transposes, broadcasts, slices)
-and the rest. Run it under the steady allocator (README, "On CPU"), as the benchmarks do.
+and the rest. Run it under the steady allocator (docs/benchmarks.md), as the benchmarks do.
 
 XLA:CPU runs some ops side by side, so a variant's op times can add up to more than its wall
 time: read them as shares. Every Haiku module call runs inside jax.named_scope(its name), so an

@@ -13,8 +13,8 @@ within a time budget (8 minutes by default); what they find written to --out.
 3. DIR/summary.md: the environment, this command, the tests' counts with every failure and each
    skip reason, the goals, and the time each step took.
 
-On a machine without network, install the wheels scripts/device_wheels.py downloaded first (README,
-"Running on a GPU"). Exits 1 if a test failed or a step did not finish.
+On a machine without network, install the wheels scripts/device_wheels.py downloaded first (docs/gpu_tpu.md,
+"The device run"). Exits 1 if a test failed or a step did not finish.
 """
 
 import collections

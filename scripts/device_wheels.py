@@ -8,7 +8,7 @@ Python 3.12 manylinux x86-64 wheels, pinned to the versions the tests ran with:
   python scripts/device_wheels.py                   # -> .device_wheels/ (git-ignored)
   python scripts/device_wheels.py --dest=DIR --dry_run
 
-and installed there without an index (README, "Running on a GPU"):
+and installed there without an index (docs/gpu_tpu.md, "The device run"):
 
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device_wheels/*.whl
 """

@@ -14,7 +14,7 @@ msa_row_attention_with_pair_bias), --layer one block of stacked params; every mi
 mis-shaped param is reported.
 
 With config.mesh larger than 1 x 1, the rows are split over the mesh's 'data' axis and the heads
-(parameters and pair bias) over its 'heads' axis (explicit axes; README, "Many devices").
+(parameters and pair bias) over its 'heads' axis (explicit axes; docs/many_devices.md).
 
 The report: devices, the mesh and the output's sharding, shapes, dtype, the implementation chosen, compile time, median and min step time,
 GFLOP/s, XLA's compiled memory analysis and an output checksum.

@@ -1,0 +1,246 @@
+"""The documentation cannot rot: every ```python block of README.md and docs/*.md runs here, every
+relative link and picture there names a file that exists, and the API reference (docs/api.md,
+rendered by mkdocs + mkdocstrings, built by .ci/run with warnings as errors) lists every name in
+gated_attention.__all__.
+
+Conventions the pages follow:
+* Each block runs in a fresh namespace, unless its page carries the line
+  `<!-- docs-test: shared-namespace -->`: then the page's blocks run in order in one namespace, as
+  a reader runs them (the page says so).
+* `<!-- skip: reason -->` on the line before a block (a GPU or TPU, a download, minutes of time)
+  skips it with that reason.
+* `<!-- docs-test: deviceless -->` on the line before a block: it compiles for a GPU or TPU target
+  without one (gated_attention_tools/targets.py), so it runs in a process of its own started as
+  targets.CHILD_ENV says (JAX_PLATFORMS=cpu: the CUDA plugin registers only then); skipped where
+  the `targets` extra is missing.
+* Fences are ```python (run), ```bash / ```text (shown, never run); any other language fails
+  test_fences_are_known, so that no block escapes by a typo (```py).
+
+The blocks run as a user's script runs them: in a fresh Python process (`python -m
+tests.test_docs`, one for all of them), float64 off, each group of blocks in a temporary working
+directory, on the 8 CPU devices tests/conftest.py asks XLA for. That process compiles with XLA:CPU's
+backend optimizations off (`--xla_backend_optimization_level=0`): the snippets' shapes are tiny, so
+compiling is nearly all their time, and this makes it about 5x shorter on 2 cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SHARED = "<!-- docs-test: shared-namespace -->"
+DEVICELESS = "<!-- docs-test: deviceless -->"
+SKIP = re.compile(r"<!--\s*skip:\s*(.+?)\s*-->")  # a line of its own
+FENCE = re.compile(r"^```(\S*)\s*$")
+LANGUAGES = {"python", "bash", "text"}
+README_MAX_LINES = 200
+FAST_COMPILES = "--xla_backend_optimization_level=0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    language: str
+    source: str
+    skip: str | None  # the reason, or None
+    deviceless: bool  # run in a process of its own, set up for deviceless compiles
+
+    @property
+    def name(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(page: Path) -> list[Block]:
+    lines = page.read_text().splitlines()
+    found, i = [], 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].rstrip() == "```"), None)
+        assert end is not None, f"{page.name}:{i + 1}: a fence that never closes"
+        previous = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "").strip()
+        skip = SKIP.fullmatch(previous)
+        source = "\n".join(lines[i + 1 : end]) + "\n"
+        reason, deviceless = (skip.group(1) if skip else None), previous == DEVICELESS
+        found.append(Block(page, i + 1, opening.group(1), source, reason, deviceless))
+        i = end + 1
+    return found
+
+
+def _python() -> list[Block]:
+    return [b for page in PAGES for b in blocks(page) if b.language == "python"]
+
+
+def groups() -> list[list[Block]]:
+    """The blocks that run in the shared process: one group per shared page, else per block."""
+    found = []
+    for page in PAGES:
+        runnable = [b for b in blocks(page) if b.language == "python"]
+        runnable = [b for b in runnable if not (b.skip or b.deviceless)]
+        if SHARED in page.read_text():
+            found += [runnable] if runnable else []
+        else:
+            found += [[b] for b in runnable]
+    return found
+
+
+def _run_group(group: list[Block]) -> dict:
+    """Runs a group's blocks in one fresh namespace, in a temporary directory; never raises."""
+    start, environ, cwd = time.monotonic(), dict(os.environ), os.getcwd()
+    names = ", ".join(b.name for b in group)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            os.chdir(tmp)  # a block that writes files writes them here
+            namespace = {"__name__": "__main__"}
+            for b in group:
+                code = "\n" * b.line + b.source  # tracebacks name the page's own lines
+                exec(compile(code, str(b.page.relative_to(ROOT)), "exec"), namespace)  # noqa: S102
+        status, detail = "passed", ""
+    except BaseException:  # noqa: BLE001 (SystemExit too: a block that exits has failed)
+        status, detail = "failed", traceback.format_exc()
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()  # a block may set variables for a process it would start (XLA_FLAGS)
+        os.environ.update(environ)
+    return dict(names=names, status=status, detail=detail, seconds=time.monotonic() - start)
+
+
+def _child_main(out: str) -> None:
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:  # docs/many_devices.md: 8 devices
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    import jax
+
+    jax.devices()  # the backend starts now, with the XLA_FLAGS it was given, whatever blocks set
+    results = [_run_group(g) for g in groups()]
+    Path(out).write_text(json.dumps(results))
+
+
+def _child(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+    path = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**env, "PYTHONPATH": os.pathsep.join(path)}
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=900
+    )
+
+
+def test_python_blocks_run(tmp_path):
+    """Every block that is neither skipped nor deviceless, in one fresh process (module docstring)."""
+    out = tmp_path / "results.json"
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "")
+    done = _child(
+        ["-m", "tests.test_docs", str(out)], {**env, "XLA_FLAGS": f"{flags} {FAST_COMPILES}"}, ROOT
+    )
+    if done.returncode and "Unknown flag" in done.stderr:  # a jaxlib without it: compile as usual
+        done = _child(["-m", "tests.test_docs", str(out)], env, ROOT)
+    assert done.returncode == 0, f"the blocks' process failed:\n{done.stderr[-6000:]}"
+    results = json.loads(out.read_text())
+    assert len(results) == len(groups())
+    failed = [f"{r['names']}:\n{r['detail']}" for r in results if r["status"] != "passed"]
+    timings = ", ".join(f"{r['names']} {r['seconds']:.1f} s" for r in results)
+    print(f"times: {timings}")  # shown with -s, or -rA
+    assert not failed, "\n".join(failed) + f"\n(times: {timings})"
+
+
+@pytest.mark.parametrize("block", [b for b in _python() if b.deviceless], ids=lambda b: b.name)
+def test_deviceless_block_runs(block, tmp_path):
+    from gated_attention_tools import targets
+
+    missing = targets.missing("h100")  # what the pages compile for
+    if missing:
+        pytest.skip(f"{block.name}: {missing}")
+    script = tmp_path / "block.py"
+    script.write_text(block.source)
+    done = _child([str(script)], {**os.environ, **targets.CHILD_ENV}, tmp_path)
+    assert done.returncode == 0, f"{block.name} failed:\n{done.stdout}\n{done.stderr[-6000:]}"
+
+
+@pytest.mark.parametrize("block", [b for b in _python() if b.skip], ids=lambda b: b.name)
+def test_skipped_block(block):
+    """Each block a page marks `<!-- skip: reason -->`, reported as skipped with that reason."""
+    pytest.skip(f"{block.name}: {block.skip}")
+
+
+def test_fences_are_known():
+    found = [b for page in PAGES for b in blocks(page)]
+    unknown = [f"{b.name}: ```{b.language}" for b in found if b.language not in LANGUAGES]
+    assert not unknown, f"fences other than {sorted(LANGUAGES)}: {unknown}"
+
+
+def test_block_markers_sit_on_a_block():
+    """A skip or deviceless marker whose next non-blank line is not a ```python fence does
+    nothing; neither does a shared-namespace marker on a page without python blocks."""
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            if SKIP.fullmatch(line.strip()) or line.strip() == DEVICELESS:
+                following = next((x for x in lines[i + 1 :] if x.strip()), "")
+                assert following.startswith("```python"), f"{page.name}:{i + 1}: {line}"
+        if SHARED in lines:
+            assert any(b.language == "python" for b in blocks(page)), page.name
+
+
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_relative_links_resolve():
+    """Every relative link or picture in README.md and docs/ names an existing file (as GitHub
+    resolves it: relative to the page), and every #anchor into a page names one of its headings."""
+    broken = []
+    for page in PAGES:
+        for target in _LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def _anchors(page: Path) -> set[str]:
+    """The ids MkDocs and GitHub give the page's headings (lower case, punctuation dropped)."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
+    slug = lambda h: re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+    return {slug(h.replace("`", "")) for h in headings}
+
+
+def test_api_reference_lists_every_public_name():
+    import gated_attention as ga
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    documented = set(re.findall(r"^::: gated_attention\.(\w+)\s*$", api, flags=re.M))
+    assert set(ga.__all__) <= documented, sorted(set(ga.__all__) - documented)
+
+
+def test_readme_is_the_front_door():
+    """At most README_MAX_LINES lines, and its three quick starts within the first 100."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, len(lines)
+    quick = [i for i, line in enumerate(lines) if line.startswith("## Quick start")]
+    assert len(quick) == 3, quick
+    last = next(i for i in range(quick[-1], len(lines)) if lines[i].startswith("```python"))
+    end = next(i for i in range(last + 1, len(lines)) if lines[i].rstrip() == "```")
+    assert end + 1 <= 100, f"the last quick start ends on line {end + 1}"
+
+
+if __name__ == "__main__":  # the blocks' process (test_python_blocks_run)
+    _child_main(sys.argv[1])
