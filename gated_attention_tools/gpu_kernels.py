@@ -4,8 +4,9 @@ For one case (dtype, head dims, bias and mask forms, lengths, precision) `kernel
 the op's forward and its gradient with PallasAttention for the target, dumps the PTX, runs
 `ptxas -v` on each kernel and reads back per kernel: registers per thread, spill stores and loads,
 the launch's dynamic shared memory, and whether its dots are tensor-core MMA instructions
-(`mma.sync` / `wgmma`), with the tiles it compiled with (`tiles`: block_q, block_k, num_warps,
-num_stages). Nothing runs on a GPU: these say what compiles and how, never how fast.
+(`mma.sync` / `wgmma` / `tcgen05.mma`), with the tiles it compiled with (`tiles`: block_q,
+block_k, num_warps, num_stages). Nothing runs on a GPU: these say what compiles and how, never
+how fast.
 
   python -m gated_attention_tools.gpu_kernels --target h100 --out benchmark_results/gpu_kernels/h100.json
 
@@ -36,7 +37,9 @@ HEAD_DIMS = (8, 16, 32, 64, 128)
 BIASES = ("shared", "per_row", "both", "none")
 MASKS = ("key", "full", "none")
 PRECISIONS = ("default", "high", "highest")  # float32 only; half precision ignores it
-_MMA = re.compile(r"\b(mma\.sync|wgmma\.mma_async)\b")
+# Tensor-core MMA in the PTX: mma.sync (sm_80 on), wgmma (Hopper), tcgen05.mma (Blackwell, sm_100a:
+# Triton's dots there take the fifth-generation tensor cores and their tensor memory).
+_MMA = re.compile(r"\b(mma\.sync|wgmma\.mma_async|tcgen05\.mma)\b")
 
 
 def case_name(case: dict[str, Any]) -> str:

@@ -112,3 +112,52 @@ def transposed_on_a_mesh(target: str) -> dict:
         kinds=sorted({d.device_kind for d in mesh.devices.flat}),
         collectives=targets.collectives(compiled),
     )
+
+
+def auto_kernels(
+    target: str, dtype: str, head_dim: int, bias: str, mask: str, batch: int = 2, seq: int = 200
+) -> dict:
+    """The op under 'auto' (no implementation named) compiled for a GPU `target`: its forward, and
+    a training step (a loss's value and gradient in q, k, v and the bias). Per program: what
+    'auto' chose for the GPU and the host and why, whether a Triton kernel is in the compiled
+    program, and ptxas's figures for each of its kernels (gpu_kernels._ptx_kernels: registers,
+    spills, MMA). `bias`: 'shared' ([1, N, T, S]), 'per_row' ([B, N, T, S]) or 'none'; `mask`:
+    'key' ([B, 1, 1, S]) or 'none'."""
+    import glob
+    import os
+    import tempfile
+
+    from gated_attention_tools import gpu_kernels
+
+    dt = jnp.dtype(dtype)
+    heads = 4
+    qkv = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), dt)
+    bias_shape = dict(shared=(1, heads, seq, seq), per_row=(batch, heads, seq, seq))
+    biases = [jax.ShapeDtypeStruct(bias_shape[bias], dt)] if bias != "none" else []
+    mask_spec = jax.ShapeDtypeStruct((batch, 1, 1, seq), jnp.bool_) if mask == "key" else None
+
+    def forward(q, k, v, biases, mask):
+        return ga.dot_product_attention(q, k, v, list(biases) or None, mask)
+
+    def training(q, k, v, biases, mask):
+        loss = lambda *x: jnp.mean(jnp.square(forward(*x, mask).astype(jnp.float32)))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, biases)
+
+    arch = targets.target(target).arch
+    found = {}
+    for name, fn in (("forward", forward), ("training", training)):
+        with tempfile.TemporaryDirectory() as dump, ga.record_implementation_choices() as record:
+            compiled = targets.compile(
+                fn, qkv, qkv, qkv, tuple(biases), mask_spec, target=target, dump_to=dump
+            )
+            kernels = gpu_kernels._ptx_kernels(dump, arch)
+            ptx_files = len(glob.glob(os.path.join(dump, "*.ptx")))
+        found[name] = dict(
+            by_platform=record[0]["by_platform"],
+            calls=len(record),
+            triton="__gpu$xla.gpu.triton" in compiled.as_text(),
+            kernels=kernels,
+            ptx_files=ptx_files,
+            memory=targets.memory(compiled),
+        )
+    return found

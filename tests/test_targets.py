@@ -59,6 +59,44 @@ def test_auto_chooses_for_the_target_not_the_host(target, dtype, chosen, kernel,
     assert 0 < got["memory"]["peak"] < 2**24
 
 
+B200_AUTO_CASES = [  # AF2's triangle / MSA-row form in bfloat16; float32 (TF32) with a row bias
+    dict(dtype="bfloat16", head_dim=32, bias="shared", mask="key"),
+    dict(dtype="float32", head_dim=64, bias="per_row", mask="none"),
+]
+
+
+@pytest.mark.parametrize("case", B200_AUTO_CASES, ids=lambda c: f"{c['dtype']}-H{c['head_dim']}")
+def test_auto_on_a_b200_compiles_the_pallas_kernels_without_spills(case):
+    """The op under 'auto' compiled for a B200 (sm_100a, XLA's published config, ptxas 12.9): the
+    forward and a training step (a loss's gradient in q, k, v and the bias) each choose the
+    Pallas (Triton) kernel for the GPU, and every kernel compiles with 0 spill bytes and dots on
+    the tensor cores (tcgen05.mma there). The whole kernel matrix: benchmark_results/gpu_kernels/
+    b200.md."""
+    from gated_attention_tools import gpu_kernels
+
+    _need("b200")
+    b200 = targets.target("b200")
+    config = (targets.CONFIG_DIR / b200.config).read_text()
+    assert f"device_memory_size: {b200.memory_bytes}\n" in config
+    assert f"shared_memory_per_block_optin: {b200.shared_memory_bytes}\n" in config
+    got = targets.in_child("tests.target_cases:auto_kernels", dict(target="b200", **case))
+    if not got["forward"]["ptx_files"]:
+        import jax
+
+        pytest.skip(f"jax {jax.__version__}'s deviceless GPU compile dumps no PTX files to read")
+    expected = dict(forward={"gated_attention_forward"}, training=set(gpu_kernels.KERNELS))
+    for program, kernels in expected.items():
+        result = got[program]
+        assert result["calls"] == 1 and result["triton"], (program, result)
+        gpu = result["by_platform"]["gpu"]
+        assert (gpu["chosen"], gpu["compute_dtype"]) == ("pallas", case["dtype"]), (program, gpu)
+        assert result["by_platform"]["cpu"]["chosen"] != "pallas", result["by_platform"]
+        assert set(result["kernels"]) == kernels, (program, result["kernels"])
+        for name, k in result["kernels"].items():
+            assert k["spill_store_bytes"] == k["spill_load_bytes"] == 0, (program, name, k)
+            assert k["mma"], (program, name, k)
+
+
 N_RES = 256
 
 
