@@ -3,10 +3,11 @@ everything that decides them, read from pallas_tiles.json beside this module.
 
 The table is generated, never written by hand: `python -m gated_attention_tools.gpu_tiles` reads
 the kernel matrices' ptxas results (benchmark_results/gpu_kernels/*.json, deviceless compiles for
-an A100 and an H100) and keeps per key the tiles that compiled clean on both targets in every case
-of the key (0 spill bytes in all three kernels, shared memory within the A100's
-SHARED_MEMORY_LIMIT, MMA instructions in every non-IEEE kernel): the largest for the heaviest form
-(both biases, a full mask), else the candidate nearest that. tests/test_pallas_tiles.py checks
+an A100, an H100 and a B200) and keeps per key the tiles that compiled clean on every one of those
+targets in every case of the key (0 spill bytes in all three kernels, shared memory within the
+A100's SHARED_MEMORY_LIMIT, MMA instructions in every non-IEEE kernel; gpu_tiles.EXEMPT lets one
+key off the B200, where no candidate compiled clean): the largest for the heaviest form (both
+biases, a full mask), else the candidate nearest that. tests/test_pallas_tiles.py checks
 that the shipped table is what the generator makes of the results. The committed results predate
 the rows' own `tiles` field (gpu_kernels.py now writes it): each was compiled once, with the tiles
 then in force, so for them the generator reads those tiles from its record of the hand tables

@@ -12,7 +12,9 @@ how fast.
 
 compiles the whole case matrix (each case in a child process) and writes the figures with a
 markdown summary beside them; `--tiles 32,32,8,1` compiles every case with those tiles instead of
-the table's (candidates for gpu_tiles.py, which makes the table from these results).
+the table's (candidates for gpu_tiles.py, which makes the table from these results);
+`--dtypes`, `--head-dims`, `--precisions`, `--biases` and `--masks` narrow the matrix (to one table
+key's cases, say) and `--append` adds the rows to --out's instead of replacing them.
 """
 
 from __future__ import annotations
@@ -182,13 +184,20 @@ def _launches(dump: str) -> dict[str, dict[str, Any]]:
     return found
 
 
-def matrix(biases=BIASES, masks=MASKS, options: bool = False) -> list[dict[str, Any]]:
+def matrix(
+    biases=BIASES,
+    masks=MASKS,
+    options: bool = False,
+    dtypes=DTYPES,
+    head_dims=HEAD_DIMS,
+    precisions=PRECISIONS,
+) -> list[dict[str, Any]]:
     """Every case PallasAttention.check accepts, by dtype x head dim x bias x mask (float32 at
-    each precision), at lengths that are not multiples of the tiles (with `options`: the op's
-    further arguments too, kernel_stats)."""
+    each precision; half precision ignores `precisions`), at lengths that are not multiples of
+    the tiles (with `options`: the op's further arguments too, kernel_stats)."""
     cases = []
-    for dtype, head_dim, bias, mask in itertools.product(DTYPES, HEAD_DIMS, biases, masks):
-        for precision in PRECISIONS if dtype == "float32" else ("default",):
+    for dtype, head_dim, bias, mask in itertools.product(dtypes, head_dims, biases, masks):
+        for precision in precisions if dtype == "float32" else ("default",):
             case = dict(dtype=dtype, head_dim=head_dim, bias=bias, mask=mask, precision=precision)
             cases.append(dict(case, options=True) if options else case)
     return cases
@@ -228,13 +237,37 @@ def main() -> None:
     parser.add_argument(
         "--options", action="store_true", help="with GQA, causal, window, lengths, soft cap"
     )
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="dtypes, comma-separated")
+    parser.add_argument(
+        "--head-dims", default=",".join(map(str, HEAD_DIMS)), help="head dims, comma-separated"
+    )
+    parser.add_argument(
+        "--precisions", default=",".join(PRECISIONS), help="float32 precisions, comma-separated"
+    )
     parser.add_argument(
         "--tiles", default="", help="block_q,block_k,num_warps,num_stages for every case"
+    )
+    parser.add_argument(
+        "--append", action="store_true", help="add the rows to --out's (the same target's)"
     )
     args = parser.parse_args()
     fields = ("block_q", "block_k", "num_warps", "num_stages")
     tuning = dict(zip(fields, map(int, args.tiles.split(",")), strict=True)) if args.tiles else None
-    cases = matrix(args.biases.split(","), args.masks.split(","), args.options)
+    cases = matrix(
+        args.biases.split(","),
+        args.masks.split(","),
+        args.options,
+        args.dtypes.split(","),
+        [int(h) for h in args.head_dims.split(",")],
+        args.precisions.split(","),
+    )
+    out = Path(args.out)
+    earlier = []
+    if args.append and out.exists():
+        previous = json.loads(out.read_text())
+        if previous["target"] != args.target:
+            parser.error(f"{out} holds {previous['target']}'s rows, not {args.target}'s")
+        earlier = previous["rows"]
     cases = cases[: args.limit or None]
     rows = []
     for i, case in enumerate(cases):
@@ -245,7 +278,8 @@ def main() -> None:
             )
             problems = verdict(args.target, case, stats)
         except RuntimeError as e:
-            stats, problems = {}, [f"compile failed: {str(e).strip().splitlines()[-1][:200]}"]
+            stats = dict(tiles=list(tuning.values())) if tuning else {}  # a failed candidate's
+            problems = [f"compile failed: {str(e).strip().splitlines()[-1][:200]}"]
         rows.append(dict(case=case, **stats, problems=problems))
         print(
             f"[{i + 1}/{len(cases)}] {case_name(dict(case, q_len=200, k_len=136))}: "
@@ -254,9 +288,10 @@ def main() -> None:
         )
     import jax
 
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = dict(target=args.target, jax=jax.__version__, ptxas=_ptxas_version(), rows=rows)
+    result = dict(
+        target=args.target, jax=jax.__version__, ptxas=_ptxas_version(), rows=earlier + rows
+    )
     out.write_text(json.dumps(result, indent=1))
     out.with_suffix(".md").write_text(markdown(result))
 
@@ -275,15 +310,16 @@ def markdown(result: dict[str, Any]) -> str:
         f"{len(rows)} cases, {len(rows) - len(bad)} with no problem (0 spills, shared memory in "
         "the limit, MMA in every non-IEEE kernel).",
         "",
-        "| case | kernel | registers | spill stores (B) | shared memory (B) | MMA | problems |",
-        "| --- | --- | ---: | ---: | ---: | --- | --- |",
+        "| case | tiles | kernel | registers | spill stores (B) | shared memory (B) | MMA | problems |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- | --- |",
     ]
     for r in rows:
         name = case_name(dict(r["case"], q_len=200, k_len=136))
+        tiles = ", ".join(map(str, r.get("tiles", [])))
         for kernel in KERNELS:
             k = r.get("kernels", {}).get(kernel, {})
             lines.append(
-                f"| {name} | {kernel} | {k.get('registers', '')} | {k.get('spill_store_bytes', '')} "
+                f"| {name} | {tiles} | {kernel} | {k.get('registers', '')} | {k.get('spill_store_bytes', '')} "
                 f"| {k.get('shared_memory_bytes', '')} | {k.get('mma', '')} | "
                 f"{'; '.join(p for p in r['problems'] if p.startswith(kernel) or 'compile' in p)} |"
             )

@@ -8,12 +8,13 @@ A results row is one case (dtype, head dim, bias and mask forms, precision, the 
 arguments or not) compiled for one target with one tile, (block_q, block_k, num_warps,
 num_stages). A key of the table (pallas_tiles.table_key) holds every case of the matrix
 (gpu_kernels.matrix) whose dtype kind, precision and padded head dim, further arguments and forms
-map to it. A tile is clean for a key when every case of the key compiled with it for both targets
-with 0 spill bytes in all three kernels, shared memory within the A100's (the smaller) limit and
-MMA instructions in every non-IEEE kernel. Per key the table takes, among the clean tiles: for the
-heaviest form (both biases, a full mask) without further arguments the largest; for any other key
-the one nearest that (fewest changed fields, a halved block counting once per halving; then the
-largest). The further arguments' matrix compiles the heaviest form only: every form takes its tile.
+map to it. A tile is clean for a key when every case of the key compiled with it for every target
+of TARGETS (less the key's EXEMPT ones) with 0 spill bytes in all three kernels, shared memory
+within the A100's (the smallest) limit and MMA instructions in every non-IEEE kernel. Per key the
+table takes, among the clean tiles: for the heaviest form (both biases, a full mask) without
+further arguments the largest; for any other key the one nearest that (fewest changed fields, a
+halved block counting once per halving; then the largest). The further arguments' matrix compiles
+the heaviest form only: every form takes its tile.
 
 Rows record the tile they compiled with (`tiles`, gpu_kernels.py); rows without one compiled with
 the tiles of UNRECORDED, checked against each kernel's thread count (num_warps x 32).
@@ -34,7 +35,13 @@ from gated_attention import pallas_tiles
 from gated_attention_tools import gpu_kernels
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmark_results" / "gpu_kernels"
-TARGETS = ("a100", "h100")  # a tile must compile clean for both
+TARGETS = ("a100", "h100", "b200")  # a tile must compile clean for every one
+# Keys no compiled candidate made clean on every target, with the targets they are let off: a key
+# here must be clean on the others, and a tile clean on every target makes the entry an error.
+# float32 'high' H128, the heaviest form: the table's (16, 16, 8, 1) spills 16 B in the B200's
+# dq/dbias; none of 16 candidates near it compiled clean on the B200 and the A100 both
+# (benchmark_results/gpu_kernels/README.md, *_candidates.json).
+EXEMPT = {("float32", "high", 128, False, "both", "full"): ("b200",)}
 KINDS = ("float32", "half")
 LEVELS = ("default", "high", "highest")
 HEAD_DIMS = (16, 32, 64, 128)  # gpu_kernels.HEAD_DIMS padded (pallas_tiles._pow2_tile)
@@ -187,15 +194,24 @@ def generate(rows: Iterable[dict[str, Any]]) -> dict[tuple, tuple[int, int, int,
         where = (row["target"], _case_id(row["case"]))
         seen[where] = seen.get(where, True) and clean(row)
 
-    def clean_tiles(key):
-        wanted = {(target, case) for target in TARGETS for case in expected[key]}
+    def clean_tiles(key, targets=TARGETS):
+        wanted = {(target, case) for target in targets for case in expected[key]}
         found = outcomes.get(key, {})
-        return [t for t, seen in found.items() if wanted <= seen.keys() and all(seen.values())]
+        return [
+            t
+            for t, seen in found.items()
+            if wanted <= seen.keys()
+            and all(v for (target, _), v in seen.items() if target in targets)
+        ]
 
     table, missing = {}, []
     heaviest = [k for k in expected if k[3:] == (False, *HEAVIEST)]
     for key in heaviest + [k for k in expected if k not in heaviest]:
         tiles = clean_tiles(key)
+        if key in EXEMPT:
+            if tiles:
+                raise ValueError(f"{key} is EXEMPT from {EXEMPT[key]} but {tiles} compiled clean")
+            tiles = clean_tiles(key, tuple(t for t in TARGETS if t not in EXEMPT[key]))
         if not tiles:
             missing.append(key)
         elif key in heaviest:
@@ -203,7 +219,7 @@ def generate(rows: Iterable[dict[str, Any]]) -> dict[tuple, tuple[int, int, int,
         elif (base := table.get((*key[:3], False, *HEAVIEST))) is not None:
             table[key] = min(tiles, key=lambda t, base=base: (_distance(t, base), _size_order(t)))
     if missing:
-        raise ValueError(f"no tile compiled clean for both targets in every case of {missing}")
+        raise ValueError(f"no tile compiled clean for every target in every case of {missing}")
     for key in list(table):
         if key[3:] == (True, *HEAVIEST):
             for bias in gpu_kernels.BIASES:
