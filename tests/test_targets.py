@@ -59,10 +59,9 @@ def test_auto_chooses_for_the_target_not_the_host(target, dtype, chosen, kernel,
     assert 0 < got["memory"]["peak"] < 2**24
 
 
-B200_AUTO_CASES = [  # AF2's triangle / MSA-row form in bfloat16; float32 (TF32) with a row bias
-    dict(dtype="bfloat16", head_dim=32, bias="shared", mask="key"),
-    dict(dtype="float32", head_dim=64, bias="per_row", mask="none"),
-]
+# AF2's triangle / MSA-row form in bfloat16 (one case: the suite's time; the rest of the forms,
+# dtypes and head dims are the kernel matrix's, benchmark_results/gpu_kernels/b200.md).
+B200_AUTO_CASES = [dict(dtype="bfloat16", head_dim=32, bias="shared", mask="key")]
 
 
 @pytest.mark.parametrize("case", B200_AUTO_CASES, ids=lambda c: f"{c['dtype']}-H{c['head_dim']}")
