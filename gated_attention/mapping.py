@@ -141,7 +141,7 @@ def tiled(fn, args, where: dict[int, int], size: int, out_axis, remat=None) -> A
             return x
         shape = list(np.shape(x))
         shape[where[i]] = rows
-        return jax.ShapeDtypeStruct(tuple(shape), x.dtype, sharding=_sharding_of(x))
+        return _spec(x, tuple(shape))
 
     # fn with its closed-over values (parameters) as explicit inputs, for each tile size; a
     # value both conversions close over is one const (its cotangents summed once), so that every
@@ -338,11 +338,12 @@ def _check_layout(kinds, residuals, sources) -> None:
         )
 
 
-def _spec(x):
-    """x's ShapeDtypeStruct (with its sharding where explicit), or None."""
+def _spec(x, shape=None):
+    """x's ShapeDtypeStruct (of `shape` if given; with x's sharding where explicit), or None."""
     if x is None:
         return None
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=_sharding_of(x))
+    shape = np.shape(x) if shape is None else shape
+    return jax.ShapeDtypeStruct(shape, x.dtype, sharding=_sharding_of(x))
 
 
 def _source(x, consts, pieces) -> tuple[str, int] | None:
