@@ -8,8 +8,8 @@ Public API (everything else is internal):
                                          dropout on those updates, as AlphaFold 2's Evoformer.
   ModuleConfig, GlobalConfig             validated configs (modules also take AF2's ConfigDicts).
   dot_product_attention                  the attention op in jax.nn's layout.
-  Implementation, XlaAttention, ChunkedAttention, CudnnAttention, PallasAttention,
-  PallasTpuAttention, Auto, IMPLEMENTATIONS
+  Implementation, XlaAttention, ChunkedAttention, CudnnAttention, MosaicAttention,
+  PallasAttention, PallasTpuAttention, Auto, IMPLEMENTATIONS
                                          its implementations (instances carry their tuning).
   record_implementation_choices          what the op chose, per call.
   load_af2_params, save_af2_params, check_params, diff_params
@@ -44,6 +44,7 @@ from gated_attention.config import GlobalConfig, ModuleConfig
 from gated_attention.cudnn import CudnnAttention
 from gated_attention.dropout import apply_dropout, dropout_update, dropout_wrapper
 from gated_attention.modules import Attention, GlobalAttention
+from gated_attention.mosaic import MosaicAttention
 from gated_attention.pallas import PallasAttention
 from gated_attention.pallas_tpu import PallasTpuAttention
 from gated_attention.params import check_params, diff_params, load_af2_params, save_af2_params
@@ -65,6 +66,7 @@ __all__ = [
     "MSAColumnGlobalAttention",
     "MSARowAttentionWithPairBias",
     "ModuleConfig",
+    "MosaicAttention",
     "PallasAttention",
     "PallasTpuAttention",
     "TriangleAttention",

@@ -29,6 +29,7 @@ from absl import logging
 from gated_attention import base, checks, masking, memory, numerics, platforms, ring, sharding
 from gated_attention.chunked import DEFAULT_MEMORY_BUDGET_BYTES, ChunkedAttention
 from gated_attention.cudnn import CudnnAttention
+from gated_attention.mosaic import MosaicAttention
 from gated_attention.pallas import PallasAttention
 from gated_attention.pallas_tpu import PallasTpuAttention
 from gated_attention.xla import XlaAttention
@@ -38,6 +39,7 @@ IMPLEMENTATIONS: types.MappingProxyType[str, base.Implementation] = types.Mappin
         "xla": XlaAttention(),
         "chunked": ChunkedAttention(),
         "cudnn": CudnnAttention(),
+        "mosaic": MosaicAttention(),
         "pallas": PallasAttention(),
         "pallas_tpu": PallasTpuAttention(),
     }
@@ -52,9 +54,11 @@ DENSE_ROW_BYTES = 16 * 2**20
 class Auto:
     """The 'auto' choice: rules, in order, applied to the real (per-device) shapes.
 
-    1. On GPU, `pallas` when it takes the inputs (float32, bfloat16, float16; head dims <= 128):
-       the fused kernel, which reads a bias shared over the batch without copying it and keeps
-       its gradient O(N·T·S); else `cudnn` when it takes them (bfloat16/float16).
+    1. On GPU, `mosaic` when it takes the inputs (Hopper, sm_90: the Mosaic GPU kernel with TMA
+       and wgmma; float32 at JAX's default precision, bfloat16, float16; head dims <= 128);
+       else `pallas` (the Triton kernel, every NVIDIA GPU, while JAX has that backend): both
+       read a bias shared over the batch without copying it per row and keep its gradient
+       O(N·T·S); else `cudnn` when it takes them (bfloat16/float16).
     1b. On TPU, `pallas_tpu` when it takes the inputs (float32, bfloat16; head dims <= 128; its
        tiles within VMEM): the same contract in Mosaic.
     2. `xla` when one batch row's float32 logits and weights, 2 * 4 * N * T * S bytes, fit in
@@ -66,8 +70,8 @@ class Auto:
     Attributes:
       memory_budget_bytes: the working-set budget (global_config.memory_budget_mib).
       dense_row_bytes: the largest row working set left to `xla`.
-      xla, chunked, cudnn, pallas, pallas_tpu: the instances to run (None: defaults, chunked
-        with this budget).
+      xla, chunked, cudnn, mosaic, pallas, pallas_tpu: the instances to run (None: defaults,
+        chunked with this budget).
     """
 
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
@@ -75,6 +79,7 @@ class Auto:
     xla: XlaAttention | None = None
     chunked: ChunkedAttention | None = None
     cudnn: CudnnAttention | None = None
+    mosaic: MosaicAttention | None = None
     pallas: PallasAttention | None = None
     pallas_tpu: PallasTpuAttention | None = None
 
@@ -85,6 +90,7 @@ class Auto:
             xla=XlaAttention(),
             chunked=ChunkedAttention(memory_budget_bytes=self.memory_budget_bytes),
             cudnn=CudnnAttention(),
+            mosaic=MosaicAttention(),
             pallas=PallasAttention(),
             pallas_tpu=PallasTpuAttention(),
         )
@@ -99,7 +105,11 @@ class Auto:
         platforms.KINDS name; None: the host's)."""
         platform = platforms.host() if platform is None else platform
         kernels = {
-            "gpu": ((self.pallas, "GPU and the Pallas kernel"), (self.cudnn, "GPU and cuDNN")),
+            "gpu": (
+                (self.mosaic, "Hopper and the Mosaic GPU kernel"),
+                (self.pallas, "GPU and the Pallas kernel"),
+                (self.cudnn, "GPU and cuDNN"),
+            ),
             "tpu": ((self.pallas_tpu, "TPU and the Pallas TPU kernel"),),
         }
         refused = []  # the kernels' reasons, kept in the reason of what runs instead

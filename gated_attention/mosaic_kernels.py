@@ -10,6 +10,7 @@ wgmma; keys past the real length are -inf in every tile, rows past it are sliced
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,9 +39,13 @@ def _pipeline(plan, rows: int, span, streams, consumed, begin, step, end, carry_
     begin(None) before the first and end(None, carry) after the last."""
     pl, plgpu = modules()
     wg = lax.axis_index("wg")
+    alone = plan.warpgroups == 1  # the consumer issues its own copies (INTERPRET_WARPGROUPS)
 
-    @pl.when(wg == 1)
-    def _produce():
+    def issue(r, j, slot):
+        for s in streams:
+            plgpu.copy_gmem_to_smem(s.source(r, j), s.buffers.at[slot], s.barriers.at[slot])
+
+    def produce():
         def row(r, count):
             def load(j, count):
                 slot = lax.rem(count, DEPTH)
@@ -49,8 +54,7 @@ def _pipeline(plan, rows: int, span, streams, consumed, begin, step, end, carry_
                 def _():
                     plgpu.barrier_wait(consumed.at[slot])
 
-                for s in streams:
-                    plgpu.copy_gmem_to_smem(s.source(r, j), s.buffers.at[slot], s.barriers.at[slot])
+                issue(r, j, slot)
                 return count + 1
 
             return lax.fori_loop(*span(r), load, count)
@@ -62,16 +66,22 @@ def _pipeline(plan, rows: int, span, streams, consumed, begin, step, end, carry_
         def _(c, _):
             plgpu.barrier_wait(consumed.at[lax.rem(c, DEPTH)])
 
+    if not alone:
+        pl.when(wg == 1)(produce)
+
     @pl.when(wg == 0)
     def _consume():
         def steps(r, count, carry):
             def compute(j, state):
                 count, carry = state
                 slot = lax.rem(count, DEPTH)
+                if alone:
+                    issue(r, j, slot)
                 for s in streams:
                     plgpu.barrier_wait(s.barriers.at[slot])
                 carry = step(r, j, slot, carry)
-                plgpu.barrier_arrive(consumed.at[slot])
+                if not alone:
+                    plgpu.barrier_arrive(consumed.at[slot])
                 return count + 1, carry
 
             return lax.fori_loop(*span(r), compute, (count, carry))
@@ -309,13 +319,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: Plan):
     _pipeline(plan, 1, lambda r: (lo, hi), streams, consumed, begin, step, end)
 
 
-def forward(plan: Plan, q, k, v, biases, extras):
-    """(out [B, Tp, N, Dv] in the compute dtype, lse [B, N, Tp] float32) of padded inputs."""
+def forward_scratch(plan: Plan) -> list:
+    """The forward kernel's shared memory and barriers, in the order it unpacks them."""
     _, plgpu = modules()
-    v_op = jnp.transpose(v, (0, 2, 3, 1)) if plan.tf32 else v
-    batch, heads = q.shape[0], plan.heads
     cdt = jnp.dtype(plan.compute_dtype)
-    scratch = [
+    return [
         plan.smem((plan.block_q, plan.head_dim), cdt, operand=True),
         plgpu.Barrier(num_barriers=1),
         plan.smem((DEPTH, plan.block_k, plan.head_dim), cdt, operand=True),
@@ -328,6 +336,25 @@ def forward(plan: Plan, q, k, v, biases, extras):
         *_staging(plan, plan.block_q, plan.block_k),
         *_pair_scratch(plan),
     ]
+
+
+def shared_memory_bytes(plan: Plan) -> int:
+    """The most shared memory one of the three kernels' blocks takes (barriers aside)."""
+
+    def total(scratch):
+        return sum(
+            math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+            for x in scratch
+            if hasattr(x, "dtype") and hasattr(x, "shape")
+        )
+
+    return max(total(f(plan)) for f in (forward_scratch, dkdv_scratch, dq_scratch))
+
+
+def forward(plan: Plan, q, k, v, biases, extras):
+    """(out [B, Tp, N, Dv] in the compute dtype, lse [B, N, Tp] float32) of padded inputs."""
+    batch, heads, cdt = q.shape[0], plan.heads, jnp.dtype(plan.compute_dtype)
+    v_op = jnp.transpose(v, (0, 2, 3, 1)) if plan.tf32 else v
     out_type = (
         jax.ShapeDtypeStruct((batch, plan.q_pad, heads, plan.value_dim), cdt),
         jax.ShapeDtypeStruct((batch, heads, plan.q_pad), jnp.float32),
@@ -337,7 +364,7 @@ def forward(plan: Plan, q, k, v, biases, extras):
         (batch, heads, plan.q_blocks),
         ("b", "n", "i"),
         out_type,
-        scratch,
+        forward_scratch(plan),
         (q, k, v_op, *biases, *extras),
         "gated_attention_mosaic_forward",
     )
@@ -583,6 +610,63 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
     _pipeline(plan, rows, span, streams, consumed, begin, step, end)
 
 
+def _scratch_kit(plan: Plan):
+    _, plgpu = modules()
+    cdt = jnp.dtype(plan.compute_dtype)
+    operand = lambda shape, dtype=cdt: plan.smem(shape, dtype, operand=True)  # noqa: E731
+    barrier = lambda n=DEPTH: plgpu.Barrier(num_barriers=n)  # noqa: E731
+    return cdt, operand, barrier
+
+
+def dkdv_scratch(plan: Plan) -> list:
+    """The dk/dv kernel's shared memory and barriers, in the order it unpacks them."""
+    cdt, operand, barrier = _scratch_kit(plan)
+    q_tile = lambda w: operand((DEPTH, plan.block_q, w))  # noqa: E731
+    scratch = [
+        operand((plan.block_k, plan.head_dim)),
+        operand((plan.block_k, plan.value_dim)),
+        barrier(2),
+        q_tile(plan.head_dim), barrier(),
+        q_tile(plan.value_dim), barrier(),
+        plan.smem((DEPTH, plan.block_q), jnp.float32), barrier(),
+        plan.smem((DEPTH, plan.block_q), jnp.float32), barrier(),
+        barrier(),  # consumed
+        operand((plan.block_k, plan.head_dim)),
+        operand((plan.block_k, plan.value_dim)),
+    ]  # fmt: skip
+    if plan.tf32:
+        for w in (plan.head_dim, plan.value_dim):
+            scratch += [operand((DEPTH, w, plan.block_q)), barrier()]
+    return scratch + _staging(plan, plan.block_k, plan.block_q) + _pair_scratch(plan, True)
+
+
+def dq_scratch(plan: Plan) -> list:
+    """The dq/bias-gradient kernel's shared memory and barriers, in the order it unpacks them."""
+    cdt, operand, barrier = _scratch_kit(plan)
+    rmw = []
+    for shape in plan.bias_shapes:
+        form = broadcast_form(shape)
+        if form == "tile":
+            rmw += [operand((plan.block_q, plan.block_k), jnp.float32), barrier(1)]
+        else:
+            size = plan.block_k if form == "keys" else plan.block_q
+            rmw += [plan.smem((size,), jnp.float32), barrier(1)]
+    scratch = [
+        operand((plan.block_q, plan.head_dim)),
+        operand((plan.block_q, plan.value_dim)),
+        plan.smem((plan.block_q,), jnp.float32),
+        plan.smem((plan.block_q,), jnp.float32),
+        barrier(4),
+        operand((DEPTH, plan.block_k, plan.head_dim)), barrier(),
+        operand((DEPTH, plan.block_k, plan.value_dim)), barrier(),
+        barrier(),  # consumed
+        operand((plan.block_q, plan.head_dim)),
+    ]  # fmt: skip
+    if plan.tf32:
+        scratch += [operand((DEPTH, plan.head_dim, plan.block_k)), barrier()]
+    return scratch + _staging(plan, plan.block_q, plan.block_k) + rmw + _pair_scratch(plan)
+
+
 def backward(plan: Plan, residuals, cotangents):
     """(dq, dk, dv, dbiases, None per extra) of padded inputs (base.kernel_attention)."""
     _, plgpu = modules()
@@ -597,58 +681,19 @@ def backward(plan: Plan, residuals, cotangents):
     flip = lambda x: jnp.swapaxes(x, 2, 3) if x.shape[2] > 1 and x.shape[3] > 1 else x  # noqa: E731
     pair_t = (*(flip(x) for x in biases), *(() if mask is None else (flip(mask),)))
     tr = lambda *xs: tuple(jnp.transpose(x, (0, 2, 3, 1)) for x in xs) if plan.tf32 else ()  # noqa: E731
-    operand = functools.partial(plan.smem, operand=True)
-    barrier = lambda n=DEPTH: plgpu.Barrier(num_barriers=n)  # noqa: E731
-    q_tile = lambda w: operand((DEPTH, plan.block_q, w), cdt)  # noqa: E731
-    qt_tile = lambda w: operand((DEPTH, w, plan.block_q), cdt)  # noqa: E731
-    scratch = [
-        operand((plan.block_k, plan.head_dim), cdt),
-        operand((plan.block_k, plan.value_dim), cdt),
-        barrier(2),
-        q_tile(plan.head_dim), barrier(),
-        q_tile(plan.value_dim), barrier(),
-        plan.smem((DEPTH, plan.block_q), jnp.float32), barrier(),
-        plan.smem((DEPTH, plan.block_q), jnp.float32), barrier(),
-        barrier(),  # consumed
-        operand((plan.block_k, plan.head_dim), cdt),
-        operand((plan.block_k, plan.value_dim), cdt),
-    ]  # fmt: skip
-    if plan.tf32:
-        scratch += [qt_tile(plan.head_dim), barrier(), qt_tile(plan.value_dim), barrier()]
-    scratch += _staging(plan, plan.block_k, plan.block_q) + _pair_scratch(plan, transposed=True)
     dk, dv = plan.launch(
         _dkdv_kernel,
         (batch, plan.kv_heads, plan.k_blocks),
         ("b", "n", "j"),
         (jax.ShapeDtypeStruct(k.shape, cdt), jax.ShapeDtypeStruct(v.shape, cdt)),
-        scratch,
+        dkdv_scratch(plan),
         (q, k, v, d_out, lse, delta, *tr(q, d_out), *pair_t, *meta),
         "gated_attention_mosaic_dkdv",
     )
 
+    if plan.interpret:  # one interpreted kernel at a time (mosaic_plan.serialize)
+        dk, dv, q = lax.optimization_barrier((dk, dv, q))
     shapes = [dbias_shape(plan, shape, batch) for shape in plan.bias_shapes]
-    rmw = []
-    for shape in plan.bias_shapes:
-        form = broadcast_form(shape)
-        if form == "tile":
-            rmw += [operand((plan.block_q, plan.block_k), jnp.float32), barrier(1)]
-        else:
-            size = plan.block_k if form == "keys" else plan.block_q
-            rmw += [plan.smem((size,), jnp.float32), barrier(1)]
-    scratch = [
-        operand((plan.block_q, plan.head_dim), cdt),
-        operand((plan.block_q, plan.value_dim), cdt),
-        plan.smem((plan.block_q,), jnp.float32),
-        plan.smem((plan.block_q,), jnp.float32),
-        barrier(4),
-        plan.smem(_kv_tile_rows(plan, plan.head_dim), cdt, operand=True), barrier(),
-        plan.smem(_kv_tile_rows(plan, plan.value_dim), cdt, operand=True), barrier(),
-        barrier(),  # consumed
-        operand((plan.block_q, plan.head_dim), cdt),
-    ]  # fmt: skip
-    if plan.tf32:
-        scratch += [operand((DEPTH, plan.head_dim, plan.block_k), cdt), barrier()]
-    scratch += _staging(plan, plan.block_q, plan.block_k) + rmw + _pair_scratch(plan)
     dq, *partials = plan.launch(
         functools.partial(_dq_dbias_kernel, batch=batch),
         (plan.groups, heads, plan.q_blocks),
@@ -657,7 +702,7 @@ def backward(plan: Plan, residuals, cotangents):
             jax.ShapeDtypeStruct(q.shape, cdt),
             *(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes),
         ),
-        scratch,
+        dq_scratch(plan),
         (q, k, v, d_out, lse, delta, *tr(k), *biases, *extras),
         "gated_attention_mosaic_dq_dbias",
     )
@@ -668,6 +713,3 @@ def backward(plan: Plan, residuals, cotangents):
     return dq, dk, dv, tuple(dbiases), tuple(None for _ in extras)
 
 
-def _kv_tile_rows(plan: Plan, width: int):
-    """DEPTH slots of key-side rows [bk, width] (k and v as laid out)."""
-    return (DEPTH, plan.block_k, width)

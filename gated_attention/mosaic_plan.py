@@ -21,6 +21,11 @@ import jax.numpy as jnp
 from jax import lax
 
 DEPTH = 2  # pipeline slots: the producer loads step t + 1 while the consumer computes step t
+# Warpgroups of an interpreted kernel. Two (producer and consumer, as compiled) run in the
+# interpreter only where its kernel is the whole program (eager): inside a larger jitted program
+# the interpreter's nested callbacks wait on each other for XLA:CPU's pool threads, and with 2
+# cores they deadlock. One warpgroup issues each step's copies and waits on them itself.
+INTERPRET_WARPGROUPS = 1
 
 
 def modules():
@@ -86,6 +91,7 @@ class Plan:
     structured: bool  # causal, window or lengths: the [B, 4] meta ref
     soft_cap: float | None
     groups: int  # batch-row groups of the dq/bias-gradient kernel (pallas.py's scheme)
+    warpgroups: int = 2  # 2: a producer and a consumer; 1: one does both (interpreter only)
 
     @property
     def group(self) -> int:
@@ -115,7 +121,7 @@ class Plan:
         return Ops(self.interpret)
 
     def launch(self, kernel, grid, names, out_type, scratch, args, name: str):
-        """plgpu.kernel over `grid` (axes `names`) with two warpgroups, axis 'wg': 0 computes,
+        """plgpu.kernel over `grid` (axes `names`) with its warpgroups, axis 'wg': 0 computes,
         1 loads; `name` names the kernel (ptxas reports it)."""
         _, plgpu = modules()
         body = functools.partial(kernel, plan=self)
@@ -126,7 +132,7 @@ class Plan:
             scratch_types=scratch,
             grid=grid,
             grid_names=names,
-            num_threads=2,
+            num_threads=self.warpgroups,
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(),
             interpret=interpret_params() if self.interpret else None,
@@ -188,6 +194,7 @@ class Plan:
             structured=not structure.trivial,
             soft_cap=options.logits_soft_cap,
             groups=groups,
+            warpgroups=INTERPRET_WARPGROUPS if impl.interpret else 2,
         )
 
 

@@ -32,6 +32,31 @@ def host() -> str:
     return kind(jax.default_backend())
 
 
+# Compute capabilities by device kind, for a deviceless compile's abstract device (which names its
+# kind only): NVIDIA's data-centre GPUs this project compiles for.
+_CAPABILITIES = (("H100", (9, 0)), ("H200", (9, 0)), ("H800", (9, 0)), ("GH200", (9, 0)),
+                 ("B200", (10, 0)), ("B100", (10, 0)), ("GB200", (10, 0)), ("B300", (10, 3)),
+                 ("A100", (8, 0)), ("A800", (8, 0)), ("A10", (8, 6)), ("L4", (8, 9)))  # fmt: skip
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """(major, minor) compute capability of the GPU a program is being compiled for: the abstract
+    mesh's device where one is in use (deviceless compiles), else the first GPU's; None when
+    there is no GPU or its kind is not known."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is None:
+        try:
+            device = jax.devices("gpu")[0]
+        except RuntimeError:  # no GPU backend
+            return None
+    capability = getattr(device, "compute_capability", None)
+    if capability:
+        return tuple(int(x) for x in str(capability).split(".")[:2])
+    kind = str(getattr(device, "device_kind", ""))
+    words = kind.replace("-", " ").split()
+    return next((cc for name, cc in _CAPABILITIES if name in words), None)
+
+
 def of_arrays(arrays) -> str | None:
     """The kind of the devices holding these concrete arrays, if they agree; None when any is a
     tracer or not a jax.Array (under jit the devices are not known while tracing)."""
