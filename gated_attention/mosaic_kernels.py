@@ -48,7 +48,7 @@ def _pipeline(plan, rows: int, span, streams, consumed, begin, step, end, carry_
     def produce():
         def row(r, count):
             def load(j, count):
-                slot = lax.rem(count, DEPTH)
+                slot = lax.rem(count, jnp.int32(DEPTH))
 
                 @pl.when(count >= DEPTH)
                 def _():
@@ -64,7 +64,7 @@ def _pipeline(plan, rows: int, span, streams, consumed, begin, step, end, carry_
         # Wait for the last uses too: every phase of a barrier is observed by its waiter.
         @functools.partial(lax.fori_loop, jnp.maximum(count - DEPTH, 0), count, init_val=None)
         def _(c, _):
-            plgpu.barrier_wait(consumed.at[lax.rem(c, DEPTH)])
+            plgpu.barrier_wait(consumed.at[lax.rem(c, jnp.int32(DEPTH))])
 
     if not alone:
         pl.when(wg == 1)(produce)
@@ -74,7 +74,7 @@ def _pipeline(plan, rows: int, span, streams, consumed, begin, step, end, carry_
         def steps(r, count, carry):
             def compute(j, state):
                 count, carry = state
-                slot = lax.rem(count, DEPTH)
+                slot = lax.rem(count, jnp.int32(DEPTH))
                 if alone:
                     issue(r, j, slot)
                 for s in streams:

@@ -117,8 +117,10 @@ IMPLEMENTATIONS = {
     "cudnn adapter": ga.CudnnAttention(jax_nn_implementation="xla"),  # takes no soft cap
     "pallas_tpu": ga.PallasTpuAttention(interpret=True),  # the TPU kernels, interpreted
     "pallas": ga.PallasAttention(block_q=16, block_k=16, interpret=True),  # the GPU kernels
+    "mosaic": ga.MosaicAttention(interpret=True),  # the Hopper kernels, interpreted
     # Compiled and run on a device (`pytest -m device`): the kernels with their own tiles, cuDNN.
     "pallas compiled": ga.PallasAttention(),
+    "mosaic compiled": ga.MosaicAttention(),
     "cudnn": ga.CudnnAttention(),
     "pallas_tpu compiled": ga.PallasTpuAttention(),
 }
@@ -139,6 +141,7 @@ RUNS = [
     # "everything" has the third CORE scenario's arguments (GQA, causal, a key mask) and more.
     ("pallas_tpu", "float32", CORE[1:]),
     ("pallas", "float32", CORE[1:]),
+    ("mosaic", "float32", CORE[1:]),
 ]
 # cuDNN takes jax.nn's arguments but a window right of the query without causal (its check says so).
 CUDNN = tuple(n for n in NAMES if SCENARIOS[n].jax_nn and not n.startswith("window (2, 1)"))
@@ -146,12 +149,17 @@ CUDNN = tuple(n for n in NAMES if SCENARIOS[n].jax_nn and not n.startswith("wind
 DEVICE_RUNS = [
     ("gpu", "pallas compiled", "float32", NAMES),
     ("gpu", "pallas compiled", "bfloat16", NAMES),
+    ("gpu", "mosaic compiled", "float32", NAMES),  # the device machines are Hopper GPUs
+    ("gpu", "mosaic compiled", "bfloat16", NAMES),
     ("gpu", "cudnn", "bfloat16", CUDNN),
     ("tpu", "pallas_tpu compiled", "float32", NAMES),
     ("tpu", "pallas_tpu compiled", "bfloat16", NAMES),
 ]
 # Their float32 runs (of every scenario) also check masked garbage beyond the lengths.
-GARBAGE_RUNS = ("xla", "chunked", "pallas_tpu", "pallas", "pallas compiled", "pallas_tpu compiled")
+GARBAGE_RUNS = (
+    "xla", "chunked", "pallas_tpu", "pallas", "mosaic", "pallas compiled", "mosaic compiled",
+    "pallas_tpu compiled",
+)  # fmt: skip
 
 
 class Case(NamedTuple):
@@ -600,7 +608,12 @@ REFUSALS = {
 
 @pytest.mark.parametrize("option", sorted(REFUSALS))
 @pytest.mark.parametrize(
-    "impl", [ga.PallasAttention(interpret=True), ga.PallasTpuAttention(interpret=True)]
+    "impl",
+    [
+        ga.PallasAttention(interpret=True),
+        ga.MosaicAttention(interpret=True),
+        ga.PallasTpuAttention(interpret=True),
+    ],
 )
 def test_the_kernels_take_every_option(impl, option):
     """The GPU and TPU kernels implement every option (tested against jax.nn above and in
@@ -635,8 +648,10 @@ def test_cudnn_takes_jax_nns_arguments_and_refuses_the_rest():
     [
         pytest.param(ga.PallasTpuAttention(interpret=True), id="pallas_tpu"),  # 3 x 3 tiles of 128
         pytest.param(ga.PallasAttention(block_q=64, block_k=64, interpret=True), id="pallas"),
+        pytest.param(ga.MosaicAttention(block_k=64, interpret=True), id="mosaic"),
         device_param(ga.PallasTpuAttention(), kind="tpu", id="pallas_tpu compiled"),
         device_param(ga.PallasAttention(block_q=64, block_k=64), kind="gpu", id="pallas compiled"),
+        device_param(ga.MosaicAttention(), kind="gpu", id="mosaic compiled"),
     ],
 )
 def test_kernels_grouped_structured_and_capped_over_several_tiles(impl):

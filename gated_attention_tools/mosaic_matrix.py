@@ -1,0 +1,257 @@
+"""What ptxas makes of the Mosaic GPU kernels (gated_attention/mosaic.py) for an H100, deviceless.
+
+For one case (dtype, head dim, bias and mask forms, the op's further arguments) `mosaic_stats`
+compiles the op's forward and gradient with MosaicAttention for the H100 target (targets.py) with
+Mosaic GPU's own dumps on (MOSAIC_GPU_DUMP_PTXAS, MOSAIC_GPU_DUMP_PTX: XLA's dump does not hold
+Mosaic kernels), and reads per kernel: registers, spill stores and loads, the wgmma instructions
+of its PTX, and the shared memory the kernel allocates (mosaic_kernels.shared_memory_bytes, the
+largest of the three). Nothing runs on a GPU: what compiles and how, never how fast.
+
+  python -m gated_attention_tools.mosaic_matrix --out benchmark_results/gpu_kernels/h100_mosaic.json
+
+compiles every case MosaicAttention.check accepts (gpu_kernels.matrix's dtypes, head dims, bias
+and mask forms, float32 at JAX's default precision only, with and without the further arguments),
+several cases per child process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gated_attention_tools import gpu_kernels, targets
+
+KERNELS = (
+    "gated_attention_mosaic_forward",
+    "gated_attention_mosaic_dkdv",
+    "gated_attention_mosaic_dq_dbias",
+)
+DUMPS = {"MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_PTX": "1"}
+_ENTRY = re.compile(r"Compiling entry function '(\w+?)_mosaic_gpu_kernel' for '(\w+)'")
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTX_ENTRY = re.compile(r"\.entry (\w+?)_mosaic_gpu_kernel\b")
+_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+(?:\.\w+)+)")
+
+
+def matrix(options: bool) -> list[dict[str, Any]]:
+    """The cases MosaicAttention takes: every dtype, head dim, bias and mask form (float32 at
+    the default precision, the one it computes at)."""
+    return gpu_kernels.matrix(options=options, precisions=("default",))
+
+
+def parse(text: str) -> dict[str, dict[str, Any]]:
+    """{kernel: figures} from Mosaic GPU's ptxas and PTX dumps of one compile."""
+    kernels: dict[str, dict[str, Any]] = {}
+    current = None
+    for line in text.splitlines():
+        if m := _ENTRY.search(line):
+            current = kernels.setdefault(m.group(1), dict(arch=m.group(2), wgmma=[]))
+        elif current is not None and (m := _REGISTERS.search(line)):
+            current["registers"] = int(m.group(1))
+        elif current is not None and (m := _SPILLS.search(line)):
+            current["spill_store_bytes"], current["spill_load_bytes"] = map(int, m.groups())
+    parts = _PTX_ENTRY.split(text)
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        shapes = sorted(set(_WGMMA.findall(body.split(".entry")[0])))
+        kernels.setdefault(name, dict(wgmma=[]))["wgmma"] = shapes
+    return kernels
+
+
+def mosaic_stats(cases: list[dict[str, Any]], target: str = "h100") -> list[dict[str, Any]]:
+    """Compiles each case for the target in this process (a child's function: DUMPS set before
+    jax starts) and returns per case {kernels, shared_memory_bytes} or {error}."""
+    results = []
+    for case in cases:
+        with tempfile.TemporaryFile(mode="w+") as out:
+            saved = os.dup(1), os.dup(2)
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            refused = None
+            try:
+                error, smem = None, _compile(target, **case)
+            except NotImplementedError as e:  # check() refuses it: 'auto' takes another kernel
+                error, smem, refused = None, 0, str(e)
+            except Exception as e:  # a case that fails is reported, the others still run
+                error, smem = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}", 0
+            finally:
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                os.close(saved[0])
+                os.close(saved[1])
+            out.seek(0)
+            text = out.read()
+        row = dict(kernels=parse(text), shared_memory_bytes=smem)
+        if error:
+            row["error"] = error
+        if refused:
+            row["refused"] = refused
+        results.append(row)
+    return results
+
+
+def _compile(
+    target, dtype, head_dim, bias, mask, precision="default", options=False, batch=2, q_len=200,
+    k_len=136, heads=2,
+):  # fmt: skip
+    """Compiles one case's forward and vjp; returns the kernels' shared memory (bytes)."""
+    import jax
+    import jax.numpy as jnp
+
+    import gated_attention as ga
+    from gated_attention import base, masking, mosaic, mosaic_kernels
+
+    del precision  # float32 at the default precision only: the one MosaicAttention takes
+    dt = jnp.dtype(dtype)
+    qkv = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dt)
+    kv = jax.ShapeDtypeStruct((batch, k_len, 1 if options else heads, head_dim), dt)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32) if options else None
+    shapes = dict(
+        shared=[(1, heads, q_len, k_len)],
+        per_row=[(batch, heads, q_len, k_len)],
+        both=[(1, heads, q_len, k_len), (batch, heads, q_len, k_len)],
+        none=[],
+    )[bias]
+    biases = [jax.ShapeDtypeStruct(s, dt) for s in shapes]
+    mask_shape = dict(key=(batch, 1, 1, k_len), full=(batch, heads, q_len, k_len), none=None)[mask]
+    mask_spec = None if mask_shape is None else jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
+    impl = mosaic.MosaicAttention()
+
+    def step(q, k, v, biases, mask, lengths, cotangent):
+        extra = {}
+        if options:
+            extra = dict(
+                is_causal=True,
+                local_window_size=(96, 0),
+                query_seq_lengths=lengths,
+                key_value_seq_lengths=lengths,
+                logits_soft_cap=30.0,
+            )
+
+        def attend(q, k, v, biases):
+            result = ga.dot_product_attention(
+                q, k, v, list(biases) or None, mask, implementation=impl, compute_dtype="input",
+                return_residual=options, **extra,
+            )  # fmt: skip
+            return result if options else (result, None)
+
+        out, vjp, residual = jax.vjp(attend, q, k, v, tuple(biases), has_aux=True)
+        return out, residual, vjp(cotangent)
+
+    targets.compile(step, qkv, kv, kv, tuple(biases), mask_spec, lengths, qkv, target=target)
+    structure = masking.Structure(is_causal=True) if options else masking.NONE
+    plan = mosaic.Plan.make(
+        impl, qkv, kv, kv, biases, mask_spec, 1.0, dt, base.Options(structure=structure)
+    )
+    return mosaic_kernels.shared_memory_bytes(plan)
+
+
+def verdict(case: dict[str, Any], stats: dict[str, Any]) -> list[str]:
+    """What is wrong (empty: nothing): a compile error, a missing kernel, spills, no wgmma,
+    shared memory over the H100's."""
+    from gated_attention import mosaic
+
+    if "error" in stats:
+        return [f"compile failed: {stats['error']}"]
+    if "refused" in stats:
+        return []
+    problems = []
+    for name in KERNELS:
+        k = stats["kernels"].get(name)
+        if k is None or "registers" not in k:
+            problems.append(f"{name}: not found")
+            continue
+        if k["spill_store_bytes"] or k["spill_load_bytes"]:
+            problems.append(f"{name}: spills {k['spill_store_bytes']} B")
+        if not k["wgmma"]:
+            problems.append(f"{name}: no wgmma")
+    if stats["shared_memory_bytes"] > mosaic.SHARED_MEMORY_LIMIT:
+        problems.append(f"shared memory {stats['shared_memory_bytes']} > {mosaic.SHARED_MEMORY_LIMIT}")
+    return problems
+
+
+def run(cases, target: str = "h100", per_child: int = 8, log=print) -> list[dict[str, Any]]:
+    """Rows {case, kernels, shared_memory_bytes, problems} for the cases, compiled in children of
+    `per_child` cases (DUMPS set in their environment)."""
+    saved = {k: os.environ.get(k) for k in DUMPS}
+    os.environ.update(DUMPS)
+    rows = []
+    try:
+        for start in range(0, len(cases), per_child):
+            batch = cases[start : start + per_child]
+            try:
+                results = targets.in_child(
+                    "gated_attention_tools.mosaic_matrix:mosaic_stats",
+                    dict(cases=batch, target=target),
+                )
+            except RuntimeError as e:  # the child died: every case of it fails
+                results = [dict(kernels={}, shared_memory_bytes=0, error=str(e)[-200:])] * len(batch)
+            for case, stats in zip(batch, results, strict=True):
+                row = dict(case=case, **stats, problems=verdict(case, stats))
+                rows.append(row)
+                name = gpu_kernels.case_name(dict(case, q_len=200, k_len=136))
+                log(f"[{len(rows)}/{len(cases)}] {name}: {'; '.join(row['problems']) or 'ok'}")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return rows
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = result["rows"]
+    bad = [r for r in rows if r["problems"]]
+    refused = [r for r in rows if "refused" in r]
+    lines = [
+        f"# Mosaic GPU kernels compiled for {result['target']} (jax {result['jax']})",
+        "",
+        f"{len(rows)} cases: {len(refused)} refused by MosaicAttention.check ('auto' takes the "
+        f"Triton kernel there), {len(rows) - len(bad) - len(refused)} compiled with no problem "
+        "(0 spills, wgmma in every kernel, shared memory within the H100's 232,448 bytes per "
+        f"block), {len(bad)} with a problem.",
+        "",
+        "| case | kernel | registers | spill stores (B) | wgmma | shared memory (B) | problems |",
+        "| --- | --- | ---: | ---: | --- | ---: | --- |",
+    ]
+    for r in rows:
+        name = gpu_kernels.case_name(dict(r["case"], q_len=200, k_len=136))
+        if "refused" in r:
+            lines.append(f"| {name} | (refused) | | | | | {r['refused']} |")
+            continue
+        for kernel in KERNELS:
+            k = r.get("kernels", {}).get(kernel, {})
+            lines.append(
+                f"| {name} | {kernel.removeprefix('gated_attention_mosaic_')} | "
+                f"{k.get('registers', '')} | {k.get('spill_store_bytes', '')} | "
+                f"{', '.join(k.get('wgmma', []))} | {r.get('shared_memory_bytes', '')} | "
+                f"{'; '.join(r['problems']) or r.get('refused', '')} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--limit", type=int, default=0, help="first N cases only (0: all)")
+    parser.add_argument("--per-child", type=int, default=8)
+    args = parser.parse_args()
+    cases = (matrix(False) + matrix(True))[: args.limit or None]
+    rows = run(cases, per_child=args.per_child, log=lambda line: print(line, flush=True))
+    import jax
+
+    result = dict(target="h100", jax=jax.__version__, rows=rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(markdown(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""MosaicAttention: the Mosaic GPU kernels in JAX's Mosaic GPU interpreter against the float64
+reference (the shared harness, several uneven tiles, the two-warpgroup pipeline), their compile
+for an H100 (sm_90a) with ptxas's figures, what check refuses, and dispatch ('auto' takes them on
+Hopper only).
+
+The interpreter runs the kernels' TMA copies, barriers, slots and loops; it cannot run wgmma
+with a transposed or register operand, register layouts or `plgpu.load`, which mosaic_plan.Ops
+replaces by jnp there (the compiled forms are checked by the H100 compile below)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gated_attention as ga
+from gated_attention import masking, mosaic, mosaic_kernels, mosaic_plan
+from tests import implementation_harness as harness
+from tests.helpers import device_param, on_device, rand
+from tests.implementation_harness import ImplementationTests
+
+# Two groups of batch rows for a shared bias's gradient (2 heads x 1 query block per row, 4
+# programs wanted): 3 rows make uneven groups (rows 0 and 2, row 1).
+INTERPRETED = ga.MosaicAttention(bias_grad_programs=4, interpret=True)
+
+
+class TestMosaicInterpreted(ImplementationTests):
+    """The forward, dk/dv and dq/bias-gradient kernels, interpreted on CPU: the whole contract
+    in float32, the half dtypes against the reference below. 3 rows of 2 heads: the interpreter
+    runs each program's every copy and barrier through Python (~0.1 s per program), the suite's
+    time."""
+
+    IMPL = INTERPRETED
+    DTYPES = ("float32",)
+    BATCH = 3
+    HEADS = 2
+
+
+@on_device("gpu")
+class TestMosaicCompiled(ImplementationTests):
+    """The kernels compiled by Mosaic GPU and run on a Hopper GPU: the whole contract in every
+    dtype they take, float32 at JAX's default precision (TF32 wgmma: reference.FLOAT32_DOTS'
+    tolerances)."""
+
+    IMPL = ga.MosaicAttention()
+    DTYPES = ("float32", "bfloat16", "float16")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16"])
+def test_half_precision_against_the_reference(dtype):
+    """The harness's forms, forward and vjp, computed in the half dtype itself (float16 runs the
+    same kernels)."""
+    harness.assert_forms_match(INTERPRETED, TestMosaicInterpreted().shape, dtype)
+
+
+@pytest.mark.parametrize(
+    "impl",
+    [
+        pytest.param(INTERPRETED, id="interpreted"),
+        device_param(ga.MosaicAttention(), kind="gpu", id="compiled"),
+    ],
+)
+def test_several_uneven_tiles_against_the_reference(impl):
+    """T = 130 and S = 150 in tiles of 64 (partial last tiles: padding), head dims 8 and 4
+    padded, a shared pair bias and a per-row key bias, a key mask; float32 forward and every
+    gradient."""
+    shape = (2, 130, 150, 2, 8, 4)  # B, T, S, N, H, Hv
+    case, case64 = harness.problem(shape, "float32", "shared_bias+key_mask", seed=3)
+    key_bias, key_bias64 = rand(np.random.default_rng(5), (2, 1, 1, 150), "float32")
+    case = case._replace(bias=[case.bias, key_bias])
+    case64 = case64._replace(bias=[case64.bias, key_bias64])
+    [result] = harness.run(impl, [case])
+    [expected] = harness.reference_run([case64])
+    harness.assert_matches(result, expected, "float32", "uneven tiles")
+
+
+def test_two_warpgroups_in_the_interpreter(monkeypatch):
+    """The compiled pipeline's form, a producer warpgroup streaming tiles into two slots and a
+    consumer releasing them, interpreted eagerly (inside a jitted program the interpreter's
+    threads deadlock on 2 cores, mosaic_plan.INTERPRET_WARPGROUPS): 4 key blocks per query block
+    reuse each slot twice, in bfloat16 with a shared bias and a full mask; forward and every
+    gradient against the reference."""
+    monkeypatch.setattr(mosaic_plan, "INTERPRET_WARPGROUPS", 2)
+    shape = (2, 64, 256, 1, 16, 16)  # B, T, S, N, H, Hv
+    case, case64 = harness.problem(shape, "bfloat16", "batched_bias+query_key_mask", seed=7)
+    impl = ga.MosaicAttention(block_k=64, interpret=True)
+    assert mosaic.Plan.make(
+        impl, case.q, case.k, case.v, [case.bias], case.mask, 1.0, jnp.bfloat16, ga.base.PLAIN
+    ).warpgroups == 2  # fmt: skip
+
+    def loss(q, k, v, bias):
+        out = ga.dot_product_attention(q, k, v, bias, case.mask, implementation=impl)
+        return jnp.sum(out.astype(jnp.float32) * case.cot.astype(jnp.float32)), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+        case.q, case.k, case.v, case.bias
+    )
+    [expected] = harness.reference_run([case64])
+    harness.assert_matches((out, grads), expected, "bfloat16", "two warpgroups")
+
+
+def test_key_loops_skip_exactly_the_tiles_the_structure_masks_whole():
+    """key_blocks (forward, dq) and query_blocks (dk/dv) against the brute-force mask, in the
+    kernels' tiles of 64 queries x 64 keys (masking's one rule)."""
+    b, t, s, n, k, h = harness.WIDE
+    lengths = {key: harness.STRUCTURED[key] for key in ("query_seq_lengths", "key_value_seq_lengths")}
+    sd = jax.ShapeDtypeStruct
+    q, kv = sd((b, t, n, h), jnp.float32), sd((b, s, k, h), jnp.float32)
+    impl = ga.MosaicAttention(block_k=64, interpret=True)
+    for kw in (dict(is_causal=True), dict(local_window_size=(150, 40)), harness.STRUCTURED):
+        kw = {**lengths, **kw}
+        structure = masking.Structure(kw.get("is_causal", False), kw.get("local_window_size"))
+        options = ga.base.Options(structure)
+        plan = mosaic.Plan.make(impl, q, kv, kv, (), None, 1.0, jnp.float32, options)
+        allowed = harness.allowed_by(t, s, kw)[:, 0]
+        for row in range(b):
+            st = mosaic_kernels._Meta(0, *(x[row] for x in lengths.values()))
+            per_tile = np.pad(allowed[row], ((0, -t % 64), (0, -s % 64)))
+            per_tile = per_tile.reshape(-(-t // 64), 64, -(-s // 64), 64).any(axis=(1, 3))
+            for i, tiles_row in enumerate(per_tile):
+                lo, hi = (int(x) for x in mosaic_kernels.key_blocks(plan, st, i))
+                live = tiles_row.nonzero()[0]
+                assert (lo, hi) == ((live[0], live[-1] + 1) if live.size else (lo, lo)), (kw, i)
+            for j, tiles_column in enumerate(per_tile.T):
+                lo, hi = (int(x) for x in mosaic_kernels.query_blocks(plan, st, j))
+                live = tiles_column.nonzero()[0]
+                assert (lo, hi) == ((live[0], live[-1] + 1) if live.size else (lo, lo)), (kw, j)
+
+
+def _specs(dtype=jnp.bfloat16, head_dim=32, kv_heads=4, mask_heads=1):
+    sd = jax.ShapeDtypeStruct
+    return (
+        sd((2, 96, 4, head_dim), dtype),
+        sd((2, 96, kv_heads, head_dim), dtype),
+        sd((2, 96, kv_heads, head_dim), dtype),
+        sd((1, 4, 96, 96), jnp.float32),
+        sd((2, mask_heads, 1, 96), jnp.bool_),
+    )
+
+
+def _on(device_kind: str):
+    """An abstract mesh of one GPU of this kind: what a deviceless compile for it sees."""
+    gpu = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="gpu")
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=gpu)
+    )
+
+
+@pytest.mark.parametrize(
+    "device_kind, chosen",
+    [
+        ("NVIDIA H100 80GB HBM3", "mosaic"),
+        ("NVIDIA H200", "mosaic"),
+        ("NVIDIA A100-SXM4-80GB", "pallas"),
+        ("NVIDIA B200", "pallas"),
+    ],
+)
+def test_auto_takes_it_on_hopper_only(device_kind, chosen):
+    """wgmma is sm_90a's: 'auto' takes the Mosaic kernel on an H100 or H200 and moves on to the
+    Triton kernel on an A100 (sm_80) or a B200 (sm_100, tcgen05), saying why."""
+    q, k, v, bias, mask = _specs()
+    with _on(device_kind):
+        impl, reason = ga.Auto().choose(
+            q, k, v, (bias,), mask, compute_dtype=jnp.bfloat16, platform="gpu"
+        )
+    assert impl.name == chosen, reason
+    if chosen == "pallas":
+        assert "mosaic refused: the Mosaic GPU kernel uses Hopper's wgmma: sm_90 GPUs only" in reason
+
+
+@pytest.mark.parametrize(
+    "specs, compute_dtype, options, match",
+    [
+        (_specs(jnp.float64), jnp.float64, {}, "float32, bfloat16 or float16, got float64"),
+        (_specs(head_dim=136), jnp.bfloat16, {}, r"head dims <= 128, got 136"),
+        (
+            _specs(jnp.float32),
+            jnp.float32,
+            dict(precision=jax.lax.Precision.HIGHEST),
+            "float32 dots as TF32 wgmma .JAX's default precision., the call asks for",
+        ),
+        (
+            _specs(kv_heads=2, mask_heads=4),
+            jnp.bfloat16,
+            {},
+            r"a mask per query head \(4 heads\) over grouped key/value heads \(2\)",
+        ),
+        (_specs(jnp.float32, head_dim=128), jnp.float32, {}, "bytes of shared memory"),
+    ],
+)
+def test_check_says_why(specs, compute_dtype, options, match):
+    """What the kernel cannot take it refuses with the reason ('auto' then moves on)."""
+    q, k, v, bias, mask = specs
+    with _on("NVIDIA H100 80GB HBM3"), pytest.raises(NotImplementedError, match=match):
+        ga.MosaicAttention().check(
+            q, k, v, (bias,), mask, compute_dtype=compute_dtype, options=ga.base.Options(**options),
+            platform="gpu",
+        )  # fmt: skip
+
+
+def test_named_off_a_gpu_says_to_interpret():
+    q, k, v, bias, mask = (jnp.zeros(x.shape, x.dtype) for x in _specs(jnp.float32))
+    with pytest.raises(NotImplementedError, match="GPU only.*interpret=True"):
+        ga.dot_product_attention(q, k, v, bias, mask, implementation="mosaic")
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block_k=96), "block_k must be 64 or 128, got 96"),
+        (dict(block_k=32), "block_k must be None or an int >= 64, got 32"),
+        (dict(bias_grad_programs=0), "bias_grad_programs must be an int >= 1, got 0"),
+        (dict(interpret="yes"), "interpret must be a bool, got 'yes'"),
+    ],
+)
+def test_bad_tuning_is_refused(kwargs, match):
+    error = TypeError if "interpret" in kwargs else ValueError
+    with pytest.raises(error, match=match):
+        ga.MosaicAttention(**kwargs)
