@@ -55,7 +55,9 @@ class MosaicAttention(base.Implementation):
     """Fused attention in Pallas's Mosaic GPU backend for Hopper, bias gradient deterministic.
 
     Attributes:
-      block_k: keys per tile (64 or 128; None: 64, 128 for half precision at head dims <= 64).
+      block_k: keys per tile (64 or 128; None: 128 for half precision at head dims <= 32
+        without the op's further arguments, else 64: the largest that compiled without spills
+        for an H100, benchmark_results/gpu_kernels/h100_mosaic.md).
       bias_grad_programs: about how many programs the dq/bias-gradient kernel should have when a
         bias is shared over the batch; batch rows are grouped so that it does.
       interpret: run the kernels in JAX's Mosaic GPU interpreter (any backend; slow, for tests).
@@ -75,12 +77,13 @@ class MosaicAttention(base.Implementation):
         checks.check_int("bias_grad_programs", self.bias_grad_programs)
         checks.check_bool("interpret", self.interpret)
 
-    def tiles(self, compute_dtype, head_dim: int) -> tuple[int, int]:
-        """(block_q, block_k) for a compute dtype and the larger head dim."""
+    def tiles(self, compute_dtype, head_dim: int, options: bool = False) -> tuple[int, int]:
+        """(block_q, block_k) for a compute dtype, the larger head dim and whether the op's
+        further arguments (pallas_plan.extra_options) are asked."""
         if self.block_k is not None:
             return BLOCK_Q, self.block_k
         half = jnp.dtype(compute_dtype).itemsize == 2
-        return BLOCK_Q, 128 if half and head_dim <= 64 else 64
+        return BLOCK_Q, 128 if half and head_dim <= 32 and not options else 64
 
     def check(
         self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
@@ -112,12 +115,6 @@ class MosaicAttention(base.Implementation):
                     f"{what} computes float32 dots as TF32 wgmma (JAX's default precision), "
                     f"the call asks for {level}"
                 )
-        if key.shape[2] != query.shape[2] and mask is not None and mask.shape[1] > 1:
-            raise NotImplementedError(
-                f"{what} zeroes masked keys per key/value head: a mask per query head "
-                f"({mask.shape[1]} heads) over grouped key/value heads ({key.shape[2]}) is "
-                "not taken"
-            )
         plan = Plan.make(self, query, key, value, biases, mask, 1.0, compute_dtype, options)
         need = shared_memory_bytes(plan)
         if need > SHARED_MEMORY_LIMIT:
@@ -133,11 +130,12 @@ class MosaicAttention(base.Implementation):
         structure = options.structure
         q_len, k_len = query.shape[1], key.shape[1]
         live_q, live_k = structure.live(mask, q_len, k_len)
+        group = query.shape[2] // key.shape[2]
+        if group > 1 and live_k is not None and live_k.shape[1] > 1:
+            # Keys are zeroed where no query sees them, per query head here: each query head
+            # gets its own copy of its key/value head (XLA sums the copies' gradients).
+            key, value = (jnp.repeat(x, group, axis=2) for x in (key, value))
         plan = Plan.make(self, query, key, value, biases, mask, scale, compute_dtype, options)
-        if live_k is not None:  # per key/value head: live for some query head of its group
-            b, n, s = live_k.shape
-            groups = n // key.shape[2] if n > 1 else 1
-            live_k = jnp.any(live_k.reshape(b, n // groups, groups, s), axis=2)
         q = _rows(query, live_q, plan.q_pad, plan.head_dim, compute_dtype)
         k = _rows(key, live_k, plan.k_pad, plan.head_dim, compute_dtype)
         v = _rows(value, live_k, plan.k_pad, plan.value_dim, compute_dtype)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -156,7 +157,8 @@ class Plan:
         batch, q_len, heads, head_dim = query.shape
         k_len = key.shape[1]
         itemsize = jnp.dtype(compute_dtype).itemsize
-        block_q, block_k = impl.tiles(compute_dtype, max(head_dim, value.shape[-1]))
+        extra = bool(options.asked(query, key).keys() - {"precision", "return_residual"})
+        block_q, block_k = impl.tiles(compute_dtype, max(head_dim, value.shape[-1]), extra)
         q_pad, k_pad = pad_to(q_len, block_q), pad_to(k_len, block_k)
 
         def padded(shape):
@@ -198,6 +200,13 @@ class Plan:
         )
 
 
+@functools.cache
+def _load_takes_an_index() -> bool:
+    """plgpu.load(ref, idx, ...) before jax 0.12, plgpu.load(ref, ...) from it on."""
+    _, plgpu = modules()
+    return "idx" in inspect.signature(plgpu.load).parameters
+
+
 @dataclasses.dataclass(frozen=True)
 class Ops:
     """The operations with a compiled (wgmma, register layouts) and an interpreted form."""
@@ -221,7 +230,8 @@ class Ops:
             return ref[...]
         _, plgpu = modules()
         layout = plgpu.Layout.WGMMA if axis is None else plgpu.Layout.WGMMA.reduce(axis)
-        return plgpu.load(ref, (), layout=layout, optimized=False)
+        index = ((),) if _load_takes_an_index() else ()
+        return plgpu.load(ref, *index, layout=layout, optimized=False)
 
     def iota(self, shape, dimension: int):
         if self.interpret:

@@ -143,11 +143,15 @@ def _compile(
         out, vjp, residual = jax.vjp(attend, q, k, v, tuple(biases), has_aux=True)
         return out, residual, vjp(cotangent)
 
+    structure, further = masking.NONE, {}
+    if options:
+        structure = masking.Structure(True, (96, 0), q_lengths=lengths, kv_lengths=lengths)
+        further = dict(logits_soft_cap=30.0, return_residual=True)
+    settings = base.Options(structure=structure, **further)
+    with targets.abstract_gpu(target):  # check() as the op's GPU branch runs it: its own reason
+        impl.check(qkv, kv, kv, biases, mask_spec, compute_dtype=dt, options=settings, platform="gpu")
     targets.compile(step, qkv, kv, kv, tuple(biases), mask_spec, lengths, qkv, target=target)
-    structure = masking.Structure(is_causal=True) if options else masking.NONE
-    plan = mosaic.Plan.make(
-        impl, qkv, kv, kv, biases, mask_spec, 1.0, dt, base.Options(structure=structure)
-    )
+    plan = mosaic.Plan.make(impl, qkv, kv, kv, biases, mask_spec, 1.0, dt, settings)
     return mosaic_kernels.shared_memory_bytes(plan)
 
 

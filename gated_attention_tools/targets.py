@@ -255,6 +255,21 @@ def on_target(tree, name: str):
     return jax.tree.map(lambda x: spec(x.shape, x.dtype, name), tree)
 
 
+def abstract_gpu(target: str):
+    """A context in which the target GPU is the abstract mesh's device: jax >= 0.12 lowers
+    Pallas's Triton calls for its compute capability, Mosaic GPU and platforms.gpu_capability
+    read it; a deviceless compile has no other device to ask."""
+    import jax
+
+    d = device(target)
+    gpu = jax.sharding.AbstractDevice(
+        device_kind=d.device_kind, num_cores=d.core_count, platform="cuda"
+    )
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("device",), abstract_device=gpu)
+    )
+
+
 def compile(fn, *args, target: str, dump_to: str | None = None, static: dict | None = None):  # noqa: A001
     """jax.jit(fn) compiled for the target at these abstract args (moved onto its device);
     `dump_to` a directory for XLA's dumps (the .ptx files of a GPU compile)."""
@@ -263,14 +278,7 @@ def compile(fn, *args, target: str, dump_to: str | None = None, static: dict | N
     args = on_target(args, target)
     jitted = jax.jit(functools.partial(fn, **(static or {})))
     if TARGETS[target].kind == "gpu":
-        # jax >= 0.12 lowers Pallas's Triton calls for the abstract mesh's device (its kind names
-        # the compute capability); the deviceless compile has no other device to ask.
-        d = device(target)
-        gpu = jax.sharding.AbstractDevice(
-            device_kind=d.device_kind, num_cores=d.core_count, platform="cuda"
-        )
-        mesh = jax.sharding.AbstractMesh((1,), ("device",), abstract_device=gpu)
-        with jax.sharding.use_abstract_mesh(mesh):
+        with abstract_gpu(target):
             lowered = jitted.trace(*args).lower()
     else:
         lowered = jitted.lower(*args)

@@ -3,6 +3,8 @@ tests/test_targets.py: each returns plain data the test asserts on."""
 
 from __future__ import annotations
 
+import warnings
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -27,13 +29,18 @@ def auto_choice(target: str, dtype: str, module: bool = False) -> dict:
         return vjp(cotangent)
 
     args = (qkv, qkv, qkv, bias, mask, qkv)
-    with ga.record_implementation_choices() as record:
+    with warnings.catch_warnings(record=True) as caught, ga.record_implementation_choices() as record:
+        warnings.simplefilter("always")
         on_target = targets.compile(step, *args, target=target)
     on_host = jax.jit(step).lower(*args).compile()
 
     def kernels(compiled):
         text = compiled.as_text()
-        return dict(triton="__gpu$xla.gpu.triton" in text, mosaic="tpu_custom_call" in text)
+        return dict(
+            triton="__gpu$xla.gpu.triton" in text,
+            mosaic_gpu='custom_call_target="mosaic_gpu' in text,
+            mosaic_tpu="tpu_custom_call" in text,
+        )
 
     return dict(
         by_platform=record[0]["by_platform"],
@@ -41,6 +48,7 @@ def auto_choice(target: str, dtype: str, module: bool = False) -> dict:
         target=kernels(on_target),
         host=kernels(on_host),
         memory=targets.memory(on_target),
+        warnings=[str(w.message) for w in caught if "triton" in str(w.message).lower()],
         module=module_choice(target) if module else None,
     )
 

@@ -50,3 +50,28 @@ def test_kernels_compile_without_spills_and_use_the_tensor_cores(target):
         assert gpu_kernels.verdict(target, case, stats) == [], (case, stats["kernels"])
         ieee = case["dtype"] == "float32" and case["precision"] == "highest"
         assert all(k["mma"] != ieee for k in stats["kernels"].values()), case  # IEEE: scalar FMA
+
+
+# AF2's form in bfloat16, and float32 (TF32 wgmma) with both bias forms, a full mask and every
+# further argument; the whole matrix: benchmark_results/gpu_kernels/h100_mosaic.md.
+MOSAIC_CASES = [
+    dict(dtype="bfloat16", head_dim=32, bias="shared", mask="key"),
+    dict(dtype="float32", head_dim=16, bias="both", mask="full", options=True),
+]
+
+
+def test_mosaic_kernels_compile_for_hopper_without_spills_on_wgmma():
+    """The Mosaic GPU kernels compiled for an H100 (sm_90a): each of the three compiles with 0
+    spill bytes and wgmma instructions, within the H100's shared memory (mosaic_matrix)."""
+    from gated_attention_tools import mosaic_matrix
+
+    reason = targets.missing("h100")
+    if reason:
+        pytest.skip(f"cannot compile for h100: {reason}")
+    cases = [dict(case, precision="default") for case in MOSAIC_CASES]
+    rows = mosaic_matrix.run(cases, per_child=len(cases), log=lambda line: None)
+    for row in rows:
+        assert "refused" not in row and row["problems"] == [], row
+        assert set(row["kernels"]) == set(mosaic_matrix.KERNELS), row["kernels"]
+        for kernel in row["kernels"].values():
+            assert kernel["arch"] == "sm_90a" and kernel["wgmma"], kernel

@@ -178,12 +178,6 @@ def test_auto_takes_it_on_hopper_only(device_kind, chosen):
             dict(precision=jax.lax.Precision.HIGHEST),
             "float32 dots as TF32 wgmma .JAX's default precision., the call asks for",
         ),
-        (
-            _specs(kv_heads=2, mask_heads=4),
-            jnp.bfloat16,
-            {},
-            r"a mask per query head \(4 heads\) over grouped key/value heads \(2\)",
-        ),
         (_specs(jnp.float32, head_dim=128), jnp.float32, {}, "bytes of shared memory"),
     ],
 )

@@ -29,15 +29,16 @@ def test_a_missing_extra_is_a_reason_to_skip_not_an_error(monkeypatch):
 @pytest.mark.parametrize(
     "target, dtype, chosen, kernel, compute",
     [
-        ("h100", "bfloat16", "pallas", "triton", "bfloat16"),
+        ("h100", "bfloat16", "mosaic", "mosaic_gpu", "bfloat16"),
         ("a100", "float32", "pallas", "triton", "float32"),
-        ("v5e", "bfloat16", "pallas_tpu", "mosaic", "bfloat16"),
+        ("v5e", "bfloat16", "pallas_tpu", "mosaic_tpu", "bfloat16"),
     ],
 )
 def test_auto_chooses_for_the_target_not_the_host(target, dtype, chosen, kernel, compute):
-    """The op's choice per target; on the H100, a bfloat16 Attention module's too: its op computes
-    in bfloat16 on the GPU (the module's cast follows the target, as the op's choice does), the
-    CPU branch staged beside it in float32."""
+    """The op's choice per target (the Mosaic GPU kernel on Hopper, with no word of Pallas's
+    deprecated Triton backend on that path; the Triton kernel on an A100); on the H100, a
+    bfloat16 Attention module's too: its op computes in bfloat16 on the GPU (the module's cast
+    follows the target, as the op's choice does), the CPU branch staged beside it in float32."""
     _need(target)
     kwargs = dict(target=target, dtype=dtype, module=target == "h100")
     got = targets.in_child("tests.target_cases:auto_choice", kwargs)
@@ -53,9 +54,11 @@ def test_auto_chooses_for_the_target_not_the_host(target, dtype, chosen, kernel,
     # The host (CPU) computes half precision in float32 and never takes a GPU kernel.
     host = got["by_platform"]["cpu"]
     assert (host["chosen"], host["compute_dtype"]) == ("xla", "float32"), host
-    for name in ("triton", "mosaic"):
+    for name in ("triton", "mosaic_gpu", "mosaic_tpu"):
         assert got["target"][name] == (name == kernel), (name, got["target"])
         assert not got["host"][name]
+    if kernel != "triton":
+        assert got["warnings"] == [], got["warnings"]
     assert 0 < got["memory"]["peak"] < 2**24
 
 
