@@ -45,6 +45,9 @@ from gated_attention.mosaic_plan import Plan
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 128
+# With a mask or a structure the kernels zero dead rows in shared memory: at head dims above 64
+# that spills registers on an H100 (benchmark_results/gpu_kernels/h100_mosaic.md).
+MAX_HEAD_DIM_MASKED = 64
 BLOCK_Q = 64  # one consumer warpgroup: wgmma's M
 SHARED_MEMORY_LIMIT = 232_448  # an H100's opt-in shared memory per block (227 KiB)
 HOPPER = 9  # wgmma is sm_90a's: Blackwell (sm_100) has tcgen05 instead
@@ -108,6 +111,13 @@ class MosaicAttention(base.Implementation):
                 raise NotImplementedError(
                     f"{what} uses Hopper's wgmma: sm_90 GPUs only, this one is {got}"
                 )
+        masked = mask is not None or not options.structure.trivial
+        if masked and max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM_MASKED:
+            raise NotImplementedError(
+                f"{what} takes head dims <= {MAX_HEAD_DIM_MASKED} with a mask or a causal, "
+                f"window or length mask (more spill registers), got {query.shape[-1]} and "
+                f"{value.shape[-1]}"
+            )
         if jnp.dtype(compute_dtype) == jnp.float32:
             level = pallas.dot_precision(options.precision, compute_dtype, False)
             if level != pallas.dot_precision("default", compute_dtype, False):
@@ -130,19 +140,28 @@ class MosaicAttention(base.Implementation):
         structure = options.structure
         q_len, k_len = query.shape[1], key.shape[1]
         live_q, live_k = structure.live(mask, q_len, k_len)
+        plan = Plan.make(
+            self, query, key, value, biases, mask, scale, compute_dtype, options, live_q is not None
+        )
+        zero = live_q is not None and not plan.live  # float32: in the transposed copies' pass
         group = query.shape[2] // key.shape[2]
-        if group > 1 and live_k is not None and live_k.shape[1] > 1:
-            # Keys are zeroed where no query sees them, per query head here: each query head
-            # gets its own copy of its key/value head (XLA sums the copies' gradients).
+        if zero and group > 1 and live_k.shape[1] > 1:
+            # Keys are zeroed where no query of a head sees them: each query head gets its own
+            # copy of its key/value head (XLA sums the copies' gradients).
             key, value = (jnp.repeat(x, group, axis=2) for x in (key, value))
-        plan = Plan.make(self, query, key, value, biases, mask, scale, compute_dtype, options)
-        q = _rows(query, live_q, plan.q_pad, plan.head_dim, compute_dtype)
-        k = _rows(key, live_k, plan.k_pad, plan.head_dim, compute_dtype)
-        v = _rows(value, live_k, plan.k_pad, plan.value_dim, compute_dtype)
+            plan = dataclasses.replace(plan, kv_heads=plan.heads)
+        q = _rows(query, live_q if zero else None, plan.q_pad, plan.head_dim, compute_dtype)
+        k = _rows(key, live_k if zero else None, plan.k_pad, plan.head_dim, compute_dtype)
+        v = _rows(value, live_k if zero else None, plan.k_pad, plan.value_dim, compute_dtype)
         pair = tuple(_pair(x, shape) for x, shape in zip(biases, plan.bias_shapes, strict=True))
         extras = []
         if mask is not None:
             extras.append(_pair(mask, plan.mask_shape).astype(plan.mask_dtype))
+        if plan.live:  # int32 [B|1, N|1, L] padded: dead rows zeroed inside the kernels
+            for x, real, length in ((live_q, q_len, plan.q_pad), (live_k, k_len, plan.k_pad)):
+                x = jnp.broadcast_to(x, (*x.shape[:2], real))  # [.., 1] from a key mask
+                pad = ((0, 0), (0, 0), (0, length - real))
+                extras.append(jnp.pad(x.astype(jnp.int32), pad))
         if not structure.trivial:
             extras.append(structure.meta(query.shape[0]))
         out, lse = _attention(plan, q, k, v, pair, tuple(extras))

@@ -101,6 +101,41 @@ def _pipeline(plan, rows: int, span, streams, consumed, begin, step, end, carry_
         lax.fori_loop(0, rows, row, jnp.int32(0))
 
 
+def _zero_dead_rows(plan: Plan, ref, live_ref):
+    """Zeroes the rows of a shared-memory tile [rows, width] whose entry of the int32 vector
+    live_ref [rows] is 0: queries with no key, keys no query sees, so that garbage there (NaN,
+    inf) never meets a zero weight in a dot (0 x NaN is NaN)."""
+    pl, plgpu = modules()
+    ops = plan.ops
+    live = ops.load(live_ref, axis=1) != 0
+    width = 128 // jnp.dtype(ref.dtype).itemsize  # one swizzle row's columns at a time
+    for start in range(0, ref.shape[1], width):
+        part = ref.at[:, pl.ds(start, min(width, ref.shape[1] - start))]
+        x = ops.load(part)
+        part[...] = jnp.where(lax.broadcast_in_dim(live, x.shape, (0,)), x, jnp.zeros((), x.dtype))
+    plgpu.commit_smem()  # before the tensor cores read the tile
+
+
+def _vector_source(plan: Plan, ref, b_of, head_of, block_of, size: int):
+    """source(r, j) of an int32 live vector [B|1, N|1, L] in blocks of `size`."""
+    pl, _ = modules()
+
+    def source(r, j):
+        bb = b_of(r) if ref.shape[0] > 1 else 0
+        nn = head_of(r) if ref.shape[1] > 1 else 0
+        return ref.at[bb, nn, pl.ds(block_of(r, j) * size, size)]
+
+    return source
+
+
+def _live_scratch(plan: Plan, size: int) -> list:
+    """DEPTH slots of a live vector and their barriers (when the plan has them)."""
+    if not plan.live:
+        return []
+    _, plgpu = modules()
+    return [plan.smem((DEPTH, size), jnp.int32), plgpu.Barrier(num_barriers=DEPTH)]
+
+
 def _operand(plan: Plan, x, staging):
     """Registers x as a wgmma left operand: as they are in 16-bit types; through the shared-memory
     `staging` tile for float32 (TF32 wgmma reads A from shared memory only)."""
@@ -252,14 +287,11 @@ def _pair_scratch(plan: Plan, transposed: bool = False):
     return out
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: Plan):
+def _forward_kernel(*refs, plan: Plan):
     pl, plgpu = modules()
     ops = plan.ops
-    n_bias = len(plan.bias_shapes)
-    refs = list(refs)
-    bias_refs = [refs.pop(0) for _ in range(n_bias)]
-    mask_ref = refs.pop(0) if plan.mask_shape is not None else None
-    meta_ref = refs.pop(0) if plan.structured else None
+    front, bias_refs, mask_ref, (_, live_k_ref), meta_ref, refs = _split_refs(plan, refs, 3)
+    q_ref, k_ref, v_ref = front
     o_ref, lse_ref = refs.pop(0), refs.pop(0)
     q_smem, q_bar, k_buf, k_bar, v_buf, v_bar, consumed, o_smem, lse_smem, *scratch = refs
     staging = scratch.pop(0) if jnp.dtype(plan.compute_dtype) == jnp.float32 else None
@@ -281,6 +313,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: Plan):
         lambda r, j: j,
     )  # fmt: skip
     streams = [_Stream(k_source, k_buf, k_bar), _Stream(v_source, v_buf, v_bar), *pair]
+    if plan.live:  # keys no query of head n sees: zeroed in v before p @ v
+        live_buf, live_bar = scratch[-2:]
+        source = _vector_source(plan, live_k_ref, lambda r: b, lambda r: n, lambda r, j: j,
+                                plan.block_k)  # fmt: skip
+        streams.append(_Stream(source, live_buf, live_bar))
 
     def begin(r):
         plgpu.copy_gmem_to_smem(
@@ -300,6 +337,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, plan: Plan):
         correction = jnp.exp(m_prev - m)
         p = jnp.exp(s - lax.broadcast_in_dim(m, s.shape, (0,)))
         acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
+        if plan.live:
+            _zero_dead_rows(plan, v_buf.at[slot], live_buf.at[slot])
         acc = ops.dot(_operand(plan, p, staging), v_buf.at[slot], trans_b=plan.tf32, acc=acc)
         return acc, m, l_prev * correction + jnp.sum(p, axis=1)
 
@@ -335,6 +374,7 @@ def forward_scratch(plan: Plan) -> list:
         plan.smem((plan.block_q,), jnp.float32),
         *_staging(plan, plan.block_q, plan.block_k),
         *_pair_scratch(plan),
+        *_live_scratch(plan, plan.block_k),
     ]
 
 
@@ -377,13 +417,14 @@ def _kv_tile(plan: Plan, width: int):
 
 
 def _split_refs(plan: Plan, refs, n_front: int):
-    """refs -> (front refs, bias refs, mask ref, meta ref, rest)."""
+    """refs -> (front refs, bias refs, mask ref, (live_q, live_k) refs, meta ref, rest)."""
     refs = list(refs)
     front = [refs.pop(0) for _ in range(n_front)]
     biases = [refs.pop(0) for _ in range(len(plan.bias_shapes))]
     mask = refs.pop(0) if plan.mask_shape is not None else None
+    live = (refs.pop(0), refs.pop(0)) if plan.live else (None, None)
     meta = refs.pop(0) if plan.structured else None
-    return front, biases, mask, meta, refs
+    return front, biases, mask, live, meta, refs
 
 
 def _dkdv_kernel(*refs, plan: Plan):
@@ -391,7 +432,9 @@ def _dkdv_kernel(*refs, plan: Plan):
     transposed orientation (s.T = k @ q.T [bk, bq]) so that p.T and ds.T are left operands."""
     pl, plgpu = modules()
     ops = plan.ops
-    front, bias_refs, mask_ref, meta_ref, rest = _split_refs(plan, refs, 8 if plan.tf32 else 6)
+    front, bias_refs, mask_ref, live_refs, meta_ref, rest = _split_refs(
+        plan, refs, 8 if plan.tf32 else 6
+    )
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *transposed = front
     qt_ref, dot_ref = transposed if plan.tf32 else (None, None)
     dk_ref, dv_ref, *scratch = rest
@@ -423,6 +466,11 @@ def _dkdv_kernel(*refs, plan: Plan):
         transposed=True,
     )  # fmt: skip
     streams += pair
+    if plan.live:  # queries of head(r) with no key: zeroed in q before ds.T @ q
+        live_buf, live_bar = scratch[-2:]
+        source = _vector_source(plan, live_refs[0], lambda r: b, head, lambda r, i: i,
+                                plan.block_q)  # fmt: skip
+        streams.append(_Stream(source, live_buf, live_bar))
 
     @pl.when(lax.axis_index("wg") == 0)
     def _():
@@ -452,6 +500,8 @@ def _dkdv_kernel(*refs, plan: Plan):
         ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, (1,)))
         if cap_grad is not None:
             ds = ds * cap_grad
+        if plan.live:
+            _zero_dead_rows(plan, q_buf.at[slot], live_buf.at[slot])
         if plan.tf32:
             dv = ops.dot(_operand(plan, p, staging), dot_buf.at[slot], trans_b=True, acc=dv)
             dk = ops.dot(_operand(plan, ds, staging), qt_buf.at[slot], trans_b=True, acc=dk)
@@ -491,7 +541,9 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
     read-modify-write of this program's own tiles, so no two programs touch one tile."""
     pl, plgpu = modules()
     ops = plan.ops
-    front, bias_refs, mask_ref, meta_ref, rest = _split_refs(plan, refs, 7 if plan.tf32 else 6)
+    front, bias_refs, mask_ref, live_refs, meta_ref, rest = _split_refs(
+        plan, refs, 7 if plan.tf32 else 6
+    )
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *transposed = front
     kt_ref = transposed[0] if plan.tf32 else None
     n_bias = len(plan.bias_shapes)
@@ -517,6 +569,11 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
         plan, bias_refs, mask_ref, scratch, b_of, lambda r: n, lambda r, j: i, lambda r, j: j
     )
     streams += pair
+    if plan.live:  # keys no query of head n sees: zeroed in k and v before ds @ k, do @ v.T
+        live_buf, live_bar = scratch[-2:]
+        source = _vector_source(plan, live_refs[1], b_of, lambda r: n, lambda r, j: j,
+                                plan.block_k)  # fmt: skip
+        streams.append(_Stream(source, live_buf, live_bar))
 
     def dbias_view(t, b, j):
         shape, ref = plan.bias_shapes[t], dbias_refs[t]
@@ -577,6 +634,9 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
     def step(r, j, slot, dq):
         b = b_of(r)
         st = _meta(meta_ref, b)
+        if plan.live:
+            _zero_dead_rows(plan, k_buf.at[slot], live_buf.at[slot])
+            _zero_dead_rows(plan, v_buf.at[slot], live_buf.at[slot])
         s = ops.dot(q_smem, k_buf.at[slot], trans_b=True)
         biases = [
             _widen(plan, buf.at[slot], shape)
@@ -637,7 +697,8 @@ def dkdv_scratch(plan: Plan) -> list:
     if plan.tf32:
         for w in (plan.head_dim, plan.value_dim):
             scratch += [operand((DEPTH, w, plan.block_q)), barrier()]
-    return scratch + _staging(plan, plan.block_k, plan.block_q) + _pair_scratch(plan, True)
+    scratch += _staging(plan, plan.block_k, plan.block_q) + _pair_scratch(plan, True)
+    return scratch + _live_scratch(plan, plan.block_q)
 
 
 def dq_scratch(plan: Plan) -> list:
@@ -664,7 +725,8 @@ def dq_scratch(plan: Plan) -> list:
     ]  # fmt: skip
     if plan.tf32:
         scratch += [operand((DEPTH, plan.head_dim, plan.block_k)), barrier()]
-    return scratch + _staging(plan, plan.block_q, plan.block_k) + rmw + _pair_scratch(plan)
+    scratch += _staging(plan, plan.block_q, plan.block_k) + rmw + _pair_scratch(plan)
+    return scratch + _live_scratch(plan, plan.block_k)
 
 
 def backward(plan: Plan, residuals, cotangents):
@@ -677,7 +739,7 @@ def backward(plan: Plan, residuals, cotangents):
     delta = delta - d_lse.astype(jnp.float32)
     d_out = d_out.astype(cdt)
     mask = extras[0] if plan.mask_shape is not None else None
-    meta = extras[-1:] if plan.structured else ()
+    after_mask = extras[1:] if mask is not None else extras  # live vectors, then meta
     flip = lambda x: jnp.swapaxes(x, 2, 3) if x.shape[2] > 1 and x.shape[3] > 1 else x  # noqa: E731
     pair_t = (*(flip(x) for x in biases), *(() if mask is None else (flip(mask),)))
     tr = lambda *xs: tuple(jnp.transpose(x, (0, 2, 3, 1)) for x in xs) if plan.tf32 else ()  # noqa: E731
@@ -687,7 +749,7 @@ def backward(plan: Plan, residuals, cotangents):
         ("b", "n", "j"),
         (jax.ShapeDtypeStruct(k.shape, cdt), jax.ShapeDtypeStruct(v.shape, cdt)),
         dkdv_scratch(plan),
-        (q, k, v, d_out, lse, delta, *tr(q, d_out), *pair_t, *meta),
+        (q, k, v, d_out, lse, delta, *tr(q, d_out), *pair_t, *after_mask),
         "gated_attention_mosaic_dkdv",
     )
 

@@ -89,7 +89,8 @@ class Plan:
     mask_shape: tuple | None
     causal: bool
     window: tuple | None
-    structured: bool  # causal, window or lengths: the [B, 4] meta ref
+    structured: bool  # causal, window or lengths: the [B, 3] meta ref
+    live: bool  # int32 live-query and live-key vectors, dead rows zeroed in shared memory
     soft_cap: float | None
     groups: int  # batch-row groups of the dq/bias-gradient kernel (pallas.py's scheme)
     warpgroups: int = 2  # 2: a producer and a consumer; 1: one does both (interpreter only)
@@ -153,7 +154,9 @@ class Plan:
         return plgpu.SMEM(tuple(shape), dtype, transforms=transforms)
 
     @classmethod
-    def make(cls, impl, query, key, value, biases, mask, scale, compute_dtype, options):
+    def make(
+        cls, impl, query, key, value, biases, mask, scale, compute_dtype, options, live=False
+    ):
         batch, q_len, heads, head_dim = query.shape
         k_len = key.shape[1]
         itemsize = jnp.dtype(compute_dtype).itemsize
@@ -194,6 +197,7 @@ class Plan:
             causal=structure.is_causal,
             window=structure.window,
             structured=not structure.trivial,
+            live=bool(live) and jnp.dtype(compute_dtype) != jnp.float32,
             soft_cap=options.logits_soft_cap,
             groups=groups,
             warpgroups=INTERPRET_WARPGROUPS if impl.interpret else 2,

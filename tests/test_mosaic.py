@@ -178,7 +178,8 @@ def test_auto_takes_it_on_hopper_only(device_kind, chosen):
             dict(precision=jax.lax.Precision.HIGHEST),
             "float32 dots as TF32 wgmma .JAX's default precision., the call asks for",
         ),
-        (_specs(jnp.float32, head_dim=128), jnp.float32, {}, "bytes of shared memory"),
+        (_specs(jnp.float32, head_dim=128)[:4] + (None,), jnp.float32, {}, "bytes of shared memory"),
+        (_specs(head_dim=128), jnp.bfloat16, {}, "head dims <= 64 with a mask or a causal"),
     ],
 )
 def test_check_says_why(specs, compute_dtype, options, match):
