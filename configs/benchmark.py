@@ -48,14 +48,23 @@ DEVICE_SHAPES = (
     ("triangle 512 h4x32", 512, 512, 4, 32),
     ("long 1x16384 h8x32", 1, 16384, 8, 32),  # one sequence of 16,384 tokens, shared bias
 )
-_OURS = ("auto", "pallas", "cudnn", "xla", "chunked", "pallas_tpu")
+_OURS = ("auto", "mosaic", "pallas", "cudnn", "xla", "chunked", "pallas_tpu")
 DEVICE_VARIANTS = (*_OURS, "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold", "ours", "af2")
-# (level, shape, dtype, mode, variant, against, largest ratio): ours ('auto') against jax.nn.
-DEVICE_GOALS = tuple(
-    ("op", shape, "bfloat16", "forward_backward", "auto", against, limit)
-    for shape in ("msa_row 512x384 h8x32", "triangle 1024 h4x32")
-    for against, limit in (("jax_nn_cudnn", 1.0), ("jax_nn_xla", 0.5))
-) + tuple(("op", s[0], "float32", "forward", "auto", "jax_nn_xla", 0.7) for s in DEVICE_SHAPES)
+# (level, shape, dtype, mode, variant, against, largest ratio): ours ('auto') against jax.nn;
+# the Mosaic GPU kernel against the Triton one and cuDNN (issue 37).
+DEVICE_GOALS = (
+    tuple(
+        ("op", shape, "bfloat16", "forward_backward", "auto", against, limit)
+        for shape in ("msa_row 512x384 h8x32", "triangle 1024 h4x32")
+        for against, limit in (("jax_nn_cudnn", 1.0), ("jax_nn_xla", 0.5))
+    )
+    + tuple(("op", s[0], "float32", "forward", "auto", "jax_nn_xla", 0.7) for s in DEVICE_SHAPES)
+    + tuple(
+        ("op", shape, "bfloat16", "forward_backward", "mosaic", against, 1.0)
+        for shape in ("msa_row 512x384 h8x32", "triangle 1024 h4x32")
+        for against in ("pallas", "jax_nn_cudnn")
+    )
+)
 # The gpu preset's, a longer sweep:
 GPU_SHAPES = (
     ("msa_row 512x384 h8x32", 512, 384, 8, 32),  # MSA row attention with pair bias

@@ -28,6 +28,11 @@ both operands K-major, so in float32 the kernels also read transposed copies of 
 q, dO, k and of the full-tile biases and masks (backward); the dk/dv kernel reads transposed
 copies of full-tile biases and masks in every dtype.
 
+Files: this one, the implementation (check, tiles, __call__: the inputs' preparation);
+mosaic_plan.py, the static facts of a call (Plan) and the operations with an interpreted form
+(Ops); mosaic_tiles.py, the pipeline and the tiles the kernels share; mosaic_kernels.py, the
+three kernels, their scratch and launches.
+
 `interpret=True` runs the same kernels in JAX's Mosaic GPU interpreter on any backend, with the
 few operations it lacks replaced (mosaic_plan.Ops: wgmma, register layouts), how they are tested
 without a GPU.
@@ -107,7 +112,7 @@ class MosaicAttention(base.Implementation):
         if not self.interpret:
             capability = platforms.gpu_capability()
             if capability is None or capability[0] != HOPPER:
-                got = "unknown" if capability is None else "sm_%d%d" % capability
+                got = "unknown" if capability is None else f"sm_{capability[0]}{capability[1]}"
                 raise NotImplementedError(
                     f"{what} uses Hopper's wgmma: sm_90 GPUs only, this one is {got}"
                 )

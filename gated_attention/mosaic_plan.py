@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import jax
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -42,7 +42,9 @@ def interpret_params():
     _, plgpu = modules()
     params = getattr(plgpu, "InterpretGPUParams", None)
     if params is None:  # jax 0.10
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+        from jax._src.pallas.mosaic_gpu.interpret import params as module
+
+        params = module.InterpretGPUParams
     return params()
 
 
@@ -154,9 +156,7 @@ class Plan:
         return plgpu.SMEM(tuple(shape), dtype, transforms=transforms)
 
     @classmethod
-    def make(
-        cls, impl, query, key, value, biases, mask, scale, compute_dtype, options, live=False
-    ):
+    def make(cls, impl, query, key, value, biases, mask, scale, compute_dtype, options, live=False):
         batch, q_len, heads, head_dim = query.shape
         k_len = key.shape[1]
         itemsize = jnp.dtype(compute_dtype).itemsize

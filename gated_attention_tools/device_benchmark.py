@@ -7,7 +7,7 @@ attention, the vjp at a cotangent passed in as an argument (as a model's backwar
   level 'op': q, k, v [B, T, N, H], a bias [1, N, T, S] shared over the batch, a key mask
     [B, 1, 1, S] (the last tenth of the keys masked); the gradients of q, k, v and the bias.
     Variants (OP_VARIANTS):
-      auto, pallas, cudnn, xla, chunked, pallas_tpu
+      auto, mosaic, pallas, cudnn, xla, chunked, pallas_tpu
                       gated_attention.dot_product_attention with that implementation ('auto'
                       records what it chose); one that does not take the case says why;
       jax_nn_xla      jax.nn.dot_product_attention(implementation='xla'): XLA's attention, the
@@ -60,7 +60,7 @@ import numpy as np
 import gated_attention as ga
 from gated_attention_tools import benchmark, child, measure
 
-OURS_OP = ("auto", "pallas", "cudnn", "xla", "chunked", "pallas_tpu")
+OURS_OP = ("auto", "mosaic", "pallas", "cudnn", "xla", "chunked", "pallas_tpu")
 OP_VARIANTS = (*OURS_OP, "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold", "tokamax")
 MODULE_VARIANTS = ("ours", "af2")
 VARIANTS = {"op": OP_VARIANTS, "module": MODULE_VARIANTS}
@@ -155,6 +155,8 @@ def attention_fn(variant: str, dtype, *, interpret: bool = False) -> Callable:
         impl = variant
         if variant == "pallas":
             impl = ga.PallasAttention(interpret=interpret)
+        elif variant == "mosaic":
+            impl = ga.MosaicAttention(interpret=interpret)
         elif variant == "pallas_tpu":
             impl = ga.PallasTpuAttention(interpret=interpret)
         return lambda q, k, v, bias, mask: ga.dot_product_attention(

@@ -149,7 +149,9 @@ def _compile(
         further = dict(logits_soft_cap=30.0, return_residual=True)
     settings = base.Options(structure=structure, **further)
     with targets.abstract_gpu(target):  # check() as the op's GPU branch runs it: its own reason
-        impl.check(qkv, kv, kv, biases, mask_spec, compute_dtype=dt, options=settings, platform="gpu")
+        impl.check(
+            qkv, kv, kv, biases, mask_spec, compute_dtype=dt, options=settings, platform="gpu"
+        )
     targets.compile(step, qkv, kv, kv, tuple(biases), mask_spec, lengths, qkv, target=target)
     plan = mosaic.Plan.make(impl, qkv, kv, kv, biases, mask_spec, 1.0, dt, settings)
     return mosaic_kernels.shared_memory_bytes(plan)
@@ -175,7 +177,9 @@ def verdict(case: dict[str, Any], stats: dict[str, Any]) -> list[str]:
         if not k["wgmma"]:
             problems.append(f"{name}: no wgmma")
     if stats["shared_memory_bytes"] > mosaic.SHARED_MEMORY_LIMIT:
-        problems.append(f"shared memory {stats['shared_memory_bytes']} > {mosaic.SHARED_MEMORY_LIMIT}")
+        problems.append(
+            f"shared memory {stats['shared_memory_bytes']} > {mosaic.SHARED_MEMORY_LIMIT}"
+        )
     return problems
 
 
@@ -194,7 +198,9 @@ def run(cases, target: str = "h100", per_child: int = 8, log=print) -> list[dict
                     dict(cases=batch, target=target),
                 )
             except RuntimeError as e:  # the child died: every case of it fails
-                results = [dict(kernels={}, shared_memory_bytes=0, error=str(e)[-200:])] * len(batch)
+                results = [dict(kernels={}, shared_memory_bytes=0, error=str(e)[-200:])] * len(
+                    batch
+                )
             for case, stats in zip(batch, results, strict=True):
                 row = dict(case=case, **stats, problems=verdict(case, stats))
                 rows.append(row)

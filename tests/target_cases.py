@@ -29,7 +29,10 @@ def auto_choice(target: str, dtype: str, module: bool = False) -> dict:
         return vjp(cotangent)
 
     args = (qkv, qkv, qkv, bias, mask, qkv)
-    with warnings.catch_warnings(record=True) as caught, ga.record_implementation_choices() as record:
+    with (
+        warnings.catch_warnings(record=True) as caught,
+        ga.record_implementation_choices() as record,
+    ):
         warnings.simplefilter("always")
         on_target = targets.compile(step, *args, target=target)
     on_host = jax.jit(step).lower(*args).compile()

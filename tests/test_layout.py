@@ -28,7 +28,7 @@ LAYERS = {
     },
 }  # fmt: skip
 # Each kernel family's own modules sit beside it.
-FAMILIES = ("chunked_", "pallas")
+FAMILIES = ("chunked_", "mosaic", "pallas")
 
 
 def _layer(module: str) -> int:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import masking, mosaic, mosaic_kernels, mosaic_plan
+from gated_attention import masking, mosaic, mosaic_plan, mosaic_tiles
 from tests import implementation_harness as harness
 from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
@@ -102,7 +102,9 @@ def test_key_loops_skip_exactly_the_tiles_the_structure_masks_whole():
     """key_blocks (forward, dq) and query_blocks (dk/dv) against the brute-force mask, in the
     kernels' tiles of 64 queries x 64 keys (masking's one rule)."""
     b, t, s, n, k, h = harness.WIDE
-    lengths = {key: harness.STRUCTURED[key] for key in ("query_seq_lengths", "key_value_seq_lengths")}
+    lengths = {
+        key: harness.STRUCTURED[key] for key in ("query_seq_lengths", "key_value_seq_lengths")
+    }
     sd = jax.ShapeDtypeStruct
     q, kv = sd((b, t, n, h), jnp.float32), sd((b, s, k, h), jnp.float32)
     impl = ga.MosaicAttention(block_k=64, interpret=True)
@@ -113,15 +115,15 @@ def test_key_loops_skip_exactly_the_tiles_the_structure_masks_whole():
         plan = mosaic.Plan.make(impl, q, kv, kv, (), None, 1.0, jnp.float32, options)
         allowed = harness.allowed_by(t, s, kw)[:, 0]
         for row in range(b):
-            st = mosaic_kernels._Meta(0, *(x[row] for x in lengths.values()))
+            st = mosaic_tiles.Meta(0, *(x[row] for x in lengths.values()))
             per_tile = np.pad(allowed[row], ((0, -t % 64), (0, -s % 64)))
             per_tile = per_tile.reshape(-(-t // 64), 64, -(-s // 64), 64).any(axis=(1, 3))
             for i, tiles_row in enumerate(per_tile):
-                lo, hi = (int(x) for x in mosaic_kernels.key_blocks(plan, st, i))
+                lo, hi = (int(x) for x in mosaic_tiles.key_blocks(plan, st, i))
                 live = tiles_row.nonzero()[0]
                 assert (lo, hi) == ((live[0], live[-1] + 1) if live.size else (lo, lo)), (kw, i)
             for j, tiles_column in enumerate(per_tile.T):
-                lo, hi = (int(x) for x in mosaic_kernels.query_blocks(plan, st, j))
+                lo, hi = (int(x) for x in mosaic_tiles.query_blocks(plan, st, j))
                 live = tiles_column.nonzero()[0]
                 assert (lo, hi) == ((live[0], live[-1] + 1) if live.size else (lo, lo)), (kw, j)
 
@@ -164,7 +166,9 @@ def test_auto_takes_it_on_hopper_only(device_kind, chosen):
         )
     assert impl.name == chosen, reason
     if chosen == "pallas":
-        assert "mosaic refused: the Mosaic GPU kernel uses Hopper's wgmma: sm_90 GPUs only" in reason
+        assert (
+            "mosaic refused: the Mosaic GPU kernel uses Hopper's wgmma: sm_90 GPUs only" in reason
+        )
 
 
 @pytest.mark.parametrize(
@@ -178,7 +182,12 @@ def test_auto_takes_it_on_hopper_only(device_kind, chosen):
             dict(precision=jax.lax.Precision.HIGHEST),
             "float32 dots as TF32 wgmma .JAX's default precision., the call asks for",
         ),
-        (_specs(jnp.float32, head_dim=128)[:4] + (None,), jnp.float32, {}, "bytes of shared memory"),
+        (
+            _specs(jnp.float32, head_dim=128)[:4] + (None,),
+            jnp.float32,
+            {},
+            "bytes of shared memory",
+        ),
         (_specs(head_dim=128), jnp.bfloat16, {}, "head dims <= 64 with a mask or a causal"),
     ],
 )
