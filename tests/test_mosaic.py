@@ -7,6 +7,9 @@ The interpreter runs the kernels' TMA copies, barriers, slots and loops; it cann
 with a transposed or register operand, register layouts or `plgpu.load`, which mosaic_plan.Ops
 replaces by jnp there (the compiled forms are checked by the H100 compile below)."""
 
+import functools
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,3 +223,24 @@ def test_bad_tuning_is_refused(kwargs, match):
     error = TypeError if "interpret" in kwargs else ValueError
     with pytest.raises(error, match=match):
         ga.MosaicAttention(**kwargs)
+
+
+def test_without_the_triton_backend_hopper_keeps_its_kernel_and_an_a100_moves_on(monkeypatch):
+    """On a JAX without Pallas's Triton backend (simulated: its module fails to import), 'auto'
+    still takes the Mosaic kernel on an H100, and on an A100 moves past both kernels with their
+    reasons (wgmma's architecture, the missing backend and the JAX version) to cuDNN."""
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.triton", None)
+    q, k, v, bias, mask = _specs()
+    choose = functools.partial(
+        ga.Auto().choose, q, k, v, (bias,), mask, compute_dtype=jnp.bfloat16, platform="gpu"
+    )
+    with _on("NVIDIA H100 80GB HBM3"):
+        assert choose()[0].name == "mosaic"
+    with _on("NVIDIA A100-SXM4-80GB"):
+        impl, reason = choose()
+    assert impl.name == "cudnn", reason
+    assert (
+        "mosaic refused: the Mosaic GPU kernel uses Hopper's wgmma: sm_90 GPUs only, this one is sm_80"
+        in reason
+    )
+    assert f"pallas refused: Pallas's Triton backend is not in jax {jax.__version__}" in reason
