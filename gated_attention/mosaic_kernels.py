@@ -486,8 +486,12 @@ def backward(plan: Plan, residuals, cotangents):
         "gated_attention_mosaic_dkdv",
     )
 
-    if plan.interpret:  # one interpreted kernel at a time (mosaic_plan.serialize)
-        dk, dv, q = lax.optimization_barrier((dk, dv, q))
+    if plan.live:  # keys no query head of the group sees: no gradient (NaN garbage in v there)
+        live_k = after_mask[1] != 0  # [B|1, N|1, S]
+        if live_k.shape[1] > 1:  # per query head: seen by some head of the group
+            live_k = jnp.any(live_k.reshape(live_k.shape[0], -1, plan.group, live_k.shape[2]), 2)
+        seen = jnp.swapaxes(live_k, 1, 2)[..., None]  # [B|1, S, K|1, 1]
+        dk, dv = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (dk, dv))
     shapes = [dbias_shape(plan, shape, batch) for shape in plan.bias_shapes]
     dq, *partials = plan.launch(
         functools.partial(_dq_dbias_kernel, batch=batch),

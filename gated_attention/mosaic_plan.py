@@ -21,6 +21,8 @@ import inspect
 import jax.numpy as jnp
 from jax import lax
 
+from gated_attention.pallas_plan import extra_options
+
 DEPTH = 2  # pipeline slots: the producer loads step t + 1 while the consumer computes step t
 # Warpgroups of an interpreted kernel. Two (producer and consumer, as compiled) run in the
 # interpreter only where its kernel is the whole program (eager): inside a larger jitted program
@@ -160,7 +162,7 @@ class Plan:
         batch, q_len, heads, head_dim = query.shape
         k_len = key.shape[1]
         itemsize = jnp.dtype(compute_dtype).itemsize
-        extra = bool(options.asked(query, key).keys() - {"precision", "return_residual"})
+        extra = extra_options(options, query, key)
         block_q, block_k = impl.tiles(compute_dtype, max(head_dim, value.shape[-1]), extra)
         q_pad, k_pad = pad_to(q_len, block_q), pad_to(k_len, block_k)
 

@@ -244,3 +244,42 @@ def test_without_the_triton_backend_hopper_keeps_its_kernel_and_an_a100_moves_on
         in reason
     )
     assert f"pallas refused: Pallas's Triton backend is not in jax {jax.__version__}" in reason
+
+
+def test_half_precision_zeroes_dead_rows_in_shared_memory():
+    """In half precision the kernels zero queries with no key and keys no query sees as their
+    tiles arrive (no copy of q, k, v): NaN and inf there change nothing, forward or backward,
+    across several tiles and slots (bfloat16, a query-and-key mask with dead rows and columns,
+    grouped heads)."""
+    rng = np.random.default_rng(13)
+    b, t, s, n, kv, h = 2, 70, 130, 2, 1, 16
+    q = rng.normal(size=(b, t, n, h)).astype(np.float32)
+    k, v = (rng.normal(size=(b, s, kv, h)).astype(np.float32) for _ in range(2))
+    cot = rng.normal(size=(b, t, n, h)).astype(np.float32)
+    mask = rng.random((b, 1, t, s)) > 0.3
+    mask[:, :, [3, 65], :] = False  # dead queries
+    mask[:, :, :, [5, 129]] = False  # dead keys
+    dirty = [x.copy() for x in (q, k, v)]
+    dirty[0][:, [3, 65]] = [np.nan, np.inf][0]
+    dirty[1][:, 5], dirty[2][:, 129] = np.nan, np.inf
+
+    @jax.jit
+    def run(q, k, v):
+        def attend(q, k, v):
+            return ga.dot_product_attention(
+                q, k, v, mask=jnp.asarray(mask), implementation=INTERPRETED, compute_dtype="input"
+            ).astype(jnp.float32)
+
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(jnp.asarray(cot))
+
+    clean = run(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)))
+    garbage = run(*(jnp.asarray(x, jnp.bfloat16) for x in dirty))
+    # A row with no key is the uniform average of the values as given (numerics.py): inf there.
+    live = np.setdiff1d(np.arange(t), [3, 65])
+    pairs = [(garbage[0][:, live], clean[0][:, live])]
+    pairs += list(zip(garbage[1], clean[1], strict=True))
+    for name, (a, c) in zip(("out", "dq", "dk", "dv"), pairs, strict=True):
+        a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
+        assert np.isfinite(a).all(), name
+        np.testing.assert_array_equal(a, c, err_msg=name)
