@@ -120,7 +120,7 @@ class MosaicAttention(base.Implementation):
         if masked and max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM_MASKED:
             raise NotImplementedError(
                 f"{what} takes head dims <= {MAX_HEAD_DIM_MASKED} with a mask or a causal, "
-                f"window or length mask (more spill registers), got {query.shape[-1]} and "
+                f"window or length mask (above, the kernels spill registers), got {query.shape[-1]} and "
                 f"{value.shape[-1]}"
             )
         if jnp.dtype(compute_dtype) == jnp.float32:
