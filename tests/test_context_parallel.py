@@ -161,9 +161,10 @@ def test_a_causal_ring_skips_hidden_blocks_and_the_errors():
         ga.XlaAttention(),
         ga.ChunkedAttention(query_chunk_size=8, key_chunk_size=8),
         ga.PallasAttention(block_q=16, block_k=16, interpret=True),
+        ga.MosaicAttention(interpret=True),
         ga.PallasTpuAttention(interpret=True),
     ],
-    ids=["xla", "chunked", "pallas", "pallas_tpu"],
+    ids=["xla", "chunked", "pallas", "mosaic", "pallas_tpu"],
 )
 def test_the_residual_carries_its_gradient_when_asked(impl):
     """options.residual_gradient (what the ring's merge differentiates through): the gradients of

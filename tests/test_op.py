@@ -109,6 +109,7 @@ def test_names_and_instances():
         "xla": ga.XlaAttention(),
         "chunked": ga.ChunkedAttention(),
         "cudnn": ga.CudnnAttention(),
+        "mosaic": ga.MosaicAttention(),
         "pallas": ga.PallasAttention(),
         "pallas_tpu": ga.PallasTpuAttention(),
     }
@@ -131,7 +132,8 @@ def test_names_and_instances():
         (
             "flash",
             ValueError,
-            r"implementation must be one of \('auto', 'xla', 'chunked', 'cudnn', 'pallas', 'pallas_tpu'\)",
+            r"implementation must be one of \('auto', 'xla', 'chunked', 'cudnn', 'mosaic', 'pallas', "
+            r"'pallas_tpu'\)",
         ),
         (("xla", "flash"), ValueError, r"implementation\[1\] must be one of \('auto', 'xla'"),
         ((), ValueError, "implementation must not be an empty sequence"),
