@@ -126,6 +126,24 @@ def query_span(
     return _span(k_first, k_last, flip(upper), flip(lower), q_start, stop, every)
 
 
+def key_tiles(first, block_q: int, block_k: int, is_causal, window, kv_len: int, q_length=None,
+              kv_length=None):  # fmt: skip
+    """[lo, hi): the tiles of block_k keys that some query of the block_q queries from position
+    `first` may attend: what a kernel's loop over key tiles runs (one row's lengths)."""
+    lo, hi = key_span(first, first + block_q - 1, is_causal, window, kv_len, q_length, kv_length)
+    return tiles(lo, hi, block_k)
+
+
+def query_tiles(k_first, block_k: int, block_q: int, is_causal, window, offset, q_len: int,
+                q_length=None, kv_length=None):  # fmt: skip
+    """[lo, hi): the tiles of block_q local queries (position offset + local index) with a query
+    that may attend some of the block_k keys from `k_first`: key_tiles' converse."""
+    lo, hi = query_span(
+        k_first, k_first + block_k - 1, is_causal, window, offset, q_len, q_length, kv_length
+    )
+    return tiles(lo - offset, hi - offset, block_q)
+
+
 def tiles(lo, hi, size: int):
     """[first, stop): the tiles of `size` positions that [lo, hi) touches (first == stop when
     it is empty); ints stay ints, traced values give int32."""

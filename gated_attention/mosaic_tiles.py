@@ -205,24 +205,20 @@ def key_blocks(plan: Plan, st, i):
     """[lo, hi): the key blocks some query of query block i may attend."""
     if st is None:
         return jnp.int32(0), jnp.int32(plan.k_blocks)
-    first = st.offset + i * plan.block_q
-    lo, hi = masking.key_span(
-        first, first + plan.block_q - 1, plan.causal, plan.window, plan.k_len, st.q_length,
-        st.kv_length,
+    return masking.key_tiles(
+        st.offset + i * plan.block_q, plan.block_q, plan.block_k, plan.causal, plan.window,
+        plan.k_len, st.q_length, st.kv_length,
     )  # fmt: skip
-    return masking.tiles(lo, hi, plan.block_k)
 
 
 def query_blocks(plan: Plan, st, j):
     """[lo, hi): the query blocks with a query that may attend some key of key block j."""
     if st is None:
         return jnp.int32(0), jnp.int32(plan.q_blocks)
-    k_first = j * plan.block_k
-    lo, hi = masking.query_span(
-        k_first, k_first + plan.block_k - 1, plan.causal, plan.window, st.offset, plan.q_len,
-        st.q_length, st.kv_length,
+    return masking.query_tiles(
+        j * plan.block_k, plan.block_k, plan.block_q, plan.causal, plan.window, st.offset,
+        plan.q_len, st.q_length, st.kv_length,
     )  # fmt: skip
-    return masking.tiles(lo - st.offset, hi - st.offset, plan.block_q)
 
 
 def logits(plan: Plan, s, bias_tiles, mask_tile, st, i, j, transposed: bool = False):

@@ -81,24 +81,20 @@ class _Tiles:
         plan = self.plan
         if st is None:
             return 0, -(-self.k_len // plan.block_k)
-        first = st.offset + i * plan.block_q
-        lo, hi = masking.key_span(
-            first, first + plan.block_q - 1, plan.causal, plan.window, self.k_len, st.q_length,
-            st.kv_length,
+        return masking.key_tiles(
+            st.offset + i * plan.block_q, plan.block_q, plan.block_k, plan.causal, plan.window,
+            self.k_len, st.q_length, st.kv_length,
         )  # fmt: skip
-        return masking.tiles(lo, hi, plan.block_k)
 
     def query_blocks(self, st: _Structure | None, j):
         """[lo, hi): the query blocks with some query that may attend a key of key block j."""
         plan = self.plan
         if st is None:
             return 0, -(-self.q_len // plan.block_q)
-        k_first = j * plan.block_k
-        lo, hi = masking.query_span(
-            k_first, k_first + plan.block_k - 1, plan.causal, plan.window, st.offset, self.q_len,
-            st.q_length, st.kv_length,
+        return masking.query_tiles(
+            j * plan.block_k, plan.block_k, plan.block_q, plan.causal, plan.window, st.offset,
+            self.q_len, st.q_length, st.kv_length,
         )  # fmt: skip
-        return masking.tiles(lo - st.offset, hi - st.offset, plan.block_q)
 
     def span(self, index: int, block: int, length: int):
         pl, _ = _pallas()

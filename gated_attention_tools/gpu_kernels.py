@@ -52,6 +52,57 @@ def case_name(case: dict[str, Any]) -> str:
     ) + (" +options" if case.get("options") else "")
 
 
+def case_program(
+    impl, dtype, head_dim, bias, mask, precision=None, options=False, batch=2, q_len=200,
+    k_len=136, heads=2,
+):  # fmt: skip
+    """(step, abstract args) of one case: the op's forward and vjp with `impl`. `bias` a
+    BIASES form, `mask` a MASKS form; with `options`, the op's further arguments too: one
+    key/value head under the query heads, causal, a (96, 0) window, both sequence lengths
+    (traced), a soft cap and the residual."""
+    import jax
+    import jax.numpy as jnp
+
+    import gated_attention as ga
+
+    dt = jnp.dtype(dtype)
+    qkv = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dt)
+    kv = jax.ShapeDtypeStruct((batch, k_len, 1 if options else heads, head_dim), dt)
+    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32) if options else None
+    shapes = dict(
+        shared=[(1, heads, q_len, k_len)],
+        per_row=[(batch, heads, q_len, k_len)],
+        both=[(1, heads, q_len, k_len), (batch, heads, q_len, k_len)],
+        none=[],
+    )[bias]
+    biases = tuple(jax.ShapeDtypeStruct(s, dt) for s in shapes)
+    mask_shape = dict(key=(batch, 1, 1, k_len), full=(batch, heads, q_len, k_len), none=None)[mask]
+    mask_spec = None if mask_shape is None else jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
+
+    def step(q, k, v, biases, mask, lengths, cotangent):
+        extra = {}
+        if options:
+            extra = dict(
+                is_causal=True,
+                local_window_size=(96, 0),
+                query_seq_lengths=lengths,
+                key_value_seq_lengths=lengths,
+                logits_soft_cap=30.0,
+            )
+
+        def attend(q, k, v, biases):  # -> (out, residual or None)
+            result = ga.dot_product_attention(
+                q, k, v, list(biases) or None, mask, implementation=impl, compute_dtype="input",
+                precision=precision, return_residual=options, **extra,
+            )  # fmt: skip
+            return result if options else (result, None)
+
+        out, vjp, residual = jax.vjp(attend, q, k, v, tuple(biases), has_aux=True)
+        return out, residual, vjp(cotangent)
+
+    return step, (qkv, kv, kv, biases, mask_spec, lengths, qkv)
+
+
 def kernel_stats(
     target: str,
     dtype: str,
@@ -69,65 +120,23 @@ def kernel_stats(
     """Compiles the case for the target and returns {kernel name: figures} (a child's function).
     With `options`, the op's further arguments too: one key/value head under the query heads,
     causal, a window, both sequence lengths (traced), a soft cap and the residual."""
-    import jax
     import jax.numpy as jnp
 
     import gated_attention as ga
     from gated_attention import pallas
 
     dt = jnp.dtype(dtype)
-    qkv = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dt)
-    kv = jax.ShapeDtypeStruct((batch, k_len, 1 if options else heads, head_dim), dt)
-    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32) if options else None
-    shapes = dict(
-        shared=[(1, heads, q_len, k_len)],
-        per_row=[(batch, heads, q_len, k_len)],
-        both=[(1, heads, q_len, k_len), (batch, heads, q_len, k_len)],
-        none=[],
-    )[bias]
-    biases = [jax.ShapeDtypeStruct(s, dt) for s in shapes]
-    mask_shape = dict(key=(batch, 1, 1, k_len), full=(batch, heads, q_len, k_len), none=None)[mask]
-    mask_spec = None if mask_shape is None else jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
     impl = ga.PallasAttention(**(tuning or {}))
     lax_precision = dict(default=None, high="high", highest="highest")[precision]
     dots = pallas.dot_precision(lax_precision, dt, impl.interpret)
     tiles = impl.tiles(dt, dots, head_dim, options, (bias, mask))
-
-    def step(q, k, v, biases, mask, lengths, cotangent):
-        extra = {}
-        if options:
-            extra = dict(
-                is_causal=True,
-                local_window_size=(96, 0),
-                query_seq_lengths=lengths,
-                key_value_seq_lengths=lengths,
-                logits_soft_cap=30.0,
-            )
-
-        def attend(q, k, v, biases):  # -> (out, residual or None)
-            result = ga.dot_product_attention(
-                q,
-                k,
-                v,
-                list(biases) or None,
-                mask,
-                implementation=impl,
-                compute_dtype="input",
-                precision=lax_precision,
-                return_residual=options,
-                **extra,
-            )
-            return result if options else (result, None)
-
-        out, vjp, residual = jax.vjp(attend, q, k, v, tuple(biases), has_aux=True)
-        return out, residual, vjp(cotangent)
-
+    step, args = case_program(
+        impl, dtype, head_dim, bias, mask, lax_precision, options, batch, q_len, k_len, heads
+    )
     spec = targets.target(target)
     with tempfile.TemporaryDirectory() as dump:
         start = time.perf_counter()
-        targets.compile(
-            step, qkv, kv, kv, tuple(biases), mask_spec, lengths, qkv, target=target, dump_to=dump
-        )
+        targets.compile(step, *args, target=target, dump_to=dump)
         compile_s = time.perf_counter() - start
         kernels = _ptx_kernels(dump, spec.arch)
         launches = _launches(dump)

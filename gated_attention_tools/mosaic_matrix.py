@@ -100,49 +100,17 @@ def _compile(
     k_len=136, heads=2,
 ):  # fmt: skip
     """Compiles one case's forward and vjp; returns the kernels' shared memory (bytes)."""
-    import jax
     import jax.numpy as jnp
 
-    import gated_attention as ga
     from gated_attention import base, masking, mosaic, mosaic_kernels
 
     del precision  # float32 at the default precision only: the one MosaicAttention takes
     dt = jnp.dtype(dtype)
-    qkv = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dt)
-    kv = jax.ShapeDtypeStruct((batch, k_len, 1 if options else heads, head_dim), dt)
-    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32) if options else None
-    shapes = dict(
-        shared=[(1, heads, q_len, k_len)],
-        per_row=[(batch, heads, q_len, k_len)],
-        both=[(1, heads, q_len, k_len), (batch, heads, q_len, k_len)],
-        none=[],
-    )[bias]
-    biases = [jax.ShapeDtypeStruct(s, dt) for s in shapes]
-    mask_shape = dict(key=(batch, 1, 1, k_len), full=(batch, heads, q_len, k_len), none=None)[mask]
-    mask_spec = None if mask_shape is None else jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
     impl = mosaic.MosaicAttention()
-
-    def step(q, k, v, biases, mask, lengths, cotangent):
-        extra = {}
-        if options:
-            extra = dict(
-                is_causal=True,
-                local_window_size=(96, 0),
-                query_seq_lengths=lengths,
-                key_value_seq_lengths=lengths,
-                logits_soft_cap=30.0,
-            )
-
-        def attend(q, k, v, biases):
-            result = ga.dot_product_attention(
-                q, k, v, list(biases) or None, mask, implementation=impl, compute_dtype="input",
-                return_residual=options, **extra,
-            )  # fmt: skip
-            return result if options else (result, None)
-
-        out, vjp, residual = jax.vjp(attend, q, k, v, tuple(biases), has_aux=True)
-        return out, residual, vjp(cotangent)
-
+    step, args = gpu_kernels.case_program(
+        impl, dtype, head_dim, bias, mask, None, options, batch, q_len, k_len, heads
+    )
+    qkv, kv, _, biases, mask_spec, lengths, _ = args
     structure, further = masking.NONE, {}
     if options:
         structure = masking.Structure(True, (96, 0), q_lengths=lengths, kv_lengths=lengths)
@@ -152,7 +120,7 @@ def _compile(
         impl.check(
             qkv, kv, kv, biases, mask_spec, compute_dtype=dt, options=settings, platform="gpu"
         )
-    targets.compile(step, qkv, kv, kv, tuple(biases), mask_spec, lengths, qkv, target=target)
+    targets.compile(step, *args, target=target)
     plan = mosaic.Plan.make(impl, qkv, kv, kv, biases, mask_spec, 1.0, dt, settings)
     return mosaic_kernels.shared_memory_bytes(plan)
 
@@ -186,32 +154,22 @@ def verdict(case: dict[str, Any], stats: dict[str, Any]) -> list[str]:
 def run(cases, target: str = "h100", per_child: int = 8, log=print) -> list[dict[str, Any]]:
     """Rows {case, kernels, shared_memory_bytes, problems} for the cases, compiled in children of
     `per_child` cases (DUMPS set in their environment)."""
-    saved = {k: os.environ.get(k) for k in DUMPS}
-    os.environ.update(DUMPS)
     rows = []
-    try:
-        for start in range(0, len(cases), per_child):
-            batch = cases[start : start + per_child]
-            try:
-                results = targets.in_child(
-                    "gated_attention_tools.mosaic_matrix:mosaic_stats",
-                    dict(cases=batch, target=target),
-                )
-            except RuntimeError as e:  # the child died: every case of it fails
-                results = [dict(kernels={}, shared_memory_bytes=0, error=str(e)[-200:])] * len(
-                    batch
-                )
-            for case, stats in zip(batch, results, strict=True):
-                row = dict(case=case, **stats, problems=verdict(case, stats))
-                rows.append(row)
-                name = gpu_kernels.case_name(dict(case, q_len=200, k_len=136))
-                log(f"[{len(rows)}/{len(cases)}] {name}: {'; '.join(row['problems']) or 'ok'}")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    for start in range(0, len(cases), per_child):
+        batch = cases[start : start + per_child]
+        try:
+            results = targets.in_child(
+                "gated_attention_tools.mosaic_matrix:mosaic_stats",
+                dict(cases=batch, target=target),
+                env=DUMPS,
+            )
+        except RuntimeError as e:  # the child died: every case of it fails
+            results = [dict(kernels={}, shared_memory_bytes=0, error=str(e)[-200:])] * len(batch)
+        for case, stats in zip(batch, results, strict=True):
+            row = dict(case=case, **stats, problems=verdict(case, stats))
+            rows.append(row)
+            name = gpu_kernels.case_name(dict(case, q_len=200, k_len=136))
+            log(f"[{len(rows)}/{len(cases)}] {name}: {'; '.join(row['problems']) or 'ok'}")
     return rows
 
 

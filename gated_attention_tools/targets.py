@@ -300,11 +300,14 @@ def memory(compiled) -> dict[str, int]:
     return out
 
 
-def in_child(function: str, kwargs: dict[str, Any], log=lambda line: None) -> Any:
+def in_child(
+    function: str, kwargs: dict[str, Any], log=lambda line: None, env: dict | None = None
+) -> Any:
     """function(**kwargs) ('module:function') in a fresh process set up for deviceless compiles
-    (CHILD_ENV), so that a compiler crash fails only this call (RuntimeError)."""
-    saved = {k: os.environ.get(k) for k in CHILD_ENV}
-    os.environ.update(CHILD_ENV)  # child.call passes this process's environment on
+    (CHILD_ENV, and `env`), so that a compiler crash fails only this call (RuntimeError)."""
+    settings = {**CHILD_ENV, **(env or {})}
+    saved = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)  # child.call passes this process's environment on
     try:
         return child.call(function, kwargs, log)
     finally:
