@@ -51,7 +51,7 @@ from gated_attention.mosaic_plan import Plan
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 128
 # With a mask or a structure the kernels zero dead rows in shared memory: at head dims above 64
-# that spills registers on an H100 (benchmark_results/gpu_kernels/h100_mosaic.md).
+# that spills registers on an H100 (benchmark_results/mosaic_kernels/h100.md).
 MAX_HEAD_DIM_MASKED = 64
 BLOCK_Q = 64  # one consumer warpgroup: wgmma's M
 SHARED_MEMORY_LIMIT = 232_448  # an H100's opt-in shared memory per block (227 KiB)
@@ -65,7 +65,7 @@ class MosaicAttention(base.Implementation):
     Attributes:
       block_k: keys per tile (64 or 128; None: 128 for half precision at head dims <= 32
         without the op's further arguments, else 64: the largest that compiled without spills
-        for an H100, benchmark_results/gpu_kernels/h100_mosaic.md).
+        for an H100, benchmark_results/mosaic_kernels/h100.md).
       bias_grad_programs: about how many programs the dq/bias-gradient kernel should have when a
         bias is shared over the batch; batch rows are grouped so that it does.
       interpret: run the kernels in JAX's Mosaic GPU interpreter (any backend; slow, for tests).

@@ -7,7 +7,7 @@ Mosaic kernels), and reads per kernel: registers, spill stores and loads, the wg
 of its PTX, and the shared memory the kernel allocates (mosaic_kernels.shared_memory_bytes, the
 largest of the three). Nothing runs on a GPU: what compiles and how, never how fast.
 
-  python -m gated_attention_tools.mosaic_matrix --out benchmark_results/gpu_kernels/h100_mosaic.json
+  python -m gated_attention_tools.mosaic_matrix --out benchmark_results/mosaic_kernels/h100.json
 
 compiles every case MosaicAttention.check accepts (gpu_kernels.matrix's dtypes, head dims, bias
 and mask forms, float32 at JAX's default precision only, with and without the further arguments),

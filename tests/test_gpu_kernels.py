@@ -53,7 +53,7 @@ def test_kernels_compile_without_spills_and_use_the_tensor_cores(target):
 
 
 # AF2's form in bfloat16, and float32 (TF32 wgmma) with both bias forms, a full mask and every
-# further argument; the whole matrix: benchmark_results/gpu_kernels/h100_mosaic.md.
+# further argument; the whole matrix: benchmark_results/mosaic_kernels/h100.md.
 MOSAIC_CASES = [
     dict(dtype="bfloat16", head_dim=32, bias="shared", mask="key"),
     dict(dtype="float32", head_dim=16, bias="both", mask="full", options=True),
