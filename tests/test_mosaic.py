@@ -21,20 +21,20 @@ from tests import implementation_harness as harness
 from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
 
-# Two groups of batch rows for a shared bias's gradient (2 heads x 1 query block per row, 4
-# programs wanted): 3 rows make uneven groups (rows 0 and 2, row 1).
-INTERPRETED = ga.MosaicAttention(bias_grad_programs=4, interpret=True)
+# One group of batch rows for a shared bias's gradient (2 heads x 1 query block per row, 2
+# programs wanted): the group's 2 rows add into one buffer (uneven groups: the uneven-tile test).
+INTERPRETED = ga.MosaicAttention(bias_grad_programs=2, interpret=True)
 
 
 class TestMosaicInterpreted(ImplementationTests):
     """The forward, dk/dv and dq/bias-gradient kernels, interpreted on CPU: the whole contract
-    in float32, the half dtypes against the reference below. 3 rows of 2 heads: the interpreter
-    runs each program's every copy and barrier through Python (~0.1 s per program), the suite's
+    in float32, the half dtypes against the reference below. 2 rows of 2 heads: the interpreter
+    runs each program's every copy and barrier through Python (~10 ms per program), the suite's
     time."""
 
     IMPL = INTERPRETED
     DTYPES = ("float32",)
-    BATCH = 3
+    BATCH = 2
     HEADS = 2
 
 
@@ -58,17 +58,18 @@ def test_half_precision_against_the_reference(dtype):
 @pytest.mark.parametrize(
     "impl",
     [
-        pytest.param(INTERPRETED, id="interpreted"),
+        # 2 heads x 3 query blocks per row, 12 programs wanted: groups of rows 0 and 2, and 1.
+        pytest.param(ga.MosaicAttention(bias_grad_programs=12, interpret=True), id="interpreted"),
         device_param(ga.MosaicAttention(), kind="gpu", id="compiled"),
     ],
 )
 def test_several_uneven_tiles_against_the_reference(impl):
     """T = 130 and S = 150 in tiles of 64 (partial last tiles: padding), head dims 8 and 4
-    padded, a shared pair bias and a per-row key bias, a key mask; float32 forward and every
-    gradient."""
-    shape = (2, 130, 150, 2, 8, 4)  # B, T, S, N, H, Hv
+    padded, a shared pair bias (its gradient over uneven groups of rows) and a per-row key
+    bias, a key mask; float32 forward and every gradient."""
+    shape = (3, 130, 150, 2, 8, 4)  # B, T, S, N, H, Hv
     case, case64 = harness.problem(shape, "float32", "shared_bias+key_mask", seed=3)
-    key_bias, key_bias64 = rand(np.random.default_rng(5), (2, 1, 1, 150), "float32")
+    key_bias, key_bias64 = rand(np.random.default_rng(5), (3, 1, 1, 150), "float32")
     case = case._replace(bias=[case.bias, key_bias])
     case64 = case64._replace(bias=[case64.bias, key_bias64])
     [result] = harness.run(impl, [case])
@@ -79,11 +80,11 @@ def test_several_uneven_tiles_against_the_reference(impl):
 def test_two_warpgroups_in_the_interpreter(monkeypatch):
     """The compiled pipeline's form, a producer warpgroup streaming tiles into two slots and a
     consumer releasing them, interpreted eagerly (inside a jitted program the interpreter's
-    threads deadlock on 2 cores, mosaic_plan.INTERPRET_WARPGROUPS): 4 key blocks per query block
-    reuse each slot twice, in bfloat16 with a shared bias and a full mask; forward and every
+    threads deadlock on 2 cores, mosaic_plan.INTERPRET_WARPGROUPS): 3 key blocks per query block
+    reuse a slot, in bfloat16 with a per-row bias and a query-and-key mask; forward and every
     gradient against the reference."""
     monkeypatch.setattr(mosaic_plan, "INTERPRET_WARPGROUPS", 2)
-    shape = (2, 64, 256, 1, 16, 16)  # B, T, S, N, H, Hv
+    shape = (2, 64, 192, 1, 16, 16)  # B, T, S, N, H, Hv
     case, case64 = harness.problem(shape, "bfloat16", "batched_bias+query_key_mask", seed=7)
     impl = ga.MosaicAttention(block_k=64, interpret=True)
     assert mosaic.Plan.make(
