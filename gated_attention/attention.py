@@ -206,20 +206,27 @@ def _choose(resolved, query, key, value, biases, mask, compute_dtype, options, p
 
 def _choose_per_platform(resolved, kinds, query, policy, flat_args, options):
     """{kind: (implementation, reason, compute dtype)} for every kind the program may be compiled
-    for where something takes the inputs. When nothing does anywhere, the first kind's (the
-    inputs' or the host's) NotImplementedError is raised; a kind left out has no branch, so
-    compiling for it fails in lowering (a named GPU kernel compiled for the CPU host)."""
+    for where something takes the inputs. When nothing does anywhere, NotImplementedError says
+    each kind's reason, the first kind's (the inputs' or the host's) first; a kind left out has
+    no branch, so compiling for it fails in lowering (a named GPU kernel compiled for the CPU
+    host)."""
     plans, errors = {}, []
     for kind in kinds:
         compute = numerics.compute_dtype(query.dtype, policy, backend=kind)
         try:
             impl, reason = _choose(resolved, *flat_args, compute, options, kind)
         except NotImplementedError as e:
-            errors.append(e)
+            errors.append((kind, e))
             continue
         plans[kind] = (impl, reason, compute)
     if not plans:
-        raise errors[0]
+        (_, first), *others = errors
+        if not others:
+            raise first
+        # A named GPU kernel refused on the GPU too: its reason there, not only the host's.
+        raise NotImplementedError(
+            str(first) + "".join(f"; compiled for {kind}: {e}" for kind, e in others)
+        ) from None
     return plans
 
 

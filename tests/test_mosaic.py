@@ -284,3 +284,20 @@ def test_half_precision_zeroes_dead_rows_in_shared_memory():
         a, c = np.asarray(a, np.float32), np.asarray(c, np.float32)
         assert np.isfinite(a).all(), name
         np.testing.assert_array_equal(a, c, err_msg=name)
+
+
+def test_named_and_refused_everywhere_says_the_gpus_reason_too():
+    """Named, and taken by no platform the program may be compiled for: the error gives the
+    GPU's own reason after the host's (here head dim 128 with a mask, on an H100)."""
+    from gated_attention import platforms
+
+    if "gpu" not in platforms.compilable():
+        pytest.skip("no GPU compiler here: the host's reason is the only one")
+    q = jax.ShapeDtypeStruct((2, 64, 4, 128), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((2, 1, 1, 64), jnp.bool_)
+    attend = functools.partial(ga.dot_product_attention, implementation="mosaic")
+    with _on("NVIDIA H100 80GB HBM3"), pytest.raises(NotImplementedError) as raised:
+        jax.eval_shape(lambda q, m: attend(q, q, q, mask=m), q, mask)
+    message = str(raised.value)
+    assert message.startswith("implementation='mosaic' cannot take these inputs: ")
+    assert "; compiled for gpu: " in message and "head dims <= 64 with a mask" in message
