@@ -54,11 +54,9 @@ DENSE_ROW_BYTES = 16 * 2**20
 class Auto:
     """The 'auto' choice: rules, in order, applied to the real (per-device) shapes.
 
-    1. On GPU, `mosaic` when it takes the inputs (Hopper, sm_90: the Mosaic GPU kernel with TMA
-       and wgmma; float32 at JAX's default precision, bfloat16, float16; head dims <= 128);
-       else `pallas` (the Triton kernel, every NVIDIA GPU, while JAX has that backend): both
-       read a bias shared over the batch without copying it per row and keep its gradient
-       O(N·T·S); else `cudnn` when it takes them (bfloat16/float16).
+    1. On GPU, `mosaic` (Hopper, sm_90: TMA and wgmma) when it takes the inputs, else `pallas`
+       (Triton, any GPU while JAX has that backend): both read a bias shared over the batch
+       without copying it per row and keep its gradient O(N·T·S); else `cudnn` (half precision).
     1b. On TPU, `pallas_tpu` when it takes the inputs (float32, bfloat16; head dims <= 128; its
        tiles within VMEM): the same contract in Mosaic.
     2. `xla` when one batch row's float32 logits and weights, 2 * 4 * N * T * S bytes, fit in
@@ -206,10 +204,8 @@ def _choose(resolved, query, key, value, biases, mask, compute_dtype, options, p
 
 def _choose_per_platform(resolved, kinds, query, policy, flat_args, options):
     """{kind: (implementation, reason, compute dtype)} for every kind the program may be compiled
-    for where something takes the inputs. When nothing does anywhere, NotImplementedError says
-    each kind's reason, the first kind's (the inputs' or the host's) first; a kind left out has
-    no branch, so compiling for it fails in lowering (a named GPU kernel compiled for the CPU
-    host)."""
+    for where something takes the inputs, else NotImplementedError with each kind's reason (the
+    inputs' or the host's first); a kind left out has no branch: compiling for it fails."""
     plans, errors = {}, []
     for kind in kinds:
         compute = numerics.compute_dtype(query.dtype, policy, backend=kind)
@@ -219,14 +215,10 @@ def _choose_per_platform(resolved, kinds, query, policy, flat_args, options):
             errors.append((kind, e))
             continue
         plans[kind] = (impl, reason, compute)
-    if not plans:
+    if not plans:  # a GPU kernel refused on the GPU too: its reason there, not the host's only
         (_, first), *others = errors
-        if not others:
-            raise first
-        # A named GPU kernel refused on the GPU too: its reason there, not only the host's.
-        raise NotImplementedError(
-            str(first) + "".join(f"; compiled for {kind}: {e}" for kind, e in others)
-        ) from None
+        others = "".join(f"; compiled for {kind}: {e}" for kind, e in others)
+        raise (NotImplementedError(f"{first}{others}") if others else first) from None
     return plans
 
 
