@@ -278,39 +278,6 @@ def _log_choice(requested: str, plans: dict, query, key, value) -> None:
         record.append(dict(entry))
 
 
-def _check_qkv(query, key, value) -> None:
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        checks.check_float_array(name, x)
-        if x.ndim < 3:
-            raise ValueError(f"{name} must have rank >= 3 ([..., T, N, H]), got shape {x.shape}")
-    q, k, v = tuple(query.shape), tuple(key.shape), tuple(value.shape)
-    if not len(q) == len(k) == len(v):
-        raise ValueError(
-            f"query, key and value must have the same rank, got shapes {q}, {k} and {v}"
-        )
-    problems = []
-    if not q[:-3] == k[:-3] == v[:-3]:
-        problems.append(f"batch dimensions differ: {q[:-3]}, {k[:-3]}, {v[:-3]}")
-    if k[-2] != v[-2]:
-        problems.append(f"key and value head counts K differ: {k[-2]} != {v[-2]}")
-    elif k[-2] and q[-2] % k[-2]:
-        problems.append(
-            f"query heads N={q[-2]} must be a multiple of key/value heads K={k[-2]} "
-            "(grouped-query attention)"
-        )
-    if k[-3] != v[-3]:
-        problems.append(f"key and value lengths S differ: {k[-3]} != {v[-3]}")
-    if q[-1] != k[-1]:
-        problems.append(f"query and key head dims H differ: {q[-1]} != {k[-1]}")
-    if 0 in q[-3:] or 0 in k[-3:] or 0 in v[-1:]:
-        problems.append("T, S, N, H and Hv must be non-empty")
-    if problems:
-        raise ValueError(
-            f"query {q}, key {k} and value {v} (layout [..., T, N, H], [..., S, K, H]) do not fit: "
-            + "; ".join(problems)
-        )
-
-
 def _full_rank(name: str, x, target: tuple[int, ...], ring: int = 1):
     """x right-aligned to target's rank (missing leading dimensions 1), validated. ring > 1 (a
     device's blocks inside a shard_map over shard_keys_over): T and S may also be every
@@ -497,11 +464,11 @@ def dot_product_attention(
     Raises:
       TypeError: a non-boolean mask, a non-float or 8-bit query/key/value/bias, non-integer
         lengths, a bad implementation type.
-      ValueError: shapes that do not fit, an unknown implementation name or policy, a bad value
-        of any argument.
+      ValueError: shapes that do not fit, query, key and value of different dtypes (as
+        jax.nn), an unknown implementation name or policy, a bad value of any argument.
       NotImplementedError: a named implementation that cannot take these inputs here.
     """
-    _check_qkv(query, key, value)
+    checks.check_qkv(query, key, value)
     batch_dims = tuple(query.shape[:-3])
     q_len, heads = query.shape[-3:-1]
     target = (*batch_dims, heads, q_len, key.shape[-3])

@@ -66,18 +66,6 @@ def check_bool_mask(name: str, x: Any) -> None:
         )
 
 
-def check_broadcastable(name: str, shape: tuple, target: tuple, target_desc: str) -> None:
-    """shape has target's rank and each dimension 1 or equal to target's."""
-    shape = tuple(shape)
-    if len(shape) != len(target) or any(
-        d not in (1, t) for d, t in zip(shape, target, strict=True)
-    ):
-        raise ValueError(
-            f"{name} of shape {shape} must have rank {len(target)} and broadcast to {target_desc} "
-            f"= {target} (each dimension 1 or equal)"
-        )
-
-
 def check_right_aligned(name: str, shape: tuple, target: tuple, target_desc: str) -> tuple:
     """shape broadcasts to target right-aligned (rank <= target's, missing leading dimensions
     count as 1, each dimension 1 or equal); returns shape with those leading 1s."""
@@ -87,9 +75,26 @@ def check_right_aligned(name: str, shape: tuple, target: tuple, target_desc: str
         raise ValueError(
             f"{name} of shape {shape} must broadcast to {target_desc} = {target}: aligned on the "
             f"right, rank <= {len(target)}, each dimension 1 or equal (missing leading dimensions "
-            "count as 1)"
+            f"count as 1){mismatch(shape, target, target_desc)}"
         )
     return full
+
+
+def mismatch(shape: tuple, target: tuple, target_desc: str) -> str:
+    """'; got ...' naming what does not fit when shape is right-aligned to target: the rank, or
+    each dimension that is neither 1 nor target's, by its letter in target_desc ('[..., N, T, S]')."""
+    shape, target = tuple(shape), tuple(target)
+    if len(shape) > len(target):
+        return f"; got rank {len(shape)}, expected at most {len(target)}"
+    letters = [x.strip() for x in target_desc.strip("[]").split(",") if x.strip() != "..."]
+    offset = len(target) - len(shape)
+    wrong = []
+    for i, (d, t) in enumerate(zip(shape, target[offset:], strict=True)):
+        if d not in (1, t):
+            axis = i + offset - len(target)  # negative: counted from the right
+            letter = letters[axis] if -axis <= len(letters) else "a batch dimension"
+            wrong.append(f"dimension {i - len(shape)} ({letter}) is {d}, expected 1 or {t}")
+    return "; " + ", ".join(wrong) if wrong else ""
 
 
 def check_lengths(name: str, x: Any, batch_dims: tuple) -> None:
@@ -104,4 +109,47 @@ def check_lengths(name: str, x: Any, batch_dims: tuple) -> None:
         raise ValueError(
             f"{name} must have the batch shape of query, query.shape[:-3] = {tuple(batch_dims)}, "
             f"got shape {shape}"
+        )
+
+
+def check_qkv(query, key, value) -> None:
+    """dot_product_attention's query [..., T, N, H], key [..., S, K, H] and value [..., S, K, Hv]:
+    float arrays of one dtype and rank whose shapes fit (grouped-query heads: N % K == 0)."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        check_float_array(name, x)
+        if x.ndim < 3:
+            raise ValueError(f"{name} must have rank >= 3 ([..., T, N, H]), got shape {x.shape}")
+    q, k, v = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    if not len(q) == len(k) == len(v):
+        raise ValueError(
+            f"query, key and value must have the same rank (the same batch dimensions before "
+            f"[T, N, H], [S, K, H], [S, K, Hv]), got ranks {len(q)}, {len(k)} and {len(v)}: "
+            f"shapes {q}, {k} and {v}"
+        )
+    dtypes = [jnp.result_type(x) for x in (query, key, value)]
+    if len(set(dtypes)) > 1:  # jax.nn raises too: no silent promotion of a half-precision query
+        raise ValueError(
+            "query, key and value must have the same dtype (as in jax.nn.dot_product_attention), "
+            f"got {dtypes[0]}, {dtypes[1]} and {dtypes[2]}; cast them to one"
+        )
+    problems = []
+    if not q[:-3] == k[:-3] == v[:-3]:
+        problems.append(f"batch dimensions differ: {q[:-3]}, {k[:-3]}, {v[:-3]}")
+    if k[-2] != v[-2]:
+        problems.append(f"key and value head counts K differ: {k[-2]} != {v[-2]}")
+    elif k[-2] and q[-2] % k[-2]:
+        problems.append(
+            f"query heads N={q[-2]} must be a multiple of key/value heads K={k[-2]} "
+            "(grouped-query attention)"
+        )
+    if k[-3] != v[-3]:
+        problems.append(f"key and value lengths S differ: {k[-3]} != {v[-3]}")
+    if q[-1] != k[-1]:
+        problems.append(f"query and key head dims H differ: {q[-1]} != {k[-1]}")
+    if 0 in q[-3:] or 0 in k[-3:] or 0 in v[-1:]:
+        problems.append("T, S, N, H and Hv must be non-empty")
+    if problems:
+        raise ValueError(
+            f"query {q}, key {k} and value {v} (layout [..., T, N, H], [..., S, K, H]) do not fit: "
+            + "; ".join(problems)
         )

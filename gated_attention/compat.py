@@ -33,3 +33,16 @@ def check_jax(jax_module: ModuleType) -> None:
             + (f", which lacks {', '.join('jax.' + n for n in missing)}" if missing else "")
             + ". Upgrade it: pip install -U 'jax>=0.10' 'jaxlib>=0.10'"
         )
+
+
+def cudnn_version() -> int | None:
+    """The cuDNN library's version where JAX can load it here, else None (no CUDA plugin, or one
+    without cuDNN: a deviceless compile for a GPU cannot build a cuDNN attention there)."""
+    from jax._src.lib import cuda_versions  # JAX's own check reads it; no public API does
+
+    if cuda_versions is None:
+        return None
+    try:
+        return int(cuda_versions.cudnn_get_version())
+    except RuntimeError:  # the plugin is there, the library is not
+        return None

@@ -27,7 +27,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gated_attention import base, checks, numerics, platforms
+from gated_attention import base, checks, compat, numerics, platforms
 
 CUDNN_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 MAX_HEAD_DIM = 128  # 256 on Hopper and later; 128 holds on every GPU cuDNN flash attention runs on
@@ -80,6 +80,12 @@ class CudnnAttention(base.Implementation):
             raise NotImplementedError(
                 f"cuDNN attention runs on GPU only, the program is for {platform!r}"
             )
+        q_len, kv_len = query.shape[1], key.shape[1]
+        if biases and (q_len % 2 or kv_len % 2):  # jax.nn's cuDNN backward refuses them
+            raise NotImplementedError(
+                f"cuDNN attention with a bias needs even sequence lengths (its training step "
+                f"refuses odd ones), got T={q_len}, S={kv_len}"
+            )
         dtype, head_dim = jnp.dtype(compute_dtype), query.shape[-1]
         if dtype not in CUDNN_DTYPES:
             raise NotImplementedError(f"cuDNN attention takes float16 or bfloat16, got {dtype}")
@@ -87,6 +93,10 @@ class CudnnAttention(base.Implementation):
             raise NotImplementedError(
                 f"cuDNN needs a head dim that is a multiple of 8 and <= {MAX_HEAD_DIM}, got "
                 f"{head_dim}"
+            )
+        if compat.cudnn_version() is None:
+            raise NotImplementedError(
+                "cuDNN attention needs the cuDNN library, which JAX cannot load here"
             )
 
     def __call__(

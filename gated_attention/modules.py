@@ -67,16 +67,24 @@ def _mask_or_bias(name, x, batch, heads, q_len, k_len):
     by every head. Each dimension must be 1 or equal.
     """
     full4 = (*batch, heads, q_len, k_len)
+    shape = tuple(x.shape)
     if x.ndim == len(batch) + 2:
         x = jnp.expand_dims(x, -3)
-    if x.ndim != len(full4) or any(d not in (1, t) for d, t in zip(x.shape, full4, strict=True)):
+    if x.ndim != len(full4):
         fix = ""
         if x.ndim == len(batch) + 1 and x.shape[-1] in (1, k_len):  # [..., b, k]: a key mask
             fix = f"; a key mask [..., b, k] is {name}[..., :, None, None, :]"
         raise ValueError(
-            f"{name} of shape {tuple(x.shape)} must have the rank of [..., b, h, q, k] = {full4} "
+            f"{name} of shape {shape} must have the rank of [..., b, h, q, k] = {full4} "
             f"or of [..., b, q, k] = {(*batch, q_len, k_len)} (no leading dimension is added), "
-            f"each dimension 1 or equal{fix}"
+            f"each dimension 1 or equal; got rank {len(shape)}{fix}"
+        )
+    if any(d not in (1, t) for d, t in zip(x.shape, full4, strict=True)):
+        desc = "[..., b, h, q, k]" if len(shape) == len(full4) else "[..., b, q, k]"
+        target = full4 if len(shape) == len(full4) else (*batch, q_len, k_len)
+        raise ValueError(
+            f"{name} of shape {shape} does not broadcast to {desc} = {target} (each dimension "
+            f"1 or equal){checks.mismatch(shape, target, desc)}"
         )
     return x
 

@@ -29,6 +29,9 @@ _CONFIG = config_flags.DEFINE_config_file(
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from gated_attention_tools import environment
+
+    environment.cpu_unless_accelerator()  # no GPU/TPU plugin tracebacks on a CPU machine
     from gated_attention_tools import (
         benchmark,
         context_memory,

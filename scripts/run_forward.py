@@ -61,8 +61,10 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     import jax  # imported after flags so that --platform and x64 take effect
 
-    from gated_attention_tools import run
+    from gated_attention_tools import environment, run
 
+    if not _PLATFORM.value:
+        environment.cpu_unless_accelerator()  # no GPU/TPU plugin tracebacks on a CPU machine
     if _PLATFORM.value:
         jax.config.update("jax_platforms", _PLATFORM.value)
         problem = run.platform_problem(_PLATFORM.value)

@@ -23,6 +23,7 @@ if _jaxlib < (0, 11):
     _add_xla_flag("--xla_cpu_use_fusion_emitters", "false")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -35,3 +36,12 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")
+
+
+@pytest.fixture
+def cudnn_loadable(monkeypatch):
+    """cuDNN's library as on a GPU machine, for tests of choices made for a GPU from this host
+    (gated_attention.compat.cudnn_version; the CUDA plugin alone has none)."""
+    from gated_attention import compat
+
+    monkeypatch.setattr(compat, "cudnn_version", lambda: 91000)

@@ -31,3 +31,14 @@ def test_old_jax_is_one_clear_error(version, names, match):
     compat.check_jax(
         types.SimpleNamespace(__version__="0.12.0.1", **dict.fromkeys(compat.REQUIRED))
     )
+
+
+def test_cudnn_version_reads_jax_s_own_record():
+    # jax._src.lib.cuda_versions (private): moved or renamed, this import fails here first.
+    from jax._src.lib import cuda_versions
+
+    found = compat.cudnn_version()
+    if cuda_versions is None:  # no CUDA plugin
+        assert found is None
+    else:  # the plugin, with cuDNN on a GPU machine or without it on this CPU machine
+        assert found is None or found >= 8000

@@ -14,7 +14,7 @@ import pytest
 
 from gated_attention import config as config_lib
 from gated_attention import params as params_lib
-from gated_attention_tools import run, schema
+from gated_attention_tools import environment, run, schema
 from gated_attention_tools.family_benchmark import random_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -159,8 +159,9 @@ def test_configdict_and_frozen_configdict_are_accepted():
     assert (module.num_head, module.gating, module.key_dim) == (2, False, None)
 
 
-def _run_script(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _run_script(*args, platforms="cpu"):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env.update({} if platforms is None else dict(JAX_PLATFORMS=platforms))
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "run_forward.py"), *args],
         capture_output=True,
@@ -197,6 +198,33 @@ def test_run_forward_script_end_to_end(tmp_path):
     # Each choice logged once, though init and apply both trace the op.
     logged = [line for line in result.stderr.splitlines() if "dot_product_attention: " in line]
     assert len(logged) == len(set(line.split("] ", 1)[-1] for line in logged)) >= 1, logged
+
+
+@pytest.mark.skipif(environment.accelerator_present(), reason="a GPU or TPU is present")
+def test_run_forward_prints_no_plugin_errors_without_an_accelerator():
+    # With the targets extra, JAX would try to start its CUDA plugin and libtpu and print their
+    # failures; the script starts the CPU alone instead (gated_attention_tools/environment.py).
+    result = _run_script("--config.run.steps=1", platforms=None)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for noise in ("Traceback", "plugin configuration error", "Unable to initialize backend 'tpu'"):
+        assert noise not in result.stderr, result.stderr[-3000:]
+    assert "backend: cpu" in result.stdout
+
+
+def test_cpu_unless_accelerator(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    (tmp_path / "dev").mkdir()
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)  # this process keeps its backends
+    assert environment.cpu_unless_accelerator(str(tmp_path)) == "cpu"
+    assert os.environ["JAX_PLATFORMS"] == "cpu"
+    monkeypatch.delenv("JAX_PLATFORMS")
+    (tmp_path / "dev" / "nvidiactl").touch()  # a GPU machine: JAX chooses
+    assert environment.cpu_unless_accelerator(str(tmp_path)) is None
+    assert "JAX_PLATFORMS" not in os.environ
+    (tmp_path / "dev" / "nvidiactl").unlink()
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu")  # the user's choice stays
+    assert environment.cpu_unless_accelerator(str(tmp_path)) is None
+    assert os.environ["JAX_PLATFORMS"] == "tpu"
 
 
 def test_run_forward_rejects_misspelt_override():

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 import gated_attention as ga
+from gated_attention import compat
 from tests.helpers import on_device
 from tests.implementation_harness import ImplementationTests
 
@@ -57,10 +58,28 @@ def _check(q, k, v, dtype=jnp.bfloat16, platform="gpu"):
         (Q, KV, _spec((B, S, N, 8)), None, "equal key and value head dims, got 16 and 8"),
     ],
 )
-def test_check_says_why_not_on_gpu(q, k, v, dtype, match):
+def test_check_says_why_not_on_gpu(q, k, v, dtype, match, cudnn_loadable):
     _check(Q, KV, KV)  # bfloat16, H = 16: takes it
     with pytest.raises(NotImplementedError, match=match):
         _check(q, k, v, q.dtype if dtype is None else dtype)
+
+
+def test_check_refuses_without_the_library_and_odd_lengths_with_a_bias(cudnn_loadable, monkeypatch):
+    bias = (_spec((1, N, T, S)),)
+    odd_q, odd_kv = _spec((B, 7, N, H)), _spec((B, 5, N, H))
+    ga.CudnnAttention().check(Q, KV, KV, bias, None, compute_dtype=jnp.bfloat16, platform="gpu")
+    ga.CudnnAttention().check(
+        odd_q, odd_kv, odd_kv, (), None, compute_dtype=jnp.bfloat16, platform="gpu"
+    )  # no bias: odd lengths are fine
+    with pytest.raises(NotImplementedError, match=r"even sequence lengths .*got T=7, S=5"):
+        ga.CudnnAttention().check(
+            odd_q, odd_kv, odd_kv, (_spec((1, N, 7, 5)),), None, compute_dtype=jnp.bfloat16,
+            platform="gpu",
+        )  # fmt: skip
+    # A CUDA plugin without cuDNN (a deviceless compile): refused, so 'auto' moves on.
+    monkeypatch.setattr(compat, "cudnn_version", lambda: None)
+    with pytest.raises(NotImplementedError, match=r"needs the cuDNN library, which JAX cannot"):
+        _check(Q, KV, KV)
 
 
 def test_check_refuses_other_backends():
@@ -88,7 +107,7 @@ class _PallasDeclines(ga.PallasAttention):
         raise NotImplementedError("declined for this test")
 
 
-def test_auto_picks_cudnn_on_gpu_for_half_precision_after_pallas():
+def test_auto_picks_cudnn_on_gpu_for_half_precision_after_pallas(cudnn_loadable):
     def chosen(dtype, auto=None, platform="gpu"):
         q, kv = _spec((B, T, N, H), dtype), _spec((B, S, N, H), dtype)
         impl, reason = (auto or ga.Auto()).choose(

@@ -37,25 +37,33 @@ ATTENTION_ERRORS = {
     ),
     "mask not broadcastable": (
         ValueError,
-        r"mask of shape \(2, 1, 1, 5\) must have the rank of \[\.\.\., b, h, q, k\] = \(2, 2, 5, 6\) "
-        r"or of \[\.\.\., b, q, k\] = \(2, 5, 6\) \(no leading dimension is added\), each "
-        r"dimension 1 or equal\n",
+        r"mask of shape \(2, 1, 1, 5\) does not broadcast to \[\.\.\., b, h, q, k\] = "
+        r"\(2, 2, 5, 6\) \(each dimension 1 or equal\); dimension -1 \(k\) is 5, expected 1 or 6(\n|$)",
         dict(mask=jnp.ones((B, 1, 1, 5), bool)),
+    ),
+    "[b, q, k] mask not broadcastable": (
+        ValueError,
+        r"mask of shape \(2, 6, 6\) does not broadcast to \[\.\.\., b, q, k\] = \(2, 5, 6\) "
+        r"\(each dimension 1 or equal\); dimension -2 \(q\) is 6, expected 1 or 5(\n|$)",
+        dict(mask=jnp.ones((B, K, K), bool)),
     ),
     "mask wrong rank": (
         ValueError,
-        r"mask of shape \(6,\) must have the rank of",
+        r"mask of shape \(6,\) must have the rank of \[\.\.\., b, h, q, k\] = \(2, 2, 5, 6\) or of "
+        r"\[\.\.\., b, q, k\] = \(2, 5, 6\) \(no leading dimension is added\), each dimension 1 or "
+        r"equal; got rank 1(\n|$)",
         dict(mask=jnp.ones((K,), bool)),
     ),
     "key mask [b, k]": (
         ValueError,
-        r"mask of shape \(2, 6\) must have the rank .*; a key mask \[\.\.\., b, k\] is "
+        r"mask of shape \(2, 6\) must have the rank .*; got rank 2; a key mask \[\.\.\., b, k\] is "
         r"mask\[\.\.\., :, None, None, :\]",
         dict(mask=jnp.ones((B, K), bool)),
     ),
     "bias not broadcastable": (
         ValueError,
-        r"bias of shape \(3, 1, 1, 6\) must have the rank of",
+        r"bias of shape \(3, 1, 1, 6\) does not broadcast to .*; dimension -4 \(b\) is 3, expected "
+        r"1 or 2(\n|$)",
         dict(bias=jnp.ones((3, 1, 1, K))),
     ),
     "bool bias": (
@@ -246,7 +254,20 @@ OP_ERRORS = {
     "rank differs": (
         dict(key=jnp.ones((1, B, K, 2, 4))),
         ValueError,
-        r"query, key and value must have the same rank",
+        r"query, key and value must have the same rank \(the same batch dimensions before "
+        r"\[T, N, H\], \[S, K, H\], \[S, K, Hv\]\), got ranks 4, 5 and 4: shapes \(2, 5, 2, 4\), "
+        r"\(1, 2, 6, 2, 4\) and \(2, 6, 2, 4\)$",
+    ),
+    "dtypes differ": (  # jax.nn.dot_product_attention refuses them too
+        dict(query=jnp.ones((B, Q, 2, 4), jnp.bfloat16)),
+        ValueError,
+        r"query, key and value must have the same dtype \(as in jax.nn.dot_product_attention\), "
+        r"got bfloat16, float64 and float64; cast them to one$",
+    ),
+    "value dtype differs": (
+        dict(value=jnp.ones((B, K, 2, 4), jnp.float32)),
+        ValueError,
+        r"must have the same dtype .*got float64, float64 and float32",
     ),
     "rank 2": (dict(query=jnp.ones((Q, 4))), ValueError, r"query must have rank >= 3"),
     "float mask": (
@@ -258,7 +279,8 @@ OP_ERRORS = {
         dict(mask=jnp.ones((B, 1, 1, Q), bool)),
         ValueError,
         r"mask of shape \(2, 1, 1, 5\) must broadcast to \[\.\.\., N, T, S\] = \(2, 2, 5, 6\): "
-        r"aligned on the right, rank <= 4, each dimension 1 or equal",
+        r"aligned on the right, rank <= 4, each dimension 1 or equal \(missing leading dimensions "
+        r"count as 1\); dimension -1 \(S\) is 5, expected 1 or 6$",
     ),
     "lower-rank mask shape": (
         dict(mask=jnp.ones((Q, Q), bool)),
@@ -268,12 +290,14 @@ OP_ERRORS = {
     "bias rank": (
         dict(bias=jnp.ones((1, B, 2, Q, K))),
         ValueError,
-        r"bias of shape \(1, 2, 2, 5, 6\) must broadcast to .* rank <= 4",
+        r"bias of shape \(1, 2, 2, 5, 6\) must broadcast to .* rank <= 4.*; got rank 5, expected at "
+        r"most 4$",
     ),
     "lower-rank bias shape": (
         dict(bias=jnp.ones((3, Q, K))),
         ValueError,
-        r"bias of shape \(3, 5, 6\) must broadcast to \[\.\.\., N, T, S\] = \(2, 2, 5, 6\)",
+        r"bias of shape \(3, 5, 6\) must broadcast to \[\.\.\., N, T, S\] = \(2, 2, 5, 6\).*; "
+        r"dimension -3 \(N\) is 3, expected 1 or 2$",
     ),
     "float8 query": (
         dict(query=jnp.ones((B, Q, 2, 4), jnp.float8_e4m3fn)),
@@ -438,3 +462,14 @@ def test_no_assertion_error_reaches_callers():
         q, m = (jax.ShapeDtypeStruct(s, float_) for s in shapes[:2])
         with contextlib.suppress(ValueError, TypeError):
             _apply(q, m, jax.ShapeDtypeStruct(shapes[2], bool))
+
+
+def test_mixed_dtypes_refused_as_jax_nn_refuses_them():
+    q = jnp.ones((B, Q, 2, 4), jnp.bfloat16)
+    kv = jnp.ones((B, K, 2, 4), jnp.float32)
+    with pytest.raises(ValueError, match=r"query dtype should be float32, but got bfloat16"):
+        jax.nn.dot_product_attention(q, kv, kv)  # jax.nn's rule, which ours follows
+    with pytest.raises(ValueError, match=r"must have the same dtype .*got bfloat16, float32"):
+        ga.dot_product_attention(q, kv, kv)
+    same = ga.dot_product_attention(q, kv.astype(jnp.bfloat16), kv.astype(jnp.bfloat16))
+    assert same.dtype == jnp.bfloat16  # cast to one dtype, it runs

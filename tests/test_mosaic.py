@@ -226,7 +226,9 @@ def test_bad_tuning_is_refused(kwargs, match):
         ga.MosaicAttention(**kwargs)
 
 
-def test_without_the_triton_backend_hopper_keeps_its_kernel_and_an_a100_moves_on(monkeypatch):
+def test_without_the_triton_backend_hopper_keeps_its_kernel_and_an_a100_moves_on(
+    monkeypatch, cudnn_loadable
+):
     """On a JAX without Pallas's Triton backend (simulated: its module fails to import), 'auto'
     still takes the Mosaic kernel on an H100, and on an A100 moves past both kernels with their
     reasons (wgmma's architecture, the missing backend and the JAX version) to cuDNN."""
