@@ -158,6 +158,25 @@ def test_python_blocks_run(tmp_path):
     assert not failed, "\n".join(failed) + f"\n(times: {timings})"
 
 
+# Quick start 1 with the op made wrong: the pair bias dropped, which the MSA row and triangles take.
+_PLANTED = """import gated_attention.attention as op
+right = op.dot_product_attention
+op.dot_product_attention = lambda q, k, v, bias=None, mask=None, **kw: right(q, k, v, None, mask, **kw)
+"""
+
+
+def test_quick_start_1_fails_with_a_wrong_attention(tmp_path):
+    """The AF2 quick start checks the attention it swaps in: with a wrong op its assertion fails
+    (AF2's default zero_init would hide any op: every attention update is 0)."""
+    block = next(b for b in blocks(ROOT / "README.md") if "use_gated_attention()" in b.source)
+    script = tmp_path / "planted.py"
+    script.write_text(_PLANTED + block.source)
+    flags = os.environ.get("XLA_FLAGS", "")
+    done = _child([str(script)], {**os.environ, "XLA_FLAGS": f"{flags} {FAST_COMPILES}"}, tmp_path)
+    assert done.returncode != 0, done.stdout
+    assert "AssertionError: msa" in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("block", [b for b in _python() if b.deviceless], ids=lambda b: b.name)
 def test_deviceless_block_runs(block, tmp_path):
     from gated_attention_tools import targets
@@ -221,6 +240,53 @@ def _anchors(page: Path) -> set[str]:
     headings = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
     slug = lambda h: re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
     return {slug(h.replace("`", "")) for h in headings}
+
+
+_DEVICE = re.compile(r"\b(H100|H200|A100|B200|GPUs?|TPUs?|v5e|v5p|v6e)\b")
+_MS = re.compile(r"(\d[\d,]*(?:\.\d+)?) ms\b")
+_SUMMARY = re.compile(r"^<!-- device-summary: (\S+) -->$")
+
+
+def _device_results() -> dict[str, dict]:
+    runs = sorted((ROOT / "benchmark_results" / "device").glob("*/results.json"))
+    return {path.parent.name: json.loads(path.read_text()) for path in runs}
+
+
+def test_device_figures_come_from_a_device_run():
+    """A time in ms that a page quotes in a paragraph naming a GPU or TPU is a median or round
+    of a device run in benchmark_results/device/ (at the digits quoted), and each
+    `<!-- device-summary: RUN -->` table is the one gated_attention_tools.device_summary writes
+    from that run: a figure no device measured, or one a newer run replaced, fails here."""
+    from gated_attention_tools import device_summary
+
+    runs = _device_results()
+    times = [
+        t
+        for run in runs.values()
+        for cell in run["cells"]
+        for t in [cell.get("time_ms"), *cell.get("rounds_ms", [])]
+        if t is not None
+    ]
+    unknown, stale = [], []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code is not a figure
+        for paragraph in re.split(r"\n\s*\n", text):
+            if not _DEVICE.search(paragraph):
+                continue
+            for quoted in _MS.findall(paragraph):
+                value, digits = float(quoted.replace(",", "")), len(quoted.partition(".")[2])
+                if not any(abs(t - value) <= 0.5 * 10**-digits + 1e-9 for t in times):
+                    unknown.append(f"{page.name}: {quoted} ms")
+        lines = page.read_text().splitlines()
+        for i, line in enumerate(lines):
+            marker = _SUMMARY.match(line)
+            if marker:
+                expected = device_summary.table(runs[marker.group(1)]).splitlines()
+                if lines[i + 1 : i + 1 + len(expected)] != expected:
+                    stale.append(f"{page.name}:{i + 1}")
+    assert not unknown, f"device times in no device run: {unknown}"
+    assert not stale, f"device summaries that differ from device_summary.table: {stale}"
+    assert times, "no device run with timed cells in benchmark_results/device/"
 
 
 def test_api_reference_lists_every_public_name():
