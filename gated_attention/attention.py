@@ -238,10 +238,12 @@ def record_implementation_choices() -> Iterator[list[dict[str, Any]]]:
     by this thread (recorders nest; another thread's traces are its own).
 
     Yields:
-      A list that receives one dict per call: requested, chosen, reason, platform (the kind
-      they are for: the inputs' own, or the host's), by_platform ({kind: {chosen, reason,
-      compute_dtype}} for every kind the program may be compiled for, platforms.py) and the flattened
-      [B, T|S, N, H] shapes of query, key and value.
+      A list that receives one dict per traced call: requested, chosen, reason, platform (the
+      kind they are for: the inputs' own, the host's, or the first of a staged branch's),
+      by_platform ({kind: {chosen, reason, compute_dtype}} for every kind the call may be compiled
+      for, platforms.py) and the flattened [B, T|S, N, H] shapes of query, key and value. A module
+      whose compute dtype differs between those kinds ('auto' with bfloat16 inputs: float32 on
+      CPU) traces one branch per dtype, so one of its calls records one entry per branch.
     """
     record: list[dict[str, Any]] = []
     recorders = _recorders()

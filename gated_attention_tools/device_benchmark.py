@@ -58,7 +58,7 @@ import ml_collections
 import numpy as np
 
 import gated_attention as ga
-from gated_attention_tools import benchmark, child, measure
+from gated_attention_tools import benchmark, child, floor, measure
 
 OURS_OP = ("auto", "mosaic", "pallas", "cudnn", "xla", "chunked", "pallas_tpu")
 OP_VARIANTS = (*OURS_OP, "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold", "tokamax")
@@ -337,7 +337,7 @@ def run_cell(cell: Cell, cfg, log=print) -> list[dict[str, Any]]:
     args, fns, reference_fn = problem(cell, variants, interpret=cfg.interpret_pallas)
     head = dict(
         level=cell.level, shape=cell.shape.name, dtype=cell.dtype, mode=cell.mode,
-        inputs_mib=_tree_mib(args),
+        shape_dims=dataclasses.asdict(cell.shape), inputs_mib=_tree_mib(args),
     )  # fmt: skip
     rows = {v: head | dict(variant=v) for v in variants}
     lowered = {}
@@ -582,7 +582,7 @@ def time_cells(config: dict[str, Any], seconds: float | None) -> dict[str, Any]:
 def _not_run(cell: Cell, cfg, why: str) -> list[dict]:
     return [
         dict(level=cell.level, shape=cell.shape.name, dtype=cell.dtype, mode=cell.mode,
-             variant=v, unavailable=why)
+             shape_dims=dataclasses.asdict(cell.shape), variant=v, unavailable=why)
         for v in cfg.variants if v in VARIANTS[cell.level]
     ]  # fmt: skip
 
@@ -636,19 +636,24 @@ def markdown(results: dict[str, Any]) -> str:
         "attention; module: AF2's Attention as installed), median and range of per-round ratios. "
         "Peak: memory in use at the call's peak, inputs included (~: an upper bound). Difference: "
         "max |x - reference| / max |reference|, the reference the baseline in float32 at "
-        "'highest' precision on the same rounded inputs.",
+        "'highest' precision on the same rounded inputs. Floor: the cell's exponentials, matmuls "
+        "or HBM traffic at the device's peak rate, whichever takes longest (floor.py); % of "
+        "floor: floor / time.",
         "",
         "| level | shape | dtype | mode | variant | time ms | / baseline (range) | peak MiB "
-        "| XLA temp MiB | rel. diff |",
-        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| XLA temp MiB | rel. diff | floor ms (bound) | % of floor |",
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     fmt = lambda x, spec: "" if x is None else format(x, spec)
     for r in results["cells"]:
         variant = r["variant"] + (f" ({', '.join(r['chosen'])})" if r.get("chosen") else "")
         head = f"| {r['level']} | {r['shape']} | {r['dtype']} | {r['mode']} | {variant} |"
+        low = cell_floor(r, env["device_kind"])
+        bound = "" if low is None else f"{low['floor_ms']:.3g} ({low['bound']})"
         if "time_ms" not in r:
-            lines.append(f"{head} {r.get('unavailable', '')[:140]} | | | | |")
+            lines.append(f"{head} {r.get('unavailable', '')[:140]} | | | | | {bound} | |")
             continue
+        share = "" if low is None else f"{100 * low['floor_ms'] / r['time_ms']:.1f}"
         ratio = ""
         if "ratio_to_baseline" in r:
             low, high = r["ratio_range"]
@@ -661,6 +666,14 @@ def markdown(results: dict[str, Any]) -> str:
         )
         lines.append(
             f"{head} {r['time_ms']:.3g} | {ratio} | {peak} | {fmt(r['xla_temp_mib'], '.0f')} "
-            f"| {diff} |"
+            f"| {diff} | {bound} | {share} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def cell_floor(row: dict[str, Any], device_kind: str) -> dict[str, Any] | None:
+    """The hardware floor of a result row's cell on the device (floor.py), or None where the
+    device or the row's shape is not known (rows of runs before shapes were recorded)."""
+    if "shape_dims" not in row:
+        return None
+    return floor.floor(row["shape_dims"], row["dtype"], row["mode"], device_kind, row["level"])

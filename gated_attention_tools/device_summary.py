@@ -2,6 +2,7 @@
 docs/gpu_tpu.md quote (tests/test_docs.py checks they quote it as this module writes it).
 
     python -m gated_attention_tools.device_summary benchmark_results/device/h100/results.json
+    python -m gated_attention_tools.device_summary --update README.md docs/gpu_tpu.md  # after a run
 
 Each figure is ours ('auto' at the op level, the Attention module at the module level) over the
 peer, median time over median time in one run, bfloat16; a range spans AF2's shapes (the MSA row and
@@ -13,6 +14,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+from gated_attention_tools import device_benchmark
 
 # Peers at the op level, as the device benchmark names them, with what they ran.
 OP_PEERS = (
@@ -74,13 +77,74 @@ def table(results: dict) -> str:
         + " | ".join(spans)
         + " |"
     )
+    shares = [_floor_share(results, m, long) for long in (False, True) for m in MODES]
+    lines.append(
+        "| op: % of the hardware floor ours reaches (what bounds it) | " + " | ".join(shares) + " |"
+    )
     return "\n".join(lines)
 
 
+def _floor_share(results: dict, mode: str, long: bool) -> str:
+    """floor / time of ours ('auto') over the bfloat16 op cells, as a range of percentages, and
+    what bounds the floor there (floor.py)."""
+    kind = results["environment"]["device_kind"]
+    found = []
+    for row in results["cells"]:
+        if (row["level"], row["dtype"], row["mode"], row["variant"]) != (
+            "op",
+            "bfloat16",
+            mode,
+            "auto",
+        ):
+            continue
+        low = device_benchmark.cell_floor(row, kind)
+        if row.get("time_ms") and low and row["shape"].startswith(LONG) == long:
+            found.append((100 * low["floor_ms"] / row["time_ms"], low["bound"]))
+    if not found:
+        return "not measured"
+    low, high = f"{min(f for f, _ in found):.0f}", f"{max(f for f, _ in found):.0f}"
+    bounds = "/".join(sorted({b for _, b in found}))
+    return f"{low} % ({bounds})" if low == high else f"{low}-{high} % ({bounds})"
+
+
+MARKER = "<!-- device-summary: {run} -->"  # a page's line before the table of that run
+
+
+def update(page: Path, runs_dir: Path) -> bool:
+    """Rewrites the table after each marker on the page from runs_dir/RUN/results.json; returns
+    whether the page changed."""
+    lines = page.read_text().splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        out.append(lines[i])
+        run = lines[i].removeprefix("<!-- device-summary: ").removesuffix(" -->")
+        if lines[i] == MARKER.format(run=run):
+            new = table(json.loads((runs_dir / run / "results.json").read_text())).splitlines()
+            out += new
+            i += 1
+            while i < len(lines) and lines[i].strip():  # the old caption
+                i += 1
+            i += 1  # the blank line between caption and table
+            while i < len(lines) and lines[i].startswith("|"):  # the old table
+                i += 1
+            continue
+        i += 1
+    text = "\n".join(out) + "\n"
+    changed = text != page.read_text()
+    page.write_text(text)
+    return changed
+
+
 def main(argv: list[str]) -> None:
+    """RESULTS_JSON: print its table; --update PAGE...: rewrite the pages' marked tables."""
+    if len(argv) > 2 and argv[1] == "--update":
+        runs = Path(__file__).resolve().parents[1] / "benchmark_results" / "device"
+        for page in argv[2:]:
+            print(page, "updated" if update(Path(page), runs) else "unchanged")
+        return
     if len(argv) != 2:
         sys.exit(
-            f"usage: python -m gated_attention_tools.device_summary RESULTS_JSON, got {argv[1:]}"
+            f"usage: python -m gated_attention_tools.device_summary RESULTS_JSON | --update PAGE..., got {argv[1:]}"
         )
     print(table(json.loads(Path(argv[1]).read_text())))
 

@@ -1,0 +1,100 @@
+"""The hardware floor of a device cell (gated_attention_tools/floor.py) and the per-level summary
+the README quotes from a device run (gated_attention_tools/device_summary.py)."""
+
+import pytest
+
+from gated_attention_tools import device_benchmark, device_summary, floor
+
+H100 = "NVIDIA H100 80GB HBM3"
+MSA_ROW = dict(name="msa_row", batch=512, length=384, num_head=8, head_dim=32, bias=True, mask=True)
+
+
+def test_floor_of_the_msa_row_forward_on_an_h100():
+    scores = 512 * 8 * 384 * 384
+    got = floor.floor(MSA_ROW, "bfloat16", "forward", H100)
+    # 16 exponentials per SM per clock on 132 SMs at 1.83 GHz; 4,096 bf16 FLOP per SM per clock.
+    assert got["exp_ms"] == pytest.approx(1e3 * scores / (16 * 132 * 1.83e9))
+    assert got["exp_ms"] == pytest.approx(0.156, abs=1e-3)
+    assert got["mma_ms"] == pytest.approx(1e3 * 4 * 32 * scores / (4096 * 132 * 1.83e9))
+    qkvo, bias, mask = 4 * 512 * 384 * 8 * 32 * 2, 8 * 384 * 384 * 2, 512 * 384
+    assert got["hbm_ms"] == pytest.approx(1e3 * (qkvo + bias + mask) / 3.35e12)
+    assert (got["bound"], got["floor_ms"]) == ("exp", got["exp_ms"])
+
+
+def test_floor_follows_mode_dtype_device_and_level():
+    fwd = floor.floor(MSA_ROW, "bfloat16", "forward", H100)
+    train = floor.floor(MSA_ROW, "bfloat16", "forward_backward", H100)
+    assert train["exp_ms"] == pytest.approx(2 * fwd["exp_ms"])  # the backward rebuilds P once
+    assert train["mma_ms"] == pytest.approx(14 / 4 * fwd["mma_ms"])  # 320 FLOPs a score at H 32
+    f32 = floor.floor(MSA_ROW, "float32", "forward", H100)
+    assert f32["mma_ms"] == pytest.approx(2 * fwd["mma_ms"])  # TF32 at half bf16's rate
+    h200 = floor.floor(MSA_ROW, "bfloat16", "forward", "NVIDIA H200")
+    assert h200["hbm_ms"] == pytest.approx(fwd["hbm_ms"] * 3.35 / 4.8)
+    assert h200["exp_ms"] == pytest.approx(fwd["exp_ms"])
+    module = floor.floor(MSA_ROW, "bfloat16", "forward", H100, level="module")
+    assert module["mma_ms"] > fwd["mma_ms"]  # the projections
+    assert floor.floor(MSA_ROW, "bfloat16", "forward", "NVIDIA A100-SXM4-80GB") is None
+    assert floor.floor(MSA_ROW, "bfloat16", "forward", "cpu") is None
+
+
+def _row(variant, ms, shape="msa_row 512x384 h8x32", mode="forward", level="op", dims=MSA_ROW):
+    return dict(level=level, shape=shape, dtype="bfloat16", mode=mode, variant=variant,
+                time_ms=ms, shape_dims=dims)  # fmt: skip
+
+
+def _results(cells):
+    env = dict(device_kind=H100, jax="0.11.2", date_utc="2026-11-26T14:54:36+00:00", backend="gpu")
+    env["command"] = "scripts/benchmark.py"
+    return dict(environment=env, cells=cells)
+
+
+def test_summary_table_ranges_over_af2_shapes_and_says_what_was_not_measured():
+    tri = dict(MSA_ROW, name="triangle", batch=1024, length=1024, num_head=4)
+    cells = [
+        _row("auto", 1.5),
+        _row("af2_colabfold", 1.0),
+        _row("auto", 6.0, shape="triangle 1024 h4x32", dims=tri),
+        _row("af2_colabfold", 5.0, shape="triangle 1024 h4x32", dims=tri),
+        _row("jax_nn_cudnn", 3.0),
+        _row("auto", 4.0, mode="forward_backward"),
+        _row("af2_colabfold", 8.0, mode="forward_backward"),
+        dict(_row("jax_nn_xla", None), unavailable="out of memory"),  # not timed
+        dict(_row("auto", 2.0), dtype="float32"),  # bfloat16 cells only
+    ]
+    lines = device_summary.table(_results(cells)).splitlines()
+    assert lines[0].startswith(f"Measured on one {H100} (jax 0.11.2, 2026-11-26)")
+    colab = next(line for line in lines if line.startswith("| op: ColabFold"))
+    assert colab.split(" | ")[1:] == ["1.20-1.50x", "0.50x", "not measured", "not measured |"]
+    cudnn = next(line for line in lines if line.startswith("| op: jax.nn's cuDNN"))
+    assert cudnn.split(" | ")[1:3] == ["0.50x", "not measured"]
+    xla = next(line for line in lines if line.startswith("| op: jax.nn's XLA"))
+    assert xla.split(" | ")[1] == "not measured"
+    share = next(line for line in lines if "% of the hardware floor" in line)
+    fwd = floor.floor(MSA_ROW, "bfloat16", "forward", H100)["floor_ms"]
+    low = min(100 * fwd / 1.5, 100 * floor.floor(tri, "bfloat16", "forward", H100)["floor_ms"] / 6)
+    assert share.split(" | ")[1].startswith(f"{low:.0f}-")
+
+
+def test_update_rewrites_the_marked_table(tmp_path):
+    run = tmp_path / "runs" / "h100"
+    run.mkdir(parents=True)
+    results = _results([_row("auto", 1.5), _row("af2_colabfold", 1.0)])
+    (run / "results.json").write_text(__import__("json").dumps(results))
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Intro.\n\n<!-- device-summary: h100 -->\nOLD-CAPTION\n\n| OLD-ROW |\n| --- |\n\nAfter.\n"
+    )
+    assert device_summary.update(page, tmp_path / "runs")
+    text = page.read_text()
+    assert device_summary.table(results) in text and "OLD" not in text
+    assert text.startswith("Intro.\n") and text.endswith("\n\nAfter.\n")
+    assert not device_summary.update(page, tmp_path / "runs")  # already current
+
+
+def test_results_rows_carry_their_floor_in_the_table():
+    row = dict(_row("auto", 1.5), chosen=["mosaic"], rel_diff_vs_float32=1e-3, finite=True,
+               xla_temp_mib=8.0)  # fmt: skip
+    table = device_benchmark.markdown(_results([row]))
+    line = next(x for x in table.splitlines() if x.startswith("| op |"))
+    fwd = floor.floor(MSA_ROW, "bfloat16", "forward", H100)
+    assert line.endswith(f"| {fwd['floor_ms']:.3g} (exp) | {100 * fwd['floor_ms'] / 1.5:.1f} |")
