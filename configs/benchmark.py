@@ -6,6 +6,7 @@
   python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
   python scripts/benchmark.py --config=configs/benchmark.py:device  # a GPU/TPU, ~5 min: the issue shapes
   python scripts/benchmark.py --config=configs/benchmark.py:gpu     # on a GPU: every shape below
+  python scripts/benchmark.py --config=configs/benchmark.py:peers   # a GPU: AF2's shapes, every peer
   python scripts/benchmark.py --config=configs/benchmark.py:family  # AF2's modules and Evoformer
   python scripts/benchmark.py --config=configs/benchmark.py:family_remat  # training: save or recompute
   python scripts/benchmark.py --config=configs/benchmark.py:device_memory  # compiled for H100/v5e
@@ -65,6 +66,22 @@ DEVICE_GOALS = (
         for against in ("pallas", "jax_nn_cudnn")
     )
 )
+# The peers preset's: AF2's attention shapes (model_1, N_res 384 unless named), ours against every
+# peer a user would pick (issue 44); q, k, v [rows, length, heads, head dim] as in DEVICE_SHAPES.
+PEER_SHAPES = (
+    ("msa_row 512x384 h8x32", 512, 384, 8, 32),  # MSA row with pair bias (512 clusters)
+    ("triangle 1024 h4x32", 1024, 1024, 4, 32),  # triangle attention at N_res 1,024
+    ("extra_msa 1024x384 h8x8", 1024, 384, 8, 8),  # extra-MSA row: c_e 64 in 8 heads of 8
+    ("msa_column 384x512 h8x32", 384, 512, 8, 32, False),  # down the 512 sequences, no bias
+    ("triangle 512 h4x32", 512, 512, 4, 32),
+    ("triangle 2048 h4x32", 2048, 2048, 4, 32),
+    ("template 384 h4x16", 384, 384, 4, 16),  # the template pair stack's triangle: c_t 64
+    ("long 1x16384 h8x32", 1, 16384, 8, 32),  # one sequence of 16,384 tokens, shared bias
+)
+PEER_VARIANTS = (
+    "auto", "mosaic", "pallas", "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold", "tokamax_mosaic",
+    "tokamax_triton", "tokamax_cudnn", "tokamax_xla_chunked", "cuequivariance",
+)  # fmt: skip
 # The gpu preset's, a longer sweep:
 GPU_SHAPES = (
     ("msa_row 512x384 h8x32", 512, 384, 8, 32),  # MSA row attention with pair bias
@@ -118,6 +135,7 @@ PRESETS = (
     "device",
     "device_smoke",
     "gpu",
+    "peers",
     "family",
     "family_smoke",
     "family_remat",
@@ -135,7 +153,7 @@ PRESETS = (
 def get_config(preset="full"):
     if preset not in PRESETS:
         raise ValueError(f"configs/benchmark.py preset must be one of {PRESETS}, got {preset!r}")
-    if preset in ("device", "device_smoke", "gpu"):
+    if preset in ("device", "device_smoke", "gpu", "peers"):
         return _device_config(preset)
     if preset in ("family", "family_smoke", "family_remat"):
         return _family_config(preset)
@@ -201,9 +219,16 @@ def _device_config(preset):
     # Shared by the timing process and the peak-memory children: they load, not recompile.
     cfg.compilation_cache_dir = "/tmp/gated_attention_device_jax_cache"
     cfg.output_dir = "benchmark_results/device"
-    if preset == "gpu":  # every GPU shape, tokamax too, no budget
+    if preset == "peers":  # the op at AF2's shapes against every peer, within a device call
+        cfg.levels = ("op",)
+        cfg.op_shapes = PEER_SHAPES
+        cfg.variants = PEER_VARIANTS
+        cfg.goals = ()
+        cfg.dtypes = ("bfloat16",)
+        cfg.output_dir = "benchmark_results/device/peers"
+    if preset == "gpu":  # every GPU shape, the peers too, no budget
         cfg.op_shapes = GPU_SHAPES
-        cfg.variants = DEVICE_VARIANTS + ("tokamax",)
+        cfg.variants = DEVICE_VARIANTS + PEER_VARIANTS[6:]
         cfg.goals = DEVICE_GOALS[:4]
         cfg.rounds = cfg.steps = 5
         cfg.time_budget_s = 0.0

@@ -15,7 +15,13 @@ attention, the vjp at a cotangent passed in as an argument (as a model's backwar
       jax_nn_cudnn    jax.nn.dot_product_attention(implementation='cudnn');
       af2_colabfold   ColabFold's fused kernel as alphafold-colabfold's Attention calls it on a GPU
                       (q, k, v in the head-major layout AF2's projections write);
-      tokamax         tokamax.dot_product_attention(implementation='triton'), where installed.
+      tokamax_mosaic, tokamax_triton, tokamax_cudnn, tokamax_xla_chunked
+                      tokamax.dot_product_attention with that implementation (AlphaFold 3's
+                      attention library), where installed;
+      cuequivariance  NVIDIA cuEquivariance's triangle_attention (cuequivariance_jax, its CUDA
+                      kernel where cuequivariance-ops-jax is installed, else its JAX reference):
+                      q, k, v [1, B, N, T, H] in the head-major layout AF2's projections write, the
+                      bias [1, 1, N, T, S] in float32 as it asks.
   level 'module': q_data [B, T, N*H], AF2's nonbatched bias [N, T, S] and the key mask, the
     projections and gating included; the gradients of the parameters and q_data. Variants
     (MODULE_VARIANTS): 'ours' (gated_attention.Attention, 'auto') and 'af2', the baseline:
@@ -61,7 +67,12 @@ import gated_attention as ga
 from gated_attention_tools import benchmark, child, floor, measure
 
 OURS_OP = ("auto", "mosaic", "pallas", "cudnn", "xla", "chunked", "pallas_tpu")
-OP_VARIANTS = (*OURS_OP, "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold", "tokamax")
+TOKAMAX = ("mosaic", "triton", "cudnn", "xla_chunked")  # tokamax's implementations, as named there
+PEERS_OP = (
+    "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold", *(f"tokamax_{t}" for t in TOKAMAX),
+    "cuequivariance",
+)  # fmt: skip
+OP_VARIANTS = (*OURS_OP, *PEERS_OP)
 MODULE_VARIANTS = ("ours", "af2")
 VARIANTS = {"op": OP_VARIANTS, "module": MODULE_VARIANTS}
 BASELINES = {"op": "jax_nn_xla", "module": "af2"}
@@ -172,15 +183,10 @@ def attention_fn(variant: str, dtype, *, interpret: bool = False) -> Callable:
         )
     if variant == "af2_colabfold":
         return _af2_colabfold(dtype)
-    if variant == "tokamax":
-        _on_gpu("tokamax's Triton attention")
-        try:
-            import tokamax
-        except ImportError as e:
-            raise UnavailableError(f"tokamax is not installed ({e})") from None
-        return lambda q, k, v, bias, mask: tokamax.dot_product_attention(
-            q, k, v, bias, mask, implementation="triton"
-        )
+    if variant.startswith("tokamax_"):
+        return _tokamax(variant.removeprefix("tokamax_"))
+    if variant == "cuequivariance":
+        return _cuequivariance()
     raise ValueError(f"variant must be one of {OP_VARIANTS}, got {variant!r}")
 
 
@@ -202,6 +208,41 @@ def _af2_colabfold(dtype) -> Callable:
         mask_bias = 1e9 * (mask.astype(q.dtype) - 1.0)  # AF2's additive mask [b, 1, 1, S]
         out = kernel(heads(q), heads(k), heads(v), mask_bias, bias[0], scale=q.shape[-1] ** -0.5)
         return heads(out)
+
+    return fn
+
+
+def _tokamax(implementation: str) -> Callable:
+    """tokamax.dot_product_attention(implementation=...) on the op's inputs as they are."""
+    if implementation not in ("xla_chunked",):
+        _on_gpu(f"tokamax's {implementation!r} attention")
+    try:
+        import tokamax
+    except ImportError as e:
+        raise UnavailableError(f"tokamax is not installed ({e})") from None
+    return lambda q, k, v, bias, mask: tokamax.dot_product_attention(
+        q, k, v, bias, mask, implementation=implementation
+    )
+
+
+def _cuequivariance() -> Callable:
+    """cuequivariance_jax.triangle_attention on the op's inputs, in its layout: the op's batch is
+    its N (the triangle's rows), its B is 1."""
+    try:
+        import cuequivariance_jax as cuex
+    except ImportError as e:
+        raise UnavailableError(f"cuequivariance-jax is not installed ({e})") from None
+
+    def fn(q, k, v, bias, mask):
+        heads = lambda x: jnp.swapaxes(x, 1, 2)[None]  # [B, T, N, H] -> [1, B, N, T, H]
+        bias5 = None if bias is None else bias[None].astype(jnp.float32)  # [1, 1, N, T, S]
+        if bias5 is None:
+            raise UnavailableError("cuEquivariance's triangle attention needs a bias")
+        mask5 = None if mask is None else mask[None]  # [1, B, 1, 1, S]
+        out, _, _ = cuex.triangle_attention(
+            heads(q), heads(k), heads(v), bias5, mask5, scale=q.shape[-1] ** -0.5
+        )
+        return jnp.swapaxes(out[0], 1, 2)
 
     return fn
 
