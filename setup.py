@@ -61,6 +61,8 @@ setup(
             "matplotlib>=3.7",  # the benchmark's pictures are tested
             "alphafold-colabfold==2.3.27",
             "colabfold-kernels==0.9.0",
+            # The device benchmark's cuEquivariance adapter, tested on its JAX path (pure Python).
+            "cuequivariance-jax==0.13.0",
         ],
         # Deviceless compiles for GPUs and TPUs (gated_attention_tools/targets.py): JAX's CUDA
         # plugin and PJRT at the installed jax's version (jax's cuda12-local extra pins them, with
@@ -74,12 +76,15 @@ setup(
         # `mkdocs build --strict`; pinned: what the build warns about changes between releases.
         "docs": ["mkdocs==1.6.1", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11"],
         # The GPU benchmark's other kernels: AF2 as alphafold-colabfold runs it on GPU (with
-        # colabfold-kernels), and tokamax 0.0.12 (the release AF3 pins with jax 0.10.2).
+        # colabfold-kernels), tokamax (0.0.12 is the release AF3 pins with jax 0.10.2; Python
+        # 3.12 with jax >= 0.11.1 takes 0.0.17) and NVIDIA cuEquivariance's CUDA 12 kernels.
         "gpu-bench": [
             "matplotlib>=3.7",
             "alphafold-colabfold==2.3.27",
             "colabfold-kernels==0.9.0",
-            "tokamax==0.0.12",
+            "tokamax>=0.0.12",
+            "cuequivariance-jax==0.13.0",
+            "cuequivariance-ops-jax-cu12==0.13.0",
         ],
     },
 )

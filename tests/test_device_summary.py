@@ -98,3 +98,34 @@ def test_results_rows_carry_their_floor_in_the_table():
     line = next(x for x in table.splitlines() if x.startswith("| op |"))
     fwd = floor.floor(MSA_ROW, "bfloat16", "forward", H100)
     assert line.endswith(f"| {fwd['floor_ms']:.3g} (exp) | {100 * fwd['floor_ms'] / 1.5:.1f} |")
+
+
+@pytest.mark.parametrize(
+    "variant, package",
+    [("cuequivariance", "cuequivariance_jax"), ("tokamax_xla_chunked", "tokamax")],
+)
+def test_peer_adapters_compute_the_op_and_its_gradients(variant, package):
+    """The device benchmark's peers in their own layouts (cuEquivariance's [1, B, N, T, H] and
+    float32 bias; tokamax as jax.nn): on CPU both run their JAX paths, so the adapters' layout is
+    checked against jax.nn here, forward and gradients (q, k, v and the shared bias)."""
+    pytest.importorskip(package)
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # tokamax reads its absl flags; pytest's argv is not theirs
+        flags.FLAGS.mark_as_parsed()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    shape = device_benchmark.OpShape("t", 3, 24, 2, 16)
+    args = device_benchmark.op_inputs(shape, "float32", "forward_backward")
+    steps = {
+        v: jax.jit(device_benchmark.op_step(device_benchmark.attention_fn(v, jnp.float32), mode))
+        for v in (variant, "jax_nn_xla")
+        for mode in ("forward_backward",)
+    }
+    fwd = {v: jax.jit(device_benchmark.attention_fn(v, jnp.float32)) for v in steps}
+    np.testing.assert_allclose(fwd[variant](*args[:5]), fwd["jax_nn_xla"](*args[:5]), atol=1e-5)
+    for got, want in zip(steps[variant](*args), steps["jax_nn_xla"](*args), strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
