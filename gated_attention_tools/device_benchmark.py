@@ -230,8 +230,8 @@ def _cuequivariance() -> Callable:
     its N (the triangle's rows), its B is 1."""
     try:
         import cuequivariance_jax as cuex
-    except ImportError as e:
-        raise UnavailableError(f"cuequivariance-jax is not installed ({e})") from None
+    except (ImportError, OSError) as e:  # OSError: its CUDA kernels' libraries do not load
+        raise UnavailableError(f"cuequivariance-jax does not import here ({e})") from None
 
     def fn(q, k, v, bias, mask):
         heads = lambda x: jnp.swapaxes(x, 1, 2)[None]  # [B, T, N, H] -> [1, B, N, T, H]

@@ -178,3 +178,23 @@ def test_device_wheels_are_the_pinned_ones_for_python_312(tmp_path):
         "dm-haiku==0.0.17: found nothing",
         "jmp==0.0.4: found ['jmp-0.0.3-py3-none-any.whl', 'jmp-0.0.4-py3-none-any.whl']",
     ]
+
+
+def test_device_wheel_sets_fit_a_call_and_refuse_unknown_names(tmp_path):
+    assert device_wheels.wheels(device_wheels.DEFAULT_SETS) == device_wheels.WHEELS
+    both = device_wheels.wheels(("core", "cuequivariance", "core"))  # each wheel once
+    assert len(both) == len(set(both)) and both[0] == "dm-haiku==0.0.17"
+    assert any(w.startswith("cuequivariance-ops-jax-cu13==") for w in both)
+    cmd = device_wheels.command(str(tmp_path), sets=("core", "tokamax"))
+    assert cmd[-len(device_wheels.wheels(("core", "tokamax"))) :][-1] == "six==1.17.0"
+    with pytest.raises(ValueError, match=r"--sets must name sets of .*got \['tokamx'\]"):
+        device_wheels.wheels(("core", "tokamx"))
+    for wheel in device_wheels.wheels(("core",)):
+        name, version = wheel.split("==")
+        (tmp_path / f"{name.replace('-', '_')}-{version}-py3-none-any.whl").touch()
+    assert device_wheels.check(tmp_path, ("core",)) == []
+    with open(tmp_path / "dm_tree-0.1.10-py3-none-any.whl", "wb") as f:
+        f.truncate(61 * 2**20)  # sparse: more than a call carries
+    assert device_wheels.check(tmp_path, ("core",)) == [
+        "61.0 MiB of wheels, over the 60 MiB a device call carries"
+    ]
