@@ -106,6 +106,16 @@ FAMILY_SHAPES = (
     ("evoformer", 128, 128),
     ("model", 32, 96),
 )
+# The family_gpu preset's: model_1 at N_res 384 (512 clusters, 1,024 extra rows) and the
+# Evoformer at 1,024, each in bfloat16 as AF2 runs on a GPU.
+FAMILY_GPU_SHAPES = (
+    ("evoformer", 512, 384),
+    ("msa_row", 512, 384),
+    ("triangle_start", 1, 384),
+    ("msa_column_global", 1024, 384),
+    ("evoformer", 512, 1024),
+    ("model", 512, 384),
+)
 _INFERENCE_GOALS = dict(evoformer=0.62, model=0.70)
 _TRAINING_GOALS = dict(evoformer=0.75)
 FAMILY_GOALS = tuple(
@@ -139,6 +149,7 @@ PRESETS = (
     "family",
     "family_smoke",
     "family_remat",
+    "family_gpu",
     "device_memory",
     "device_memory_smoke",
     "options",
@@ -155,7 +166,7 @@ def get_config(preset="full"):
         raise ValueError(f"configs/benchmark.py preset must be one of {PRESETS}, got {preset!r}")
     if preset in ("device", "device_smoke", "gpu", "peers"):
         return _device_config(preset)
-    if preset in ("family", "family_smoke", "family_remat"):
+    if preset in ("family", "family_smoke", "family_remat", "family_gpu"):
         return _family_config(preset)
     if preset in ("device_memory", "device_memory_smoke"):
         return _device_memory_config(preset)
@@ -264,12 +275,24 @@ def _family_config(preset):
     cfg.baseline_tolerance = 0.10  # AF2 in the harness against AF2 alone: flagged beyond this
     # Our modules' global_config.remat_policy in the training cells, one cell per policy.
     cfg.remat_policies = ("nothing",)
+    cfg.family_variants = ()  # (): each cell's own (AF2, ours, and the floor for blocks)
+    cfg.model_dtype = "float32"  # the whole model's cell (AF2's monomer default)
+    cfg.baseline_check = True  # AF2 timed alone in a fresh process, against its harness time
     if preset == "family_remat":  # the training step with each policy: what saving buys on CPU
         cfg.family_shapes = tuple(s for s in FAMILY_SHAPES if s[0] not in ("evoformer", "model"))
         cfg.dtypes, cfg.modes = ("float32",), ("training",)
         cfg.remat_policies = ("nothing", "projections", "everything")
         cfg.goals, cfg.memory_scaling = (), ()
         cfg.output_dir = "benchmark_results/family_remat"
+    if preset == "family_gpu":  # a GPU: AF2 plain, as ColabFold runs it, and each with ours
+        cfg.family_shapes = FAMILY_GPU_SHAPES
+        cfg.family_variants = ("af2", "colabfold", "ours", "ours_colabfold")
+        cfg.model_dtype = "bfloat16"  # model_1's default: global_config.bfloat16
+        cfg.dtypes, cfg.modes = ("bfloat16",), ("inference", "training")
+        cfg.rounds, cfg.steps = 3, 3
+        cfg.goals, cfg.memory_scaling = (), ()
+        cfg.baseline_check = False  # no malloc policy on a device to check
+        cfg.output_dir = "benchmark_results/device/family"
     if preset == "family_smoke":  # seconds: checks the suite runs
         cfg.family_shapes = (("triangle_start", 1, 8), ("evoformer", 4, 8))
         cfg.goals = (("time", "triangle_start", "training", "float32", 100.0),) + (

@@ -16,6 +16,7 @@ included, in float32) and no early stop (model_1's stop_at_score and tolerance n
 from __future__ import annotations
 
 import collections
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,22 @@ import numpy as np
 from gated_attention import af2_package
 
 AF2, OURS, FLOOR = "af2", "ours", "floor"
-VARIANTS = (AF2, OURS, FLOOR)
+# AF2 as ColabFold runs it on a GPU (global_config.use_pallas: its fused attention, transition,
+# triangle multiplication and layer-norm kernels), as it is and with our attention swapped in.
+COLABFOLD, OURS_COLABFOLD = "colabfold", "ours_colabfold"
+VARIANTS = (AF2, OURS, FLOOR, COLABFOLD, OURS_COLABFOLD)
+KERNELS = (COLABFOLD, OURS_COLABFOLD)  # the variants with ColabFold's kernels on
+
+
+def colabfold_kernels(global_config) -> None:
+    """Turns ColabFold's kernels on in AF2's global config, as ColabFold does on a GPU
+    (colabfold_kernels.device.dispatch('auto'): use_pallas, the kernel backend for this GPU)."""
+    from colabfold_kernels import device
+
+    with global_config.unlocked():
+        global_config.update(device.dispatch("auto"))
+
+
 DTYPES = ("float32", "bfloat16", "float16")
 # Modules whose parameters AF2's layer_stack stacks over blocks (a leading block axis): the
 # Evoformer and extra MSA blocks (built outside the stack, so named by their own module), and
@@ -175,11 +191,11 @@ class ZeroUpdate(hk.Module):
 def with_variant(fn: Callable, variant: str) -> Callable:
     """fn (which builds AF2's modules when traced) as it is ('af2'), with our attention ('ours'),
     or with the five family modules' updates zero and no attention parameters ('floor')."""
-    if variant == OURS:
+    if variant in (OURS, OURS_COLABFOLD):
         return af2_package.use_gated_attention()(fn)
     if variant == FLOOR:
         return af2_package.use_gated_attention(dict.fromkeys(af2_package.FAMILY, ZeroUpdate))(fn)
-    if variant != AF2:
+    if variant not in (AF2, COLABFOLD):
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     return fn
 
@@ -328,6 +344,11 @@ def problem(
     cfg = model_config(n_res, n_seq, n_extra_seq, num_recycle, dtype)
     raw = raw_features(n_res, n_seq + n_extra_seq, n_templates, seed)
     batch = jax.device_put(features(cfg, raw, seed))
-    ts = {v: transformed(cfg, v) for v in variants}
+    ts = {}
+    for v in variants:
+        variant_cfg = copy.deepcopy(cfg)
+        if v in KERNELS:
+            colabfold_kernels(variant_cfg.model.global_config)
+        ts[v] = transformed(variant_cfg, v)
     params = random_params(transformed(cfg, AF2), batch, seed)
     return {v: predictor(cfg, t.apply) for v, t in ts.items()}, params, batch

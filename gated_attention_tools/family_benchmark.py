@@ -12,6 +12,11 @@ Cells (configs/benchmark.py:family):
   * memory scaling: a training step of TriangleAttention and MSA row attention at growing crops:
     XLA temp bytes (compiled on shapes, nothing run) and resident memory (VmHWM in a fresh process).
 
+On a GPU (configs/benchmark.py:family_gpu) the variants are AF2 plain, AF2 as ColabFold runs
+it there ('colabfold': use_pallas, its fused attention, transition, triangle multiplication and
+layer-norm kernels), and each of them with our attention swapped in ('ours', 'ours_colabfold'), in
+bfloat16, with each variant's peak device memory; a variant that cannot run says why in its row.
+
 Every timed cell runs in a fresh process (child.py says why); within it the variants share
 random parameters and inputs, are compiled first and timed in interleaved rounds; a ratio is taken
 per round against AF2's time in the same round, and reported as the median and range over rounds.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -91,13 +97,17 @@ def _body(
     remat_policy: str = "nothing",
     shard_rows_over: str | None = None,
     memory_budget_mib: float | None = None,
+    kernels: bool = False,
 ) -> Callable[..., Any]:
     """fn(msa, pair, msa_mask, pair_mask) -> the module's update or the block's output, built from
     the package's classes as the caller's modules.py names them when traced; `implementation`
     (our modules' global_config.attention_implementation; None: 'auto'), `remat_policy`,
-    `shard_rows_over` and `memory_budget_mib` (theirs too; None: the default) where ours are in."""
+    `shard_rows_over` and `memory_budget_mib` (theirs too; None: the default) where ours are in;
+    `kernels`: ColabFold's GPU kernels on (af2_model.colabfold_kernels)."""
     c = model_config()
     evo, gc = c.embeddings_and_evoformer.evoformer, c.global_config
+    if kernels:
+        af2_model.colabfold_kernels(gc)
     with gc.unlocked():
         gc.remat_policy = remat_policy
         gc.shard_rows_over = shard_rows_over
@@ -142,7 +152,13 @@ def transformed(
     `implementation`, None: 'auto', with `remat_policy`, `shard_rows_over` and
     `memory_budget_mib`), or attention removed."""
     body = _body(
-        what, is_training, implementation, remat_policy, shard_rows_over, memory_budget_mib
+        what,
+        is_training,
+        implementation,
+        remat_policy,
+        shard_rows_over,
+        memory_budget_mib,
+        kernels=variant in af2_model.KERNELS,
     )
     return hk.transform(af2_model.with_variant(body, variant))
 
@@ -271,24 +287,53 @@ def run_cell(
     if cell.what == MODEL:
         return _model_cell(cell, rounds, steps, log, variants)
     step_fns, args = cell_problem(cell, variants)
-    jitted = {v: jax.jit(fn) for v, fn in step_fns.items()}
+    jitted, unavailable = {}, {}
     compile_s, temp, outputs = {}, {}, {}
-    for v, fn in jitted.items():
-        (compile_s[v],), outputs[v] = measure.time_calls(fn, args, 1)
-        temp[v] = measure.xla_memory(fn, args)["temp_size_in_bytes"]
+    for v, fn in step_fns.items():
+        start = time.perf_counter()
+        try:  # e.g. ColabFold's kernels off a GPU: the variant's row says why
+            jitted[v] = jax.jit(fn).lower(*args).compile()  # before any peak is read
+        except Exception as e:
+            unavailable[v] = _reason(e)
+            continue
+        compile_s[v] = time.perf_counter() - start
+        stats = jitted[v].memory_analysis()
+        temp[v] = None if stats is None else int(stats.temp_size_in_bytes)
+    peaks = {}
+    for v in sorted(jitted, key=lambda v: temp[v] or 0):  # rising: the device's peak reads exact
+        peaks[v], outputs[v] = measure.call_peak(lambda v=v: jitted[v](*args))
     reference = outputs.get(AF2)
     if cell.dtype != "float32" and len(variants) > 1:  # AF2 in float32 on the same (rounded) inputs
-        reference = jitted[AF2](*numerics.cast_floats(args, jnp.float32))
-    return _timed_rows(cell, jitted, args, rounds, steps, log, compile_s, temp, outputs, reference)
+        reference = jax.jit(step_fns[AF2])(*numerics.cast_floats(args, jnp.float32))
+    rows = _timed_rows(cell, jitted, args, rounds, steps, log, compile_s, temp, outputs, reference)
+    for row in rows:
+        peak = peaks[row["variant"]]
+        row.update(peak_mib=_mib(peak["added_bytes"]), peak_exact=peak["exact"])
+    return rows + [
+        dict(_cell_fields(cell), variant=v, unavailable=why) for v, why in unavailable.items()
+    ]
+
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
+def _mib(n: int | None) -> float | None:
+    return None if n is None else n / 2**20
+
+
+def _cell_fields(cell: Cell) -> dict[str, Any]:
+    return dict(
+        cell=cell.name, what=cell.what, n_seq=cell.n_seq, n_res=cell.n_res, dtype=cell.dtype,
+        mode=cell.mode, remat_policy=cell.remat_policy,
+    )  # fmt: skip
 
 
 def _model_cell(cell: Cell, rounds: int, steps: int, log, variants) -> list:
     """AF2's whole model, AF2's attention against ours and the floor (af2_model.problem): each
     variant is its recycling loop of jitted forwards, so no one program's XLA temp is recorded."""
-    if cell.mode != "inference" or cell.dtype != "float32":
-        raise ValueError(
-            f"the whole-model cell times AF2 and ours at float32 inference, got {cell}"
-        )
+    if cell.mode != "inference":
+        raise ValueError(f"the whole-model cell times inference, got {cell}")
     fns, params, batch = af2_model.problem(
         cell.n_res,
         cell.n_seq,
@@ -323,13 +368,7 @@ def _timed_rows(cell, jitted, args, rounds, steps, log, compile_s, temp, outputs
         ratios = [t / a for t, a in zip(per_round[v], per_round[AF2], strict=True)]
         rows.append(
             dict(
-                cell=cell.name,
-                what=cell.what,
-                n_seq=cell.n_seq,
-                n_res=cell.n_res,
-                dtype=cell.dtype,
-                mode=cell.mode,
-                remat_policy=cell.remat_policy,
+                **_cell_fields(cell),
                 variant=v,
                 time_ms=statistics.median(per_round[v]) * 1e3,
                 ratio_to_af2=statistics.median(ratios),
@@ -425,8 +464,8 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
         checks.check_one_of("config.remat_policies entries", policy, config.REMAT_POLICIES)
     cells = []
     for what, n_seq, n_res in cfg.family_shapes:
-        if what == MODEL:  # AF2's whole model: float32 inference (its monomer default)
-            cells.append(Cell(what, n_seq, n_res, "float32", "inference"))
+        if what == MODEL:  # AF2's whole model: inference, cfg.model_dtype
+            cells.append(Cell(what, n_seq, n_res, cfg.model_dtype, "inference"))
             continue
         cells += [
             Cell(what, n_seq, n_res, d, m, policy)
@@ -438,7 +477,17 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
     for i, cell in enumerate(cells):
         log(f"[{i + 1}/{len(cells)}] {cell.name} {cell.dtype} {cell.mode}")
         kwargs = dict(cell=dataclasses.asdict(cell), rounds=cfg.rounds, steps=cfg.steps)
-        cell_rows = child.call(f"{__name__}:_cell", kwargs, log, allocator=cfg.allocator)
+        variants = list(cfg.family_variants) or None  # None: the cell's defaults
+        try:  # a cell that fails (out of memory on a device) is a row, and the run goes on
+            cell_rows = child.call(
+                f"{__name__}:_cell", kwargs | dict(variants=variants), log, allocator=cfg.allocator
+            )
+        except RuntimeError as e:
+            rows += [dict(_cell_fields(cell), variant="all", unavailable=_reason(e))]
+            continue
+        if not cfg.baseline_check:  # a device: no allocator to check
+            rows += cell_rows
+            continue
         log(f"  {cell.name}: AF2 alone")
         alone = child.call(
             f"{__name__}:_cell", kwargs | dict(variants=[AF2]), log, allocator=cfg.allocator
@@ -532,17 +581,23 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("")
     lines += [
         "| cell | dtype | mode | variant | time (ms) | / AF2 (rounds) | XLA temp (MiB) "
-        "| rel. diff vs AF2 float32 | steal % | AF2 alone (ms), harness / alone |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| peak (MiB) | rel. diff vs AF2 float32 | steal % | AF2 alone (ms), harness / alone |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results["cells"]:
+        if "unavailable" in r:
+            head = f"| {r['cell']} | {r['dtype']} | {r['mode']} | {r['variant']} |"
+            lines.append(f"{head} {r['unavailable'][:160]} | | | | | | |")
+            continue
         low, high = r["ratio_range"]
+        peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
+        peak = "~" + peak if peak and r.get("peak_exact") is False else peak
         temp = "" if r["temp_mib"] is None else f"{r['temp_mib']:.0f}"
         diff = r["rel_diff_vs_af2_float32"]
         steal = r["cpu_steal_percent"]
         lines.append(
             f"| {r['cell']} | {r['dtype']} | {r['mode']} | {r['variant']} | {r['time_ms']:.1f} | "
-            f"{r['ratio_to_af2']:.3f} ({low:.2f}-{high:.2f}) | {temp} | "
+            f"{r['ratio_to_af2']:.3f} ({low:.2f}-{high:.2f}) | {temp} | {peak} | "
             f"{'' if diff is None else f'{diff:.1e}'} | {'' if steal is None else f'{steal:.0f}'} | "
             f"{measure.alone_cell(r)} |"
         )

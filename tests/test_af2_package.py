@@ -390,5 +390,8 @@ def test_whole_model_calls_no_af2_attention_and_its_floor_none_of_the_family(who
         k for k in params if re.search(r"(msa_row|msa_column(_global)?|triangle)_attention", k)
     }
     assert family and set(floor) == set(params) - family
-    with pytest.raises(ValueError, match=r"variant must be one of \('af2', 'ours', 'floor'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"variant must be one of \('af2', 'ours', 'floor', 'colabfold', 'ours_colabfold'\)",
+    ):
         af2_model.transformed(cfg, "fast")

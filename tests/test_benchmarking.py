@@ -356,6 +356,27 @@ def test_family_cell_times_af2_and_ours_on_the_same_params():
     assert "| msa_column_global 8x8 | ours |" in table
 
 
+def test_family_cell_with_colabfolds_kernels_says_why_not_off_a_gpu():
+    """The family_gpu preset's variants: AF2 as ColabFold runs it on a GPU (use_pallas) and the
+    same with ours. In bfloat16 on CPU ColabFold's Pallas attention kernel does not lower, and its
+    row says so; with ours swapped in the module holds no ColabFold kernel and runs as ours; AF2
+    and ours are timed with their peak memory, and the table shows both kinds of row."""
+    variants = ("af2", "colabfold", "ours", "ours_colabfold")
+    cell = family_benchmark.Cell("triangle_start", 1, 8, "bfloat16", "inference")
+    rows = family_benchmark.run_cell(cell, rounds=1, steps=1, log=lambda s: None, variants=variants)
+    by_variant = {r["variant"]: r for r in rows}
+    assert set(by_variant) == set(variants)
+    assert "interpret mode" in by_variant["colabfold"]["unavailable"], by_variant["colabfold"]
+    for v in ("af2", "ours", "ours_colabfold"):
+        assert by_variant[v]["time_ms"] > 0 and by_variant[v]["peak_mib"] is not None
+    diff = by_variant["ours"]["rel_diff_vs_af2_float32"]
+    assert diff < 2e-2 and by_variant["ours_colabfold"]["rel_diff_vs_af2_float32"] == diff
+    table = family_benchmark.markdown(dict(baseline="x", jax="y", cells=rows, memory=[], goals=[]))
+    assert "| triangle_start 8 | bfloat16 | inference | colabfold | ValueError: " in table
+    cfg = _bench_config("family_gpu")
+    assert cfg.family_variants == variants and not cfg.baseline_check
+
+
 def test_family_remat_preset_times_each_policy_and_checks_them():
     """configs/benchmark.py:family_remat: the training cells once per remat policy; a policy the
     modules do not know is refused before any cell runs."""
@@ -380,7 +401,10 @@ def test_family_floor_removes_every_attention_module():
     attention = {k for k in shapes["af2"] if "attention" in k and "outer" not in k}
     assert attention and not attention & set(shapes["floor"])
     assert set(shapes["floor"]) == set(shapes["af2"]) - attention
-    with pytest.raises(ValueError, match=r"variant must be one of \('af2', 'ours', 'floor'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"variant must be one of \('af2', 'ours', 'floor', 'colabfold', 'ours_colabfold'\)",
+    ):
         family_benchmark.transformed("evoformer", "fast", False)
 
 
