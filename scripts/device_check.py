@@ -3,12 +3,13 @@ within a time budget (8 minutes by default); what they find written to --out.
 
   python scripts/device_check.py --out=DIR            # on a GPU or TPU machine
   python scripts/device_check.py --smoke --out=DIR    # on CPU, a minute: the pipeline end to end
+  python scripts/device_check.py --tests= --preset=peers --out=DIR  # the peers alone, no tests
 
 1. `pytest -m device` (the implementation harness and the conformance scenarios on the compiled
    kernels, `pallas` and `cudnn` on a GPU, `pallas_tpu` on a TPU, against the float64 reference;
    elsewhere they skip and say why): DIR/tests.log and DIR/tests.xml (JUnit);
-2. scripts/benchmark.py with configs/benchmark.py:device (:device_smoke with --smoke) in the time
-   left: DIR/results.json and DIR/results.md (time, peak memory and difference from float32 of
+2. scripts/benchmark.py with configs/benchmark.py:device (--preset=peers: the op at AF2's shapes
+   against every peer; :device_smoke with --smoke) in the time left: DIR/results.json and DIR/results.md (time, peak memory and difference from float32 of
    each variant, the goals judged);
 3. DIR/summary.md: the environment, this command, the tests' counts with every failure and each
    skip reason, the goals, and the time each step took.
@@ -36,6 +37,9 @@ _OUT = flags.DEFINE_string("out", None, "Folder the results are written to.", re
 _BUDGET = flags.DEFINE_float("budget_s", 480.0, "Seconds the whole command may take.")
 _TESTS_BUDGET = flags.DEFINE_float("tests_budget_s", 180.0, "Seconds the tests may take.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "The benchmark's device_smoke preset (CPU, seconds).")
+_PRESET = flags.DEFINE_enum(
+    "preset", "device", ["device", "peers"], "configs/benchmark.py's preset the benchmark runs."
+)
 _TESTS = flags.DEFINE_list("tests", ["tests"], "Test paths given to pytest -m device.")
 _WORKERS = flags.DEFINE_integer(
     "workers", min(8, os.cpu_count() or 1), "pytest-xdist workers (compiling is the tests' cost)."
@@ -89,7 +93,7 @@ def junit(path: pathlib.Path) -> dict:
 
 def run_benchmark(out: pathlib.Path, seconds: float) -> int:
     """scripts/benchmark.py's device preset with `seconds` of budget; its output goes to stdout."""
-    preset = "device_smoke" if _SMOKE.value else "device"
+    preset = "device_smoke" if _SMOKE.value else _PRESET.value
     cmd = [
         sys.executable, str(ROOT / "scripts" / "benchmark.py"),
         f"--config={ROOT / 'configs' / 'benchmark.py'}:{preset}", f"--config.output_dir={out}",
@@ -141,7 +145,10 @@ def main(argv):
     print(
         f"[device_check] tests: pytest -m device (at most {_TESTS_BUDGET.value:.0f} s)", flush=True
     )
-    tests = run_tests(out, min(_TESTS_BUDGET.value, _BUDGET.value - _MARGIN_S))
+    if _TESTS.value:
+        tests = run_tests(out, min(_TESTS_BUDGET.value, _BUDGET.value - _MARGIN_S))
+    else:  # --tests= : the benchmark alone (a later call of a device session)
+        tests = dict(exit_code=5, counts={}, failures=[], skips={})
     steps = dict(tests=time.monotonic() - start)
     print(f"[device_check] tests: {tests['counts']} in {steps['tests']:.0f} s", flush=True)
     for failure in tests["failures"]:
