@@ -70,6 +70,9 @@ setup(
         "targets": [
             "jax[cuda12-local,tpu]; sys_platform == 'linux' and platform_machine == 'x86_64'",
             "nvidia-cuda-nvcc-cu12; sys_platform == 'linux' and platform_machine == 'x86_64'",
+            # CUDA 13's ptxas and nvdisasm: the SASS proxy (sass_proxy.py; Mosaic GPU writes PTX 9.0).
+            "nvidia-cuda-nvcc==13.5.37; sys_platform == 'linux' and platform_machine == 'x86_64'",
+            "nvidia-cuda-nvdisasm==13.5.37; sys_platform == 'linux' and platform_machine == 'x86_64'",
         ],
         "bench": ["matplotlib>=3.7", "alphafold-colabfold==2.3.27", "colabfold-kernels==0.9.0"],
         # The documentation site and API reference (mkdocs.yml, docs/), built by .ci/run with

@@ -1,0 +1,324 @@
+"""A proxy for sessions without a GPU: the instruction mix of each attention forward kernel's
+inner loop, per exponential (one per attention score), read from its sm_90a machine code.
+
+Each kernel is compiled for an H100 without a device (targets.py) at AF2's MSA row shape
+(q, k, v [512, 384, 8, 32] bfloat16, a shared [1, 8, 384, 384] bias, a key mask, where the kernel
+takes them), its PTX assembled by ptxas for sm_90a and disassembled by nvdisasm (CUDA 13's, from
+the `nvidia-cuda-nvcc` and `nvidia-cuda-nvdisasm` wheels of the `targets` extra: Mosaic GPU
+writes PTX 9.0). The inner loop is the loop of the SASS (a backward branch) with the most MUFU.EX2
+instructions; its instructions are counted by class: MUFU.EX2, tensor-core MMA (HGMMA), other
+float ALU, integer and moves, shared memory, global memory and TMA, barriers and synchronisation,
+branches. Per exponential, every instruction a warp issues besides the exponential competes for
+the SM's 4 issue slots a clock (128 lane-instructions) while the exponential unit does 16 a clock:
+at k instructions a score, issue allows at most 8 / k of the exponential unit's peak
+('issue-bound % of exp peak'). It says nothing of latency, stalls or memory: a proxy for the
+ordering, never a time.
+
+  JAX_PLATFORMS=cpu python -m gated_attention_tools.sass_proxy --out benchmark_results/sass_proxy
+
+Kernels (KERNELS): ours ('mosaic', the Mosaic GPU kernel 'auto' takes on Hopper; 'pallas', the
+Triton one), ColabFold's `tri_flash` (colabfold-kernels, the kernel alphafold-colabfold calls) and
+JAX's own Mosaic GPU attention (`jax.experimental.pallas.ops.gpu.attention_mgpu`, no bias or
+mask: it reads the CUDA runtime's version while tracing, which a deviceless compile has not, so
+it is told 12.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gated_attention_tools import child, targets
+
+SHAPE = (512, 384, 8, 32)  # AF2's MSA row: [rows, length, heads, head dim]
+_MODULE = "gated_attention_tools.sass_proxy"  # children import it by name, also under -m
+# Each kernel's forward entry (None: the dumped module with the exponentials), head dim, dtype.
+KERNELS = {
+    "ours_mosaic": ("gated_attention_mosaic_forward_mosaic_gpu_kernel", 32, "bfloat16"),
+    "ours_pallas": ("gated_attention_forward", 32, "bfloat16"),
+    "colabfold_tri_flash": ("tri_flash_fwd", 32, "bfloat16"),
+    "tokamax_triton": (None, 32, "bfloat16"),
+    "tokamax_mosaic": (None, 32, "bfloat16"),
+    # It takes head dims that are multiples of 64 and float16 only.
+    "jax_attention_mgpu": (None, 64, "float16"),
+}
+CLASSES = ("exp", "mma", "float", "integer", "shared", "global", "sync", "branch")
+_OPCODE = {
+    "exp": re.compile(r"^MUFU\.EX2"),
+    "mma": re.compile(r"^(HGMMA|HMMA|WGMMA|UTC)"),
+    "float": re.compile(
+        r"^(F|H)(FMA|ADD|MUL|MNMX|SEL|SETP|SET|2F|2FP|CHK|RND|MUL2|ADD2|FMA2|MNMX2|SWZADD)"
+    ),
+    "shared": re.compile(r"^(LDS|STS|LDSM|STSM|ATOMS|REDS)"),
+    "global": re.compile(
+        r"^(LDG|STG|LD|ST|UTMA|UBLKCP|UTMALDG|UTMASTG|UTMAPF|ATOMG|RED|LDGSTS|LDGDEPBAR)"
+    ),
+    "sync": re.compile(
+        r"^(BAR|SYNCS|WARPSYNC|DEPBAR|WARPGROUP|ARRIVES|MEMBAR|ERRBAR|CCTL|FENCE|ELECT|NANOSLEEP|YIELD)"
+    ),
+    "branch": re.compile(r"^(BRA|BRX|JMP|CALL|RET|EXIT|BSSY|BSYNC|BREAK|WARPSYNC)"),
+}
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_TARGET = re.compile(r"`?\(?(\.L_x_\d+)\)?")
+
+
+def classify(opcode: str) -> str:
+    """One of CLASSES for a SASS opcode; 'integer' for everything else (integer ALU, moves,
+    predicates, conversions to uniform registers)."""
+    for name in ("exp", "mma", "sync", "branch", "shared", "global", "float"):
+        if _OPCODE[name].match(opcode):
+            return name
+    return "integer"
+
+
+def parse_sass(text: str, function: str | None = None) -> list[tuple[int, str, str]]:
+    """[(address, opcode, operands)] of one function of nvdisasm's output (the first with an
+    EX2 when `function` is None), labels as (address, ':LABEL', '')."""
+    sections = re.split(r"\n\s*\.section\s+\.text\.", text)
+    body = None
+    for section in sections[1:]:
+        name = section.split(",", 1)[0].strip()
+        if (function is None and "MUFU.EX2" in section) or name == function:
+            body = section
+            break
+    if body is None:
+        raise ValueError(f"function {function!r} not in the disassembly")
+    out, last = [], 0
+    for line in body.splitlines():
+        if m := _LABEL.match(line.strip()):
+            out.append((last + 1, ":" + m.group(1), ""))
+        elif m := _INSTRUCTION.search(line):
+            last = int(m.group(1), 16)
+            out.append((last, m.group(2), m.group(3).strip()))
+    return out
+
+
+def inner_loop(code: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The instructions of the loop (a backward branch to a label) with the most MUFU.EX2; of
+    loops with as many, the shortest."""
+    labels = {op[1:]: addr for addr, op, _ in code if op.startswith(":")}
+    best = None
+    for addr, op, operands in code:
+        if not op.startswith("BRA"):
+            continue
+        target = _TARGET.search(operands)
+        start = labels.get(target.group(1)) if target else None
+        if start is None or start > addr:
+            continue
+        body = [c for c in code if start <= c[0] <= addr and not c[1].startswith(":")]
+        key = (sum(c[1].startswith("MUFU.EX2") for c in body), -len(body))
+        if best is None or key > best[0]:
+            best = (key, body)
+    if best is None or best[0][0] == 0:
+        raise ValueError("no loop with an exponential in the kernel")
+    return best[1]
+
+
+def mix(loop: list[tuple[int, str, str]]) -> dict[str, Any]:
+    """Counts by class, instructions per exponential, and the issue-bound share of the
+    exponential unit's peak (8 / instructions per exponential, at most 1)."""
+    counts = dict.fromkeys(CLASSES, 0)
+    for _, op, _ in loop:
+        counts[classify(op)] += 1
+    exps = counts["exp"]
+    per_exp = {k: v / exps for k, v in counts.items()}
+    total = sum(counts.values()) / exps
+    return dict(
+        counts=counts,
+        per_exp=per_exp,
+        instructions_per_exp=total,
+        issue_bound_exp_share=min(1.0, 8 / total),
+    )
+
+
+def tools() -> dict[str, str] | None:
+    """ptxas and nvdisasm of CUDA 13 (the nvidia-cuda-nvcc and -nvdisasm wheels), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in spec.submodule_search_locations if spec else []:
+        found = {t: os.path.join(root, "cu13", "bin", t) for t in ("ptxas", "nvdisasm")}
+        if all(os.path.exists(p) for p in found.values()):
+            return found
+    return None
+
+
+def missing() -> str | None:
+    """Why the proxy cannot run here, or None."""
+    if tools() is None:
+        return "CUDA 13's ptxas and nvdisasm are not installed (pip install -e '.[targets]')"
+    return targets.missing("h100")
+
+
+def _program(kernel: str):
+    """(fn, abstract args) of the kernel's forward at SHAPE."""
+    import jax
+    import jax.numpy as jnp
+
+    import gated_attention as ga
+
+    b, t, n, _ = SHAPE
+    _, h, dtype = KERNELS[kernel]
+    sd = jax.ShapeDtypeStruct
+    qkv, bias = sd((b, t, n, h), jnp.dtype(dtype)), sd((1, n, t, t), jnp.dtype(dtype))
+    mask = sd((b, 1, 1, t), jnp.bool_)
+    if kernel in ("ours_mosaic", "ours_pallas"):
+        impl = kernel.removeprefix("ours_")
+        fn = lambda q, k, v, b_, m: ga.dot_product_attention(q, k, v, b_, m, implementation=impl)
+    elif kernel == "colabfold_tri_flash":
+        from colabfold_kernels.tri_flash import pallas_attention
+
+        def fn(q, k, v, b_, m):
+            heads = lambda x: jnp.swapaxes(x, 1, 2)  # AF2's projections write [b, h, S, c]
+            mask_bias = 1e9 * (m.astype(q.dtype) - 1.0)
+            return heads(
+                pallas_attention(heads(q), heads(k), heads(v), mask_bias, b_[0], scale=h**-0.5)
+            )
+    elif kernel.startswith("tokamax_"):
+        import tokamax
+
+        impl = kernel.removeprefix("tokamax_")
+        fn = lambda q, k, v, b_, m: tokamax.dot_product_attention(
+            q, k, v, b_, m, implementation=impl
+        )
+    elif kernel == "jax_attention_mgpu":
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+        config = attention_mgpu.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2)
+        fn = lambda q, k, v, b_, m: attention_mgpu.attention(q, k, v, config)
+    else:
+        raise ValueError(f"kernel must be one of {tuple(KERNELS)}, got {kernel!r}")
+    return fn, (qkv, qkv, qkv, bias, mask)
+
+
+class _Runtime:  # attention_mgpu reads the CUDA runtime's version while tracing
+    @staticmethod
+    def cuda_runtime_get_version() -> int:
+        return 12090
+
+
+def kernel_ptx(kernel: str) -> str:
+    """The PTX of the kernel's forward compiled for an H100 (a child's function: Mosaic GPU's
+    PTX dump is read from this process's stdout, XLA's from its dump folder)."""
+    from unittest import mock
+
+    fn, args = _program(kernel)
+    with tempfile.TemporaryDirectory() as dump, tempfile.TemporaryFile(mode="w+") as out:
+        saved = os.dup(1)
+        os.dup2(out.fileno(), 1)
+        try:
+            with mock.patch(
+                "jax.experimental.pallas.ops.gpu.attention_mgpu.cuda_versions", _Runtime
+            ):
+                targets.compile(fn, *args, target="h100", dump_to=dump)
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        out.seek(0)
+        printed = out.read().split("// Generated by LLVM NVPTX Back-End")[1:]
+        modules = [Path(p).read_text() for p in sorted(glob.glob(os.path.join(dump, "*.ptx")))]
+    modules += ["//\n// Generated by LLVM NVPTX Back-End" + m for m in printed]  # Mosaic GPU's
+    entry = KERNELS[kernel][0]
+    for module in modules:
+        if f".entry {entry}(" in module if entry else "ex2.approx" in module:
+            return module
+    raise ValueError(f"{kernel}: no PTX with its forward kernel was dumped")
+
+
+def sass(ptx: str) -> str:
+    """nvdisasm's disassembly of the PTX assembled for sm_90a."""
+    paths = tools()
+    with tempfile.TemporaryDirectory() as work:
+        src, cubin = os.path.join(work, "k.ptx"), os.path.join(work, "k.cubin")
+        Path(src).write_text(ptx)
+        subprocess.run(
+            [paths["ptxas"], "-arch=sm_90a", src, "-o", cubin], check=True, capture_output=True
+        )
+        return subprocess.run(
+            [paths["nvdisasm"], "-c", cubin], check=True, capture_output=True, text=True
+        ).stdout
+
+
+def measure(kernel: str) -> dict[str, Any]:
+    """The kernel's inner-loop mix (compiled in a child with Mosaic GPU's PTX dump on)."""
+    env = {**targets.CHILD_ENV, "MOSAIC_GPU_DUMP_PTX": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        ptx = child.call(f"{_MODULE}:kernel_ptx", dict(kernel=kernel), lambda s: None)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    code = parse_sass(sass(ptx), KERNELS[kernel][0])
+    _, head_dim, dtype = KERNELS[kernel]
+    return dict(kernel=kernel, head_dim=head_dim, dtype=dtype, **mix(inner_loop(code)))
+
+
+def reason(e: BaseException) -> str:
+    """The last error line of an exception (a child's carries its whole log)."""
+    lines = [x.strip() for x in str(e).splitlines() if re.match(r"\s*\w+(Error|Exception):", x)]
+    return lines[-1][:300] if lines else f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def markdown(rows: list[dict[str, Any]], results: dict[str, Any] | None = None) -> str:
+    made = f" (jax {results['jax']}, ptxas {results['ptxas']})" if results else ""
+    lines = [
+        f"Inner loop of each forward kernel, sm_90a SASS{made}, AF2's MSA row shape "
+        f"{list(SHAPE)[:3]} at the head dim and dtype given; per exponential (one per attention "
+        "score).",
+        "",
+        "| kernel | head dim, dtype | instructions / exp | issue-bound % of exp peak | "
+        + " | ".join(CLASSES[1:])
+        + " |",
+        "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in CLASSES[1:]) + " |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['kernel']} | {r['error'][:150]} |")
+            continue
+        per = " | ".join(f"{r['per_exp'][c]:.2f}" for c in CLASSES[1:])
+        lines.append(
+            f"| {r['kernel']} | {r['head_dim']}, {r['dtype']} | {r['instructions_per_exp']:.2f} | "
+            f"{100 * r['issue_bound_exp_share']:.0f} | {per} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for results.json and results.md")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="comma-separated")
+    args = parser.parse_args(argv)
+    why = missing()
+    if why:
+        sys.exit(f"sass_proxy: {why}")
+    rows = []
+    for kernel in args.kernels.split(","):
+        try:
+            rows.append(measure(kernel))
+        except Exception as e:  # a peer that does not compile here is a row with the reason
+            rows.append(dict(kernel=kernel, error=reason(e)))
+        print(markdown(rows[-1:]).splitlines()[-1], flush=True)
+    import jax
+
+    ptxas = subprocess.run([tools()["ptxas"], "--version"], capture_output=True, text=True)
+    results = dict(jax=jax.__version__, ptxas=ptxas.stdout.strip().splitlines()[-1], rows=rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(rows, results))
+    print(markdown(rows, results))
+
+
+if __name__ == "__main__":
+    main()
