@@ -46,7 +46,7 @@ setup(
         "ml_collections>=0.1.1",
     ],
     package_data={
-        "gated_attention": ["pallas_tiles.json"],  # the Pallas GPU kernels' tiles (pallas_tiles.py)
+        "gated_attention": ["pallas_tiles.json", "tuning.json"],  # pallas_tiles.py, tuning.py
         "gated_attention_tools": ["target_configs/*.txtpb"],
     },
     extras_require={

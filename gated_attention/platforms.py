@@ -39,16 +39,30 @@ _CAPABILITIES = (("H100", (9, 0)), ("H200", (9, 0)), ("H800", (9, 0)), ("GH200",
                  ("A100", (8, 0)), ("A800", (8, 0)), ("A10", (8, 6)), ("L4", (8, 9)))  # fmt: skip
 
 
-def gpu_capability() -> tuple[int, int] | None:
-    """(major, minor) compute capability of the GPU a program is being compiled for: the abstract
-    mesh's device where one is in use (deviceless compiles), else the first GPU's; None when
-    there is no GPU or its kind is not known."""
+def _gpu():
+    """The GPU a program is being compiled for: the abstract mesh's device where one is in use
+    (deviceless compiles), else the first GPU; None when there is none."""
     device = jax.sharding.get_abstract_mesh().abstract_device
     if device is None:
         try:
             device = jax.devices("gpu")[0]
         except RuntimeError:  # no GPU backend
             return None
+    return device
+
+
+def gpu_kind() -> str | None:
+    """The device kind of the GPU a program is being compiled for ('NVIDIA H100 80GB HBM3')."""
+    device = _gpu()
+    return None if device is None else str(getattr(device, "device_kind", "")) or None
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """(major, minor) compute capability of the GPU a program is being compiled for (_gpu);
+    None when there is no GPU or its kind is not known."""
+    device = _gpu()
+    if device is None:
+        return None
     capability = getattr(device, "compute_capability", None)
     if capability:
         return tuple(int(x) for x in str(capability).split(".")[:2])

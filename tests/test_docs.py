@@ -254,10 +254,11 @@ def _device_results() -> dict[str, dict]:
 
 def test_device_figures_come_from_a_device_run():
     """A time in ms that a page quotes in a paragraph naming a GPU or TPU is a median or round
-    of a device run in benchmark_results/device/ (at the digits quoted), and each
+    of a device run in benchmark_results/device/, or a cell's hardware floor there (at the digits
+    quoted), and each
     `<!-- device-summary: RUN -->` table is the one gated_attention_tools.device_summary writes
     from that run: a figure no device measured, or one a newer run replaced, fails here."""
-    from gated_attention_tools import device_summary
+    from gated_attention_tools import device_benchmark, device_summary
 
     runs = _device_results()
     times = [
@@ -267,6 +268,12 @@ def test_device_figures_come_from_a_device_run():
         for t in [cell.get("time_ms"), *cell.get("rounds_ms", [])]
         if t is not None
     ]
+    floors = [  # a cell's hardware floor, as its results.md gives it, may be quoted too
+        low["floor_ms"]
+        for run in runs.values()
+        for cell in run["cells"]
+        if (low := device_benchmark.cell_floor(cell, run["environment"]["device_kind"]))
+    ]
     unknown, stale = [], []
     for page in PAGES:
         text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code is not a figure
@@ -275,7 +282,7 @@ def test_device_figures_come_from_a_device_run():
                 continue
             for quoted in _MS.findall(paragraph):
                 value, digits = float(quoted.replace(",", "")), len(quoted.partition(".")[2])
-                if not any(abs(t - value) <= 0.5 * 10**-digits + 1e-9 for t in times):
+                if not any(abs(t - value) <= 0.5 * 10**-digits + 1e-9 for t in times + floors):
                     unknown.append(f"{page.name}: {quoted} ms")
         lines = page.read_text().splitlines()
         for i, line in enumerate(lines):

@@ -18,9 +18,9 @@ MAX_LINES = 600
 LAYERS = {
     "shared": {
         "archive", "base", "checks", "compat", "mapping", "masking", "memory", "numerics",
-        "platforms", "sharding",
+        "platforms", "sharding", "tuning",
     },
-    "implementations": {"chunked", "cudnn", "ring", "xla"},
+    "implementations": {"chunked", "cudnn", "per_mode", "ring", "xla"},
     "op": {"attention"},
     "models": {
         "__init__", "af2_package", "alphafold", "config", "dropout", "modules", "pair_bias",
