@@ -278,6 +278,8 @@ def _family_config(preset):
     cfg.family_variants = ()  # (): each cell's own (AF2, ours, and the floor for blocks)
     cfg.model_dtype = "float32"  # the whole model's cell (AF2's monomer default)
     cfg.baseline_check = True  # AF2 timed alone in a fresh process, against its harness time
+    # (what, n_seq, first N_res, limit, step): the longest N_res each variant runs (inference).
+    cfg.longest = ()
     if preset == "family_remat":  # the training step with each policy: what saving buys on CPU
         cfg.family_shapes = tuple(s for s in FAMILY_SHAPES if s[0] not in ("evoformer", "model"))
         cfg.dtypes, cfg.modes = ("float32",), ("training",)
@@ -292,6 +294,7 @@ def _family_config(preset):
         cfg.rounds, cfg.steps = 3, 3
         cfg.goals, cfg.memory_scaling = (), ()
         cfg.baseline_check = False  # no malloc policy on a device to check
+        cfg.longest = (("evoformer", 512, 1024, 8192, 256),)
         cfg.output_dir = "benchmark_results/device/family"
     if preset == "family_smoke":  # seconds: checks the suite runs
         cfg.family_shapes = (("triangle_start", 1, 8), ("evoformer", 4, 8))

@@ -15,7 +15,9 @@ Cells (configs/benchmark.py:family):
 On a GPU (configs/benchmark.py:family_gpu) the variants are AF2 plain, AF2 as ColabFold runs
 it there ('colabfold': use_pallas, its fused attention, transition, triangle multiplication and
 layer-norm kernels), and each of them with our attention swapped in ('ours', 'ours_colabfold'), in
-bfloat16, with each variant's peak device memory; a variant that cannot run says why in its row.
+bfloat16, with each variant's peak device memory; a variant that cannot run says why in its row;
+and the longest N_res at which each variant's EvoformerIteration inference runs (cfg.longest: a
+bounded search, each probe a fresh process).
 
 Every timed cell runs in a fresh process (child.py says why); within it the variants share
 random parameters and inputs, are compiled first and timed in interleaved rounds; a ratio is taken
@@ -493,6 +495,12 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
             f"{__name__}:_cell", kwargs | dict(variants=[AF2]), log, allocator=cfg.allocator
         )
         rows += measure.check_baseline(cell_rows, alone[0]["time_ms"], cfg.baseline_tolerance)
+    fit = []
+    for what, n_seq, start, limit, step in cfg.longest:
+        for variant in cfg.family_variants or (AF2, OURS):
+            log(f"longest: {what} {variant}, from N_res {start} to {limit}")
+            found = longest(what, variant, n_seq, start, limit, step, cfg.dtypes[0], log=log)
+            fit.append(dict(what=what, variant=variant, n_seq=n_seq, dtype=cfg.dtypes[0], **found))
     memory = []
     for what, n_seq, n_res, variants in cfg.memory_scaling:
         for variant in variants:
@@ -513,8 +521,68 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
         allocator=dict(policy=cfg.allocator, env=measure.allocator_env(cfg.allocator)),
         cells=rows,
         memory=memory,
+        longest=fit,
         goals=goal_rows(rows, memory, cfg.goals),
     )
+
+
+def fits(what: str, variant: str, n_seq: int, n_res: int, dtype: str, mode: str) -> bool:
+    """One call of the cell's step for the variant (a child's function): True when it ran; out
+    of memory or any other failure ends the child, which the caller reads as 'does not fit'."""
+    cell = Cell(what, n_seq, n_res, dtype, mode)
+    step_fns, args = cell_problem(cell, (variant,))
+    jax.block_until_ready(jax.jit(step_fns[variant])(*args))
+    return True
+
+
+def longest(
+    what: str,
+    variant: str,
+    n_seq: int,
+    start: int,
+    limit: int,
+    step: int,
+    dtype: str = "bfloat16",
+    mode: str = "inference",
+    probe: Callable[[int], bool] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """The longest N_res (a multiple of `step`, at most `limit`) at which the variant's cell
+    runs, each probe a fresh process (`probe(n_res)` for tests): doubling from `start`, then
+    halving the interval. {longest (None: not even `start`), limit_reached, probes}."""
+    if probe is None:
+        kwargs = dict(what=what, variant=variant, n_seq=n_seq, dtype=dtype, mode=mode)
+
+        def probe(n_res: int) -> bool:
+            try:
+                return child.call(f"{_MODULE}:fits", kwargs | dict(n_res=n_res), lambda s: None)
+            except RuntimeError:
+                return False
+
+    probes = {}
+
+    def ok(n: int) -> bool:
+        probes[n] = probes.get(n, probe(n))
+        log(f"  {what} {variant} N_res {n}: {'fits' if probes[n] else 'does not fit'}")
+        return probes[n]
+
+    if not ok(start):
+        return dict(longest=None, limit_reached=False, probes=probes)
+    low, high = start, None
+    while high is None:
+        n = min(2 * low, limit)
+        if n == low:
+            return dict(longest=low, limit_reached=True, probes=probes)
+        low, high = (n, None) if ok(n) else (low, n)
+    while high - low > step:
+        mid = (low + high) // 2 // step * step
+        if mid <= low:
+            break
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return dict(longest=low, limit_reached=False, probes=probes)
+
+
+_MODULE = "gated_attention_tools.family_benchmark"  # children import it by name
 
 
 def _cell(cell: dict, rounds: int, steps: int, variants: list[str] | None = None) -> list:
@@ -601,6 +669,16 @@ def markdown(results: dict[str, Any]) -> str:
             f"{'' if diff is None else f'{diff:.1e}'} | {'' if steal is None else f'{steal:.0f}'} | "
             f"{measure.alone_cell(r)} |"
         )
+    if results.get("longest"):
+        lines += [
+            "",
+            "| longest N_res that runs (inference) | variant | N_res |",
+            "| --- | --- | ---: |",
+        ]
+        for f in results["longest"]:
+            n = "none" if f["longest"] is None else f"{f['longest']:,}"
+            n += " (the search's limit)" if f["limit_reached"] else ""
+            lines.append(f"| {f['what']} {f['n_seq']}x, {f['dtype']} | {f['variant']} | {n} |")
     if results["memory"]:
         lines += [
             "",

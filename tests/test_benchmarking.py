@@ -377,6 +377,39 @@ def test_family_cell_with_colabfolds_kernels_says_why_not_off_a_gpu():
     assert cfg.family_variants == variants and not cfg.baseline_check
 
 
+def test_longest_search_doubles_then_halves_to_the_step():
+    """The family_gpu preset's search for the longest N_res a variant runs (each probe a fresh
+    process on the device; here a stand-in that fits up to 3,000): doubling from the start, then
+    halving, to the largest multiple of the step that fits; the limit and a start that does not
+    fit said as such."""
+    tried = []
+
+    def up_to(most):
+        return lambda n: tried.append(n) or n <= most
+
+    found = family_benchmark.longest(
+        "evoformer", "ours", 4, 1024, 8192, 256, probe=up_to(3000), log=lambda s: None
+    )
+    assert found["longest"] == 2816 and not found["limit_reached"]
+    assert tried == [1024, 2048, 4096, 3072, 2560, 2816]
+    everything = family_benchmark.longest(
+        "evoformer", "ours", 4, 1024, 8192, 256, probe=up_to(10**6), log=lambda s: None
+    )
+    assert (everything["longest"], everything["limit_reached"]) == (8192, True)
+    none = family_benchmark.longest(
+        "evoformer", "ours", 4, 1024, 8192, 256, probe=up_to(10), log=lambda s: None
+    )
+    assert none["longest"] is None and list(none["probes"]) == [1024]
+    assert family_benchmark.fits("triangle_start", "ours", 1, 8, "float32", "inference")
+    results = dict(baseline="x", jax="y", cells=[], memory=[], goals=[], longest=[
+        dict(what="evoformer", variant="ours", n_seq=4, dtype="bfloat16", **found),
+        dict(what="evoformer", variant="af2", n_seq=4, dtype="bfloat16", **everything),
+    ])  # fmt: skip
+    table = family_benchmark.markdown(results)
+    assert "| evoformer 4x, bfloat16 | ours | 2,816 |" in table
+    assert "| evoformer 4x, bfloat16 | af2 | 8,192 (the search's limit) |" in table
+
+
 def test_family_remat_preset_times_each_policy_and_checks_them():
     """configs/benchmark.py:family_remat: the training cells once per remat policy; a policy the
     modules do not know is refused before any cell runs."""
