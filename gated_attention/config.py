@@ -252,6 +252,12 @@ def global_config(config: Any) -> GlobalConfig:
     )
 
 
+def memory_budget_mib(module: ModuleConfig, glob: GlobalConfig) -> float:
+    """The module's working-set budget, its own where set, else the global one: one value for the
+    op's choice, the module's row tiles and its pair-bias tiles."""
+    return glob.memory_budget_mib if module.memory_budget_mib is None else module.memory_budget_mib
+
+
 def attention_implementation(module: ModuleConfig, glob: GlobalConfig) -> tuple[Any, str]:
     """The implementation (an instance with its tuning) and precision policy a module passes to
     dot_product_attention: module keys override global ones."""
@@ -260,7 +266,7 @@ def attention_implementation(module: ModuleConfig, glob: GlobalConfig) -> tuple[
         value = getattr(module, key)
         return getattr(glob, key) if value is None else value
 
-    budget = int(pick("memory_budget_mib") * 2**20)
+    budget = int(memory_budget_mib(module, glob) * 2**20)
     chunked = ChunkedAttention(
         query_chunk_size=pick("query_chunk_size"),
         key_chunk_size=pick("key_chunk_size"),

@@ -157,7 +157,7 @@ class _AttentionModule(hk.Module):
         implementation, policy = config_lib.attention_implementation(
             self.config, self.global_config
         )
-        budget = memory.budget_bytes(self.global_config.memory_budget_mib)
+        budget = memory.budget_bytes(config_lib.memory_budget_mib(self.config, self.global_config))
         batch = args[0].shape[axis]
         batched = [x is not None and x.shape[axis] == batch for x in args]
         remat = remat_saveable(self.global_config.remat_policy)

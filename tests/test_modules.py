@@ -552,3 +552,26 @@ def test_rows_per_tile_rule():
 def test_row_tile_rule_is_cpu_only(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert _rows(1000, queries=128, logits=4 * 128 * 128) == 32
+
+
+def test_a_modules_own_memory_budget_reaches_its_tiles_and_its_pair_bias(monkeypatch):
+    """config.memory_budget_mib overrides the global one for everything the module decides by
+    it: the op's choice, the module's row tiles and the pair bias's tiles (before, the tiles read
+    the global budget alone)."""
+    from gated_attention import modules, pair_bias
+
+    seen = {}
+    rows = modules.rows_per_tile
+    monkeypatch.setattr(
+        modules, "rows_per_tile", lambda *a, **k: seen.setdefault("tiles", a[2]) and rows(*a, **k)
+    )
+    with_pair = pair_bias.with_pair
+    monkeypatch.setattr(
+        pair_bias, "with_pair", lambda *a: seen.setdefault("pair", a[-1]) and with_pair(*a)
+    )
+    cfg = dict(num_head=2, orientation="per_row", memory_budget_mib=3)
+    gc = dict(memory_budget_mib=1024)
+    fn = hk.transform(lambda p, m: ga.TriangleAttention(cfg, gc)(p, m, False))
+    pair, mask = jnp.ones((6, 6, 8)), jnp.ones((6, 6))
+    fn.apply(fn.init(jax.random.PRNGKey(0), pair, mask), None, pair, mask)
+    assert seen == dict(tiles=3 * 2**20, pair=3)
