@@ -130,7 +130,11 @@ class MosaicAttention(base.Implementation):
                     f"{what} computes float32 dots as TF32 wgmma (JAX's default precision), "
                     f"the call asks for {level}"
                 )
-        plan = Plan.make(self, query, key, value, biases, mask, 1.0, compute_dtype, options)
+        # The plan __call__ runs: with the live-row scratch wherever a row may be dead (its
+        # live_q is not None exactly then, masking.Structure.live), counted in shared memory.
+        plan = Plan.make(
+            self, query, key, value, biases, mask, 1.0, compute_dtype, options, live=masked
+        )
         need = shared_memory_bytes(plan)
         if need > SHARED_MEMORY_LIMIT:
             raise NotImplementedError(

@@ -304,3 +304,24 @@ def test_named_and_refused_everywhere_says_the_gpus_reason_too():
     message = str(raised.value)
     assert message.startswith("implementation='mosaic' cannot take these inputs: ")
     assert "; compiled for gpu: " in message and "head dims <= 64 with a mask" in message
+
+
+def test_check_refuses_on_the_plan_the_call_runs(monkeypatch):
+    """check() sizes shared memory on the same plan __call__ builds: with a mask (rows may be
+    dead) the live-row scratch is in both (before, check's plan left it out)."""
+    made = {}  # compute dtype -> the shared memory of each plan made for it
+    make = mosaic.Plan.make.__func__
+
+    def recording(cls, *args, **kwargs):
+        plan = make(cls, *args, **kwargs)
+        made.setdefault(str(args[7]), set()).add(mosaic.shared_memory_bytes(plan))
+        return plan
+
+    monkeypatch.setattr(mosaic.Plan, "make", classmethod(recording))
+    q, k, v, bias, mask = _specs()
+    impl = ga.MosaicAttention(interpret=True)
+    jax.eval_shape(
+        lambda q, k, v, b, m: ga.dot_product_attention(q, k, v, b, m, implementation=impl),
+        q, k, v, bias, mask,
+    )  # fmt: skip
+    assert made and all(len(needs) == 1 for needs in made.values()), made  # check's == call's
