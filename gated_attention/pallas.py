@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from gated_attention import base, checks, memory, numerics, pallas_kernels, pallas_tiles
-from gated_attention.pallas_plan import Plan, extra_options, triton_backend_missing
-from gated_attention.pallas_tiles import MIN_TILE, SHARED_MEMORY_LIMIT, _pow2_tile, kernel_form
+from gated_attention.pallas_plan import Plan, triton_backend_missing
+from gated_attention.pallas_tiles import MIN_TILE, SHARED_MEMORY_LIMIT, _pow2_tile
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 128
@@ -138,9 +138,13 @@ class PallasAttention(base.Implementation):
         )
         dims = (query.shape[-1], value.shape[-1])
         precision = dot_precision(options.precision, compute_dtype, self.interpret)
-        extra = extra_options(options, query, key)
-        form = kernel_form(biases, mask)
-        block_q, block_k, _, stages = self.tiles(compute_dtype, precision, max(dims), extra, form)
+        # The plan __call__ runs (its tiles clamped to the lengths), so that the refusal and the
+        # run agree; only whether rows may be dead matters of live_q here.
+        live = True if mask is not None or not options.structure.trivial else None
+        plan = Plan.make(
+            self, query, key, value, biases, 1.0, compute_dtype, precision, mask, live, options
+        )
+        block_q, block_k, stages = plan.block_q, plan.block_k, plan.num_stages
         need = memory.gpu_shared_memory_bytes(
             block_q=block_q,
             block_k=block_k,

@@ -239,9 +239,12 @@ def test_tiles_come_from_the_table_and_oversized_ones_are_refused():
     assert impl.tiles(jnp.float32, high, 128, form=("both", "full")) == (16, 16, 8, 1)
     assert impl.tiles(jnp.float32, high, 128, True, form)[:2] == (16, 16)
     assert pallas_tiles.kernel_form((), jnp.zeros((2, 1, 3, 4), bool)) == ("none", "full")
-    q, k, v, bias, mask = _specs(jnp.float32, head_dim=128)
+    # Lengths past the tiles: the plan clamps tiles to the lengths (20 queries: 32 at most).
+    q, k, v, bias, mask = _specs(jnp.float32, head_dim=128, q_len=200, k_len=240)
     impl.check(q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu")
     big = ga.PallasAttention(block_q=128, block_k=128, num_stages=2)
+    short = _specs(jnp.float32, head_dim=128)  # the same tiles clamped to 32 x 32 fit
+    big.check(*short[:3], (short[3],), short[4], compute_dtype=jnp.float32, platform="gpu")
     with pytest.raises(NotImplementedError, match="shared memory at head dim 128"):
         big.check(q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu")
     impl, _ = ga.Auto(pallas=big).choose(
@@ -309,3 +312,22 @@ def test_a_jax_without_the_triton_backend_refuses_the_kernel_and_auto_moves_on(m
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert "(1, 8, 2, 4)" in out.stdout
+
+
+def test_check_sizes_shared_memory_on_the_plan_the_call_runs(monkeypatch):
+    """check() takes its tiles from the plan __call__ builds (clamped to the lengths, the head
+    dims padded as the kernels pad them), so a refusal is decided on what would run."""
+    from gated_attention import memory
+
+    sizes = []
+    size = memory.gpu_shared_memory_bytes
+    monkeypatch.setattr(memory, "gpu_shared_memory_bytes", lambda **k: sizes.append(k) or size(**k))
+    impl = ga.PallasAttention()
+    sd = jax.ShapeDtypeStruct
+    q = sd((2, 8, 2, 48), jnp.bfloat16)  # 8 queries: tiles clamp to 16 x 16; head dim 48 pads to 64
+    plan = pallas_plan.Plan.make(
+        impl, q, q, q, (), 1.0, jnp.bfloat16, None, None, None, ga.base.PLAIN
+    )
+    impl.check(q, q, q, (), None, compute_dtype=jnp.bfloat16, platform="gpu")
+    assert (sizes[-1]["block_q"], sizes[-1]["block_k"]) == (plan.block_q, plan.block_k) == (16, 16)
+    assert sizes[-1]["stages"] == plan.num_stages and sizes[-1]["padded_head_dim"] == 64
