@@ -49,9 +49,8 @@ from typing import Any
 
 import haiku as hk
 import jax
-from jax._src import config as jax_config  # thread-local states in jax.jit's trace context
 
-from gated_attention import alphafold, modules, sharding
+from gated_attention import alphafold, compat, modules, sharding
 
 
 class AF2Attention(modules.Attention):
@@ -153,12 +152,10 @@ _LOCK = threading.Lock()  # guards installing the dispatchers (_install), never 
 
 # The swap active in this thread: a key of _SWAPS, or None. In the trace context, so jax.jit traces
 # a function anew when it is called under another swap (no cached trace of the other attention).
-_ACTIVE = jax_config.State(
-    name="gated_attention_af2_swap",
-    default=None,
-    help="The gated_attention AF2 swap active in this thread (af2_package.use_gated_attention).",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
+_ACTIVE = compat.trace_context_state(
+    "gated_attention_af2_swap",
+    None,
+    "The gated_attention AF2 swap active in this thread (af2_package.use_gated_attention).",
 )
 _SWAPS: dict[str, tuple[ModuleType, dict[str, Any]]] = {}  # key -> (target, name -> class)
 _ORIGINALS: dict[tuple[int, str], Any] = {}  # (id(target), name) -> AF2's class

@@ -1,5 +1,6 @@
 """The JAX this library needs, checked once at import: one clear error instead of a traceback from
-inside JAX when an older release lacks what the library calls.
+inside JAX when an older release lacks what the library calls; and every private JAX symbol the
+library touches, each behind one function here (tests/test_compat.py fails when JAX moves one).
 
 Tested: jax 0.10.2 (Python 3.11, the release AlphaFold 3 pins) and the newest the registry serves
 for Python 3.12 (0.12.0.1); setup.py states the range.
@@ -7,7 +8,9 @@ for Python 3.12 (0.12.0.1); setup.py states the range.
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
+from typing import Any
 
 MIN_JAX = (0, 10)
 # What the library uses from jax's top level that older releases lack (sharding.py and the op).
@@ -46,3 +49,42 @@ def cudnn_version() -> int | None:
         return int(cuda_versions.cudnn_get_version())
     except RuntimeError:  # the plugin is there, the library is not
         return None
+
+
+def trace_context_state(name: str, default: Any, help: str):  # noqa: A002 (JAX's own name)
+    """A thread-local JAX config State in jax.jit's trace context: jit traces anew when its value
+    differs (af2_package's swap). jax._src.config.State: no public API makes one."""
+    from jax._src import config as jax_config
+
+    return jax_config.State(
+        name=name,
+        default=default,
+        help=help,
+        include_in_jit_key=True,
+        include_in_trace_context=True,
+    )
+
+
+def registered_backends() -> set[str]:
+    """The platforms whose backend factories JAX registered (plugins included, started or not):
+    jax._src.xla_bridge._backend_factories, which no public API lists."""
+    from jax._src import xla_bridge
+
+    return set(xla_bridge._backend_factories)
+
+
+def triton_registration():
+    """Pallas's Triton lowering registration module (imports it: an ImportError where this JAX
+    has no Triton backend). jax._src.pallas.triton.pallas_call_registration."""
+    return importlib.import_module("jax._src.pallas.triton.pallas_call_registration")
+
+
+def mosaic_gpu_interpret_params(plgpu: ModuleType):
+    """The Mosaic GPU interpreter's parameters class: public from jax 0.11 on, private in 0.10
+    (jax._src.pallas.mosaic_gpu.interpret.params)."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:  # jax 0.10
+        from jax._src.pallas.mosaic_gpu.interpret import params as module
+
+        params = module.InterpretGPUParams
+    return params

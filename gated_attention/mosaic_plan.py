@@ -21,6 +21,7 @@ import inspect
 import jax.numpy as jnp
 from jax import lax
 
+from gated_attention import compat
 from gated_attention.pallas_plan import extra_options
 
 DEPTH = 2  # pipeline slots: the producer loads step t + 1 while the consumer computes step t
@@ -42,12 +43,7 @@ def modules():
 def interpret_params():
     """The Mosaic GPU interpreter's parameters (public from jax 0.11 on, private before)."""
     _, plgpu = modules()
-    params = getattr(plgpu, "InterpretGPUParams", None)
-    if params is None:  # jax 0.10
-        from jax._src.pallas.mosaic_gpu.interpret import params as module
-
-        params = module.InterpretGPUParams
-    return params()
+    return compat.mosaic_gpu_interpret_params(plgpu)()
 
 
 def pad_to(n: int, block: int) -> int:

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gated_attention import base
+from gated_attention import base, compat
 from gated_attention.pallas_tiles import _pow2_tile, kernel_form
 
 
@@ -32,7 +32,7 @@ def triton_backend_missing() -> str | None:
     reason, never an import error."""
     try:  # by module name: what sys.modules holds decides, as for a fresh import
         importlib.import_module("jax.experimental.pallas.triton")
-        importlib.import_module("jax._src.pallas.triton.pallas_call_registration")
+        compat.triton_registration()
     except ImportError as e:
         return (
             f"Pallas's Triton backend is not in jax {jax.__version__} (deprecated in jax 0.11.0 "

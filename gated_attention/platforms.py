@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 
 import jax
 
+from gated_attention import compat
+
 KINDS = ("cpu", "gpu", "tpu")
 _LOWERING_NAMES = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
 
@@ -86,10 +88,8 @@ def of_arrays(arrays) -> str | None:
 def compilable() -> tuple[str, ...]:
     """Kinds this process can compile for: the host's, a GPU where JAX's CUDA or ROCm plugin is
     registered, a TPU where libtpu is installed (deviceless compiles need exactly these)."""
-    from jax._src import xla_bridge  # the registered backends; no public API lists them
-
     found = [host()]  # first: starting the backends registers the plugins' factories
-    registered = set(xla_bridge._backend_factories)  # tests/test_platforms.py: still there
+    registered = compat.registered_backends()
     if registered & {"cuda", "rocm"}:
         found.append("gpu")
     if importlib.util.find_spec("libtpu") is not None:

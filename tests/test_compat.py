@@ -42,3 +42,32 @@ def test_cudnn_version_reads_jax_s_own_record():
         assert found is None
     else:  # the plugin, with cuDNN on a GPU machine or without it on this CPU machine
         assert found is None or found >= 8000
+
+
+def test_every_private_jax_symbol_is_behind_compat_and_still_there():
+    """The private JAX symbols the library touches, each through one function of compat.py: if
+    JAX moves one, this fails here first (not deep inside a trace). No other module of the
+    library names jax._src."""
+    import pathlib
+    import re
+
+    import gated_attention
+
+    state = compat.trace_context_state("gated_attention_test_state", None, "a test's state")
+    assert state.value is None
+    with state(1):
+        assert state.value == 1
+    assert "cpu" in compat.registered_backends()
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    assert compat.mosaic_gpu_interpret_params(plgpu)() is not None
+    assert compat.triton_registration() is not None  # both tested stacks still have it
+    package = pathlib.Path(gated_attention.__file__).parent
+    private = [
+        f"{path.name}:{i}"
+        for path in sorted(package.glob("*.py"))
+        if path.name != "compat.py"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"\bjax\._src\b", line.split("#")[0])
+    ]
+    assert not private, private
