@@ -11,7 +11,6 @@ Writes results.json, results.md and (with matplotlib, the 'bench' extra) the sui
 (gated_attention_tools/plots.py) to config.output_dir, and prints progress and the Markdown table.
 """
 
-import json
 import os
 import pathlib
 
@@ -32,66 +31,19 @@ def main(argv):
     from gated_attention_tools import environment
 
     environment.cpu_unless_accelerator()  # no GPU/TPU plugin tracebacks on a CPU machine
-    from gated_attention_tools import (
-        benchmark,
-        context_memory,
-        device_benchmark,
-        device_memory,
-        family_benchmark,
-        mesh_memory,
-        options_benchmark,
-    )
+    from gated_attention_tools import suites
 
     cfg = _CONFIG.value
     out_dir = pathlib.Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = lambda s: print(s, flush=True)
-    if cfg.suite == "device":
-        results = device_benchmark.run(cfg, log=log)
-        table = device_benchmark.markdown(results)
-    elif cfg.suite == "device_memory":
-        results = device_memory.run(cfg, log=log)
-        table = device_memory.markdown(results)
-    elif cfg.suite == "mesh_memory":
-        results = mesh_memory.run(cfg, log=log)
-        table = mesh_memory.markdown(results)
-    elif cfg.suite == "context_memory":
-        results = context_memory.run(cfg, log=log)
-        table = context_memory.markdown(results)
-    elif cfg.suite == "options":
-        results = options_benchmark.run(cfg, log=log)
-        table = options_benchmark.markdown(results)
-    elif cfg.suite == "family":
-        results = family_benchmark.run(cfg, log=log)
-        table = family_benchmark.markdown(results)
-    else:
-        results = benchmark.run(cfg, log=log)
-        table = benchmark.markdown(
-            results["cells"], results["memory"], cfg.goals, results["allocator"]
-        )
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
-    (out_dir / "results.md").write_text(table)
-    print(table)
     try:
-        _plot(cfg, results, out_dir)
-    except ImportError:
+        _, table = suites.run(cfg, out_dir, log=lambda s: print(s, flush=True))
+    except ImportError as e:
+        if "matplotlib" not in str(e):
+            raise
         logging.warning("matplotlib is not installed (pip install -e .[bench]); no plot written")
-
-
-def _plot(cfg, results, out_dir):
-    """The suite's pictures (gated_attention_tools/plots.py), where it has data for them."""
-    from gated_attention_tools import plots
-
-    if cfg.suite == "family":
-        if results["memory"]:
-            plots.training_memory(results["memory"], str(out_dir / "training_memory.png"))
-        if any(r["variant"] == "ours" and r["dtype"] == "float32" for r in results["cells"]):
-            plots.family_ratios(results["cells"], results["goals"], str(out_dir / "ratios.png"))
-    elif (
-        cfg.suite not in ("device", "device_memory", "mesh_memory", "context_memory", "options")
-        and cfg.sweep_lengths
-    ):
-        plots.op_sweep(results["cells"], str(out_dir / "results.png"))
+        table = (out_dir / "results.md").read_text()
+    print(table)
 
 
 if __name__ == "__main__":

@@ -704,3 +704,18 @@ def test_options_gqa_problem_and_goal():
     assert not goal["met"]
     [goal] = options_benchmark.gqa_goal([cell(8, 1, 5.0, None), *cells[1:]], 8)
     assert (goal["gqa_mib"], goal["met"]) == (5.0, True)
+
+
+def test_every_preset_names_a_registered_suite():
+    from gated_attention_tools import suites
+
+    module = _bench_module()
+    assert {module.get_config(p).suite for p in module.PRESETS} == set(suites.SUITES)
+    for suite in suites.SUITES.values():
+        tool = importlib.import_module(f"gated_attention_tools.{suite.module}")
+        assert callable(tool.run) and callable(tool.markdown)
+    cfg = module.get_config("smoke")
+    with cfg.unlocked():
+        cfg.suite = "modulez"
+    with pytest.raises(ValueError, match=r"config.suite must be one of \[.*\], got 'modulez'"):
+        suites.run(cfg, ROOT)
