@@ -3,6 +3,8 @@ docs/gpu_tpu.md quote (tests/test_docs.py checks they quote it as this module wr
 
     python -m gated_attention_tools.device_summary benchmark_results/device/h100/results.json
     python -m gated_attention_tools.device_summary --update README.md docs/gpu_tpu.md  # after a run
+    python -m gated_attention_tools.device_summary --plot benchmark_results/device/h100/results.json \
+        benchmark_results/device/h100/times.png
 
 Each figure is ours ('auto' at the op level, the Attention module at the module level) over the
 peer, median time over median time in one run, bfloat16; a range spans AF2's shapes (the MSA row and
@@ -136,7 +138,16 @@ def update(page: Path, runs_dir: Path) -> bool:
 
 
 def main(argv: list[str]) -> None:
-    """RESULTS_JSON: print its table; --update PAGE...: rewrite the pages' marked tables."""
+    """RESULTS_JSON: print its table; --update PAGE...: rewrite the pages' marked tables;
+    --plot RESULTS_JSON PNG: draw its bfloat16 op cells with the floor (plots.device_times)."""
+    if len(argv) == 4 and argv[1] == "--plot":
+        from gated_attention_tools import plots
+
+        results = json.loads(Path(argv[2]).read_text())
+        kind = results["environment"]["device_kind"]
+        floor_of = lambda row: (device_benchmark.cell_floor(row, kind) or {}).get("floor_ms")
+        plots.device_times(results, argv[3], floor_of)
+        return
     if len(argv) > 2 and argv[1] == "--update":
         runs = Path(__file__).resolve().parents[1] / "benchmark_results" / "device"
         for page in argv[2:]:

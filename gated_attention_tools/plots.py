@@ -6,6 +6,8 @@
     memory of common devices drawn across.
   * family_ratios: each family module's time over AF2's, inference and training step, as bars with
     the rounds' range and the goal.
+  * device_times: a device run's bfloat16 op cells, ours beside the peers, with the hardware floor
+    (device_summary.py draws it: `--plot`).
 
 `python -m gated_attention_tools.plots <results dir> [<family results dir>]` redraws them.
 """
@@ -176,6 +178,64 @@ def family_ratios(cells: list[dict[str, Any]], goals: list[dict[str, Any]], path
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+DEVICE_BARS = (  # (variant, label, colour): ours and the peers of the device summary
+    ("auto", "ours ('auto')", "tab:blue"),
+    ("af2_colabfold", "ColabFold's kernel", "black"),
+    ("jax_nn_cudnn", "jax.nn cuDNN", "tab:green"),
+    ("jax_nn_xla", "jax.nn XLA", "tab:orange"),
+)
+
+
+def device_times(results: dict[str, Any], path: str, floor_of=None) -> None:
+    """The bfloat16 op cells of a device run: each variant's median time as a bar (log scale),
+    one panel per mode, the cell's hardware floor (floor_of(row) -> ms or None) as a tick."""
+    plt = _pyplot()
+    cells = [c for c in results["cells"] if c["level"] == "op" and c["dtype"] == "bfloat16"]
+    shapes = list(dict.fromkeys(c["shape"] for c in cells))
+    modes = ("forward", "forward_backward")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=False)
+    width = 0.8 / len(DEVICE_BARS)
+    for ax, mode in zip(axes, modes, strict=True):
+        for j, (variant, label, colour) in enumerate(DEVICE_BARS):
+            times = []
+            for shape in shapes:
+                row = next(
+                    (
+                        c
+                        for c in cells
+                        if (c["shape"], c["mode"], c["variant"]) == (shape, mode, variant)
+                    ),
+                    None,
+                )
+                times.append(row.get("time_ms") if row else None)
+            xs = [i + (j - 1.5) * width for i in range(len(shapes))]
+            ax.bar(
+                [x for x, t in zip(xs, times, strict=True) if t],
+                [t for t in times if t],
+                width,
+                label=label,
+                color=colour,
+            )
+        if floor_of is not None:
+            for i, shape in enumerate(shapes):
+                row = next((c for c in cells if (c["shape"], c["mode"]) == (shape, mode)), None)
+                low = floor_of(row) if row else None
+                if low:
+                    ax.hlines(low, i - 0.45, i + 0.45, colors="red", linestyles="--",
+                              label="hardware floor" if i == 0 else None)  # fmt: skip
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(shapes)), [s.replace(" h", "\nh") for s in shapes], fontsize=8)
+        ax.set_title(MODE_TITLES[mode] + ", bfloat16")
+        ax.set_ylabel("median time (ms)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    env = results["environment"]
+    fig.suptitle(f"{env['device_kind']}, jax {env['jax']}, {env['date_utc'][:10]}")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

@@ -581,7 +581,11 @@ def test_training_steps_take_the_updates_cotangent():
 
 def test_pictures_are_drawn_from_results(tmp_path):
     pytest.importorskip("matplotlib", reason="the pictures need matplotlib (the test extra has it)")
-    from gated_attention_tools import plots
+    from gated_attention_tools import device_summary, plots
+
+    h100 = ROOT / "benchmark_results" / "device" / "h100" / "results.json"
+    device_summary.main(["x", "--plot", str(h100), str(tmp_path / "device.png")])
+    assert (tmp_path / "device.png").stat().st_size > 10_000
 
     rows = [
         dict(
