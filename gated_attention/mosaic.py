@@ -44,7 +44,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from gated_attention import base, checks, numerics, pallas, platforms
+from gated_attention import base, checks, gpu_common, numerics, platforms
 from gated_attention.mosaic_kernels import backward, forward, shared_memory_bytes
 from gated_attention.mosaic_plan import Plan
 
@@ -87,7 +87,7 @@ class MosaicAttention(base.Implementation):
 
     def tiles(self, compute_dtype, head_dim: int, options: bool = False) -> tuple[int, int]:
         """(block_q, block_k) for a compute dtype, the larger head dim and whether the op's
-        further arguments (pallas_plan.extra_options) are asked."""
+        further arguments (gpu_common.extra_options) are asked."""
         if self.block_k is not None:
             return BLOCK_Q, self.block_k
         half = jnp.dtype(compute_dtype).itemsize == 2
@@ -124,8 +124,8 @@ class MosaicAttention(base.Implementation):
                 f"{value.shape[-1]}"
             )
         if jnp.dtype(compute_dtype) == jnp.float32:
-            level = pallas.dot_precision(options.precision, compute_dtype, False)
-            if level != pallas.dot_precision("default", compute_dtype, False):
+            level = gpu_common.dot_precision(options.precision, compute_dtype, False)
+            if level != gpu_common.dot_precision("default", compute_dtype, False):
                 raise NotImplementedError(
                     f"{what} computes float32 dots as TF32 wgmma (JAX's default precision), "
                     f"the call asks for {level}"

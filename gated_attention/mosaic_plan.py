@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gated_attention import compat
-from gated_attention.pallas_plan import extra_options
+from gated_attention.gpu_common import bias_grad_groups, extra_options
 
 DEPTH = 2  # pipeline slots: the producer loads step t + 1 while the consumer computes step t
 # Warpgroups of an interpreted kernel. Two (producer and consumer, as compiled) run in the
@@ -170,10 +170,7 @@ class Plan:
                 k_pad if shape[3] > 1 or shape[2] == 1 else 1,  # [.., 1, 1] is given S
             )
 
-        groups = batch
-        if any(b.shape[0] == 1 for b in biases) and batch > 1:
-            programs_per_row = heads * (q_pad // block_q)
-            groups = min(batch, max(1, -(-impl.bias_grad_programs // programs_per_row)))
+        groups = bias_grad_groups(batch, heads, q_pad // block_q, biases, impl.bias_grad_programs)
         structure = options.structure
         return cls(
             scale=float(scale),

@@ -35,52 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
-from jax import lax
 
 from gated_attention import base, checks, memory, numerics, pallas_kernels, pallas_tiles
+from gated_attention.gpu_common import dot_precision
 from gated_attention.pallas_plan import Plan, triton_backend_missing
 from gated_attention.pallas_tiles import MIN_TILE, SHARED_MEMORY_LIMIT, _pow2_tile
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 128
-
-
-# jax_default_matmul_precision's names -> the three levels of lax.Precision.
-_PRECISION_NAMES = {
-    "default": "default",
-    "fastest": "default",
-    "bfloat16": "default",
-    "high": "high",
-    "tensorfloat32": "high",
-    "bfloat16_3x": "high",
-    "highest": "highest",
-    "float32": "highest",
-}
-
-
-def dot_precision(precision, compute_dtype, interpret: bool):
-    """The float32 dots' precision, as XLA's own float32 dots on a GPU follow JAX's: the call's
-    `precision`, else jax_default_matmul_precision, else DEFAULT. DEFAULT is one TF32 pass on the
-    tensor cores (about 1e-3 relative error, what AF2's einsums get on a GPU), HIGH three TF32
-    passes (near float32), HIGHEST IEEE float32 (scalar FMAs: slow). Half precision: None. In the
-    interpreter (on CPU, where there is no TF32) every level computes in float32."""
-    if jnp.dtype(compute_dtype) != jnp.float32:
-        return None
-    if precision is None:
-        precision = jax.config.jax_default_matmul_precision
-    if isinstance(precision, tuple):
-        precision = max(precision, key=lambda p: p.value)
-    if isinstance(precision, lax.Precision):
-        level = precision.name.lower()
-    else:
-        level = _PRECISION_NAMES.get(str(precision).lower(), "highest") if precision else "default"
-    if level == "highest" or interpret:
-        return lax.Precision.HIGHEST
-    if level == "high":
-        return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
-    return lax.Precision.DEFAULT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from gated_attention import base, compat
+from gated_attention.gpu_common import bias_grad_groups, extra_options
 from gated_attention.pallas_tiles import _pow2_tile, kernel_form
 
 
@@ -39,12 +40,6 @@ def triton_backend_missing() -> str | None:
             f"for Mosaic GPU): {e}"
         )
     return None
-
-
-def extra_options(options, query, key) -> bool:
-    """Whether the call asks for more than plain attention in the kernels' registers (the
-    residual and precision cost none)."""
-    return bool(options.asked(query, key).keys() - {"precision", "return_residual"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +95,8 @@ class Plan:
             compute_dtype, precision, padded, extra, form
         )
         block_q = min(tile_q, _pow2_tile(q_len))
-        groups = batch
-        if any(b.shape[0] == 1 for b in biases) and batch > 1:
-            programs_per_row = heads * -(-q_len // block_q)
-            groups = min(batch, max(1, -(-impl.bias_grad_programs // programs_per_row)))
+        q_blocks = -(-q_len // block_q)
+        groups = bias_grad_groups(batch, heads, q_blocks, biases, impl.bias_grad_programs)
         return cls(
             scale=float(scale),
             compute_dtype=jnp.dtype(compute_dtype).name,

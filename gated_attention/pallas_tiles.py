@@ -86,7 +86,7 @@ def kernel_form(biases, mask) -> tuple[str, str]:
 
 
 def table_key(compute_dtype, precision, head_dim: int, options: bool = False, form=None) -> tuple:
-    """The table's key of a call: `precision` is the float32 dots' (pallas.dot_precision), `form`
+    """The table's key of a call: `precision` is the float32 dots' (gpu_common.dot_precision), `form`
     the call's kernel_form (None: HEAVIEST_FORM)."""
     bias, mask = form or HEAVIEST_FORM
     level = _precision_level(precision)

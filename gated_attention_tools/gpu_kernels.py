@@ -123,12 +123,12 @@ def kernel_stats(
     import jax.numpy as jnp
 
     import gated_attention as ga
-    from gated_attention import pallas
+    from gated_attention import gpu_common
 
     dt = jnp.dtype(dtype)
     impl = ga.PallasAttention(**(tuning or {}))
     lax_precision = dict(default=None, high="high", highest="highest")[precision]
-    dots = pallas.dot_precision(lax_precision, dt, impl.interpret)
+    dots = gpu_common.dot_precision(lax_precision, dt, impl.interpret)
     tiles = impl.tiles(dt, dots, head_dim, options, (bias, mask))
     step, args = case_program(
         impl, dtype, head_dim, bias, mask, lax_precision, options, batch, q_len, k_len, heads

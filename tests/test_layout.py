@@ -18,7 +18,7 @@ MAX_LINES = 600
 LAYERS = {
     "shared": {
         "archive", "base", "checks", "compat", "mapping", "masking", "memory", "numerics",
-        "platforms", "sharding", "tuning",
+        "gpu_common", "platforms", "sharding", "tuning",
     },
     "implementations": {"chunked", "cudnn", "per_mode", "ring", "xla"},
     "op": {"attention"},
@@ -71,3 +71,29 @@ def test_imports_point_down(path):
     own = _layer(path.stem)
     climbs = sorted(m for m in _imports(path) if _layer(m) > own)
     assert not climbs, f"{path.name} ({list(LAYERS)[own]}) imports from above: {climbs}"
+
+
+def test_neither_gpu_kernel_family_imports_the_other():
+    """The rules both GPU kernels follow live in gpu_common.py: the Mosaic GPU family (mosaic*.py)
+    imports no module of the Triton one (pallas*.py but pallas_tpu*, the deprecated backend's)
+    and the reverse, so either can be removed by deleting its modules and its registry line."""
+
+    def family(stem: str) -> str | None:
+        if stem.startswith("mosaic"):
+            return "mosaic"
+        return "pallas" if stem.startswith("pallas") and not stem.startswith("pallas_tpu") else None
+
+    crossed = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        own = family(path.stem)
+        if own is None:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(
+                "gated_attention"
+            ):
+                continue
+            stems = [a.name for a in node.names] if node.module == "gated_attention" else []
+            stems.append(node.module.split(".")[-1])
+            crossed += [f"{path.name}: {s}" for s in stems if family(s) not in (None, own)]
+    assert not crossed, crossed

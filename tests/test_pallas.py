@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 
 import gated_attention as ga
-from gated_attention import masking, pallas, pallas_kernels, pallas_plan, pallas_tiles
+from gated_attention import gpu_common, masking, pallas_kernels, pallas_plan, pallas_tiles
 from tests import implementation_harness as harness
 from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
@@ -191,7 +191,7 @@ def test_float32_dots_follow_jax_matmul_precision():
     'highest'; the call's precision first, then jax_default_matmul_precision. Half precision
     takes none, and the interpreter (CPU, no TF32) computes every level in float32."""
     f32, bf16 = jnp.float32, jnp.bfloat16
-    dot_precision = pallas.dot_precision
+    dot_precision = gpu_common.dot_precision
     assert dot_precision(None, f32, False) == lax.Precision.DEFAULT
     assert dot_precision(lax.Precision.HIGH, f32, False) == lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     assert dot_precision(lax.Precision.HIGHEST, f32, False) == lax.Precision.HIGHEST
