@@ -11,6 +11,7 @@ kwargs, lets its printed lines through, and prints the JSON-serializable result 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -88,3 +89,24 @@ def _main(spec_json: str) -> None:
 
 if __name__ == "__main__":
     _main(sys.argv[1])
+
+
+@contextlib.contextmanager
+def printed(fds=(1, 2)):
+    """Captures what this process writes to the file descriptors (compilers' dumps, written
+    below Python's sys.stdout) while the block runs; yields a list that receives the text."""
+    text: list[str] = []
+    with tempfile.TemporaryFile(mode="w+") as out:
+        sys.stdout.flush()
+        saved = [os.dup(fd) for fd in fds]
+        for fd in fds:
+            os.dup2(out.fileno(), fd)
+        try:
+            yield text
+        finally:
+            sys.stdout.flush()
+            for fd, old in zip(fds, saved, strict=True):
+                os.dup2(old, fd)
+                os.close(old)
+            out.seek(0)
+            text.append(out.read())

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from gated_attention_tools import gpu_kernels, targets
+from gated_attention_tools import child, gpu_kernels, targets
 
 KERNELS = (
     "gated_attention_mosaic_forward",
@@ -68,25 +66,15 @@ def mosaic_stats(cases: list[dict[str, Any]], target: str = "h100") -> list[dict
     jax starts) and returns per case {kernels, shared_memory_bytes} or {error}."""
     results = []
     for case in cases:
-        with tempfile.TemporaryFile(mode="w+") as out:
-            saved = os.dup(1), os.dup(2)
-            os.dup2(out.fileno(), 1)
-            os.dup2(out.fileno(), 2)
-            refused = None
+        refused = None
+        with child.printed() as out:
             try:
                 error, smem = None, _compile(target, **case)
             except NotImplementedError as e:  # check() refuses it: 'auto' takes another kernel
                 error, smem, refused = None, 0, str(e)
             except Exception as e:  # a case that fails is reported, the others still run
                 error, smem = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}", 0
-            finally:
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
-                os.close(saved[0])
-                os.close(saved[1])
-            out.seek(0)
-            text = out.read()
-        row = dict(kernels=parse(text), shared_memory_bytes=smem)
+        row = dict(kernels=parse(out[0]), shared_memory_bytes=smem)
         if error:
             row["error"] = error
         if refused:
