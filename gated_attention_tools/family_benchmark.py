@@ -562,7 +562,8 @@ def longest(
     probes = {}
 
     def ok(n: int) -> bool:
-        probes[n] = probes.get(n, probe(n))
+        if n not in probes:  # each N_res probed once (a fresh process each)
+            probes[n] = probe(n)
         log(f"  {what} {variant} N_res {n}: {'fits' if probes[n] else 'does not fit'}")
         return probes[n]
 
