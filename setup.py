@@ -37,7 +37,7 @@ setup(
     install_requires=[
         # Tested range (.ci/run): jax 0.10.2 on Python 3.11 (what AlphaFold 3 pins) to 0.12.0.1 on
         # Python 3.12 (the newest served). 0.10 is the floor: sharding.py reads explicit shardings
-        # (jax.typeof, jax.shard_map); gated_attention/compat.py says so at import on an older one.
+        # (jax.typeof, jax.shard_map); gated_attention/core/compat.py says so at import on an older one.
         "jax>=0.10",
         "jaxlib>=0.10",
         "dm-haiku>=0.0.13",
@@ -46,7 +46,8 @@ setup(
         "ml_collections>=0.1.1",
     ],
     package_data={
-        "gated_attention": ["pallas_tiles.json", "tuning.json"],  # pallas_tiles.py, tuning.py
+        "gated_attention.attention": ["tuning.json"],  # tuning.py
+        "gated_attention.attention.pallas_triton": ["tile_table.json"],  # tile_table.py
         "gated_attention_tools": ["target_configs/*.txtpb"],
     },
     extras_require={

@@ -21,35 +21,35 @@ Public API (everything else is internal):
 
 import jax as _jax
 
-from gated_attention import compat as _compat
+from gated_attention.core import compat as _compat
 
 _compat.check_jax(_jax)  # before any module touches what an older jax lacks
 
-from gated_attention import af2_package
-from gated_attention.alphafold import (
+from gated_attention.af2 import af2_package
+from gated_attention.af2.config import GlobalConfig, ModuleConfig
+from gated_attention.af2.dropout import apply_dropout, dropout_update, dropout_wrapper
+from gated_attention.af2.family import (
     MSAColumnAttention,
     MSAColumnGlobalAttention,
     MSARowAttentionWithPairBias,
     TriangleAttention,
 )
-from gated_attention.attention import (
+from gated_attention.af2.modules import Attention, GlobalAttention
+from gated_attention.af2.params import check_params, diff_params, load_af2_params, save_af2_params
+from gated_attention.attention.api import (
     IMPLEMENTATIONS,
     Auto,
     dot_product_attention,
     record_implementation_choices,
 )
-from gated_attention.base import Implementation
-from gated_attention.chunked import ChunkedAttention
-from gated_attention.config import GlobalConfig, ModuleConfig
-from gated_attention.cudnn import CudnnAttention
-from gated_attention.dropout import apply_dropout, dropout_update, dropout_wrapper
-from gated_attention.modules import Attention, GlobalAttention
-from gated_attention.mosaic import MosaicAttention
-from gated_attention.pallas import PallasAttention
-from gated_attention.pallas_tpu import PallasTpuAttention
-from gated_attention.params import check_params, diff_params, load_af2_params, save_af2_params
-from gated_attention.sharding import head_parallel_specs
-from gated_attention.xla import XlaAttention
+from gated_attention.attention.base import Implementation
+from gated_attention.attention.cudnn import CudnnAttention
+from gated_attention.attention.pallas_mosaic_gpu.implementation import MosaicAttention
+from gated_attention.attention.pallas_mosaic_tpu.implementation import PallasTpuAttention
+from gated_attention.attention.pallas_triton.implementation import PallasAttention
+from gated_attention.attention.xla import XlaAttention
+from gated_attention.attention.xla_chunked.implementation import ChunkedAttention
+from gated_attention.parallel.sharding import head_parallel_specs
 
 __version__ = "0.2.0"
 

@@ -1,6 +1,6 @@
 """AlphaFold 2's whole monomer model (the alphafold-colabfold package's model_1) as a user runs it:
 features from the package's own data pipeline, RunModel's forward and recycling loop, with AF2's
-attention ('af2'), ours swapped in by gated_attention.af2_package ('ours'), or the five family
+attention ('af2'), ours swapped in by gated_attention.af2.af2_package ('ours'), or the five family
 modules' updates zero ('floor': what the rest of the model costs).
 
     fns, params, batch = problem(n_res=64, n_seq=32, n_extra_seq=64, n_templates=2,
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gated_attention import af2_package
+from gated_attention.af2 import af2_package
 
 AF2, OURS, FLOOR = "af2", "ours", "floor"
 # AF2 as ColabFold runs it on a GPU (global_config.use_pallas: its fused attention, transition,

@@ -2,7 +2,7 @@
 
 The baseline is AlphaFold 2 as users install it: the alphafold-colabfold package's own modules
 (baseline_label() gives the version; run() records it), imported lazily through
-gated_attention.af2_package.alphafold_modules(). For each shape x dtype x mode (forward,
+gated_attention.af2.af2_package.alphafold_modules(). For each shape x dtype x mode (forward,
 forward+backward) the variants are: gated_attention.Attention with each requested implementation,
 AF2's Attention (alphafold.model.modules.Attention with model_1's global config, zero_init off; on
 CPU it takes AF2's plain XLA 'bqhc' einsum path) or, for triangle cells, AF2's TriangleAttention
@@ -38,7 +38,10 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from gated_attention import af2_package, alphafold, attention, modules, numerics
+from gated_attention.af2 import af2_package, modules
+from gated_attention.af2 import family as alphafold
+from gated_attention.attention import api as attention
+from gated_attention.core import numerics
 from gated_attention_tools import child, family_benchmark, measure
 
 AF2 = "af2"

@@ -50,7 +50,7 @@ def compile_cell(**fields) -> dict[str, Any]:
     """The child: compiles one cell for its target, returns its memory and our choices there."""
     import jax.numpy as jnp
 
-    from gated_attention import attention
+    from gated_attention.attention import api as attention
 
     cell = Cell(**fields)
     fn, specs = family_benchmark.memory_problem(

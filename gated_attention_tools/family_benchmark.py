@@ -1,6 +1,6 @@
 """The family benchmark: AlphaFold 2's own attention modules and EvoformerIteration (the
 alphafold-colabfold package, model_1's configs and AF2's global config as they ship) against the
-same code with our attention swapped in (gated_attention.af2_package.use_gated_attention).
+same code with our attention swapped in (gated_attention.af2.af2_package.use_gated_attention).
 
 Cells (configs/benchmark.py:family):
   * each of AF2's five attention modules in inference (is_training=False, AF2's subbatch_size 4)
@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gated_attention import af2_package, checks, config, numerics
+from gated_attention.af2 import af2_package, config
+from gated_attention.core import checks, numerics
 from gated_attention_tools import af2_model, child, measure
 
 MODULES = ("msa_row", "msa_column", "msa_column_global", "triangle_start", "triangle_end")

@@ -123,7 +123,7 @@ def kernel_stats(
     import jax.numpy as jnp
 
     import gated_attention as ga
-    from gated_attention import gpu_common
+    from gated_attention.attention import gpu_common
 
     dt = jnp.dtype(dtype)
     impl = ga.PallasAttention(**(tuning or {}))

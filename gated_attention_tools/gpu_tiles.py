@@ -1,4 +1,4 @@
-"""The Pallas GPU kernels' tile table, gated_attention/pallas_tiles.json, generated from the kernel
+"""The Pallas GPU kernels' tile table, gated_attention/attention/pallas_triton/tile_table.json, generated from the kernel
 matrices' ptxas results (benchmark_results/gpu_kernels/*.json, written by gpu_kernels.py).
 
     python -m gated_attention_tools.gpu_tiles           # writes the table
@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from gated_attention import pallas_tiles
+from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
 from gated_attention_tools import gpu_kernels
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmark_results" / "gpu_kernels"
@@ -48,7 +48,7 @@ HEAD_DIMS = (16, 32, 64, 128)  # gpu_kernels.HEAD_DIMS padded (pallas_tiles._pow
 HEAVIEST = pallas_tiles.HEAVIEST_FORM
 
 # Rows without a `tiles` field (gpu_kernels recorded none when they were compiled) compiled with
-# these, the hand tables pallas.py had: a base by (dtype kind, level, padded head dim; a key not
+# these, the hand tables attention/pallas_triton/implementation.py had: a base by (dtype kind, level, padded head dim; a key not
 # listed: pallas_tiles.FALLBACK), replaced by UNRECORDED_FORMS' entry for a bias and mask form, and
 # with the op's further arguments by UNRECORDED_OPTIONS' or else the base with 8 warps (IEEE
 # float32: 1 stage).

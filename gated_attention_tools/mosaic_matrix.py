@@ -1,4 +1,4 @@
-"""What ptxas makes of the Mosaic GPU kernels (gated_attention/mosaic.py) for an H100, deviceless.
+"""What ptxas makes of the Mosaic GPU kernels (gated_attention/attention/pallas_mosaic_gpu/implementation.py) for an H100, deviceless.
 
 For one case (dtype, head dim, bias and mask forms, the op's further arguments) `mosaic_stats`
 compiles the op's forward and gradient with MosaicAttention for the H100 target (targets.py) with
@@ -90,7 +90,10 @@ def _compile(
     """Compiles one case's forward and vjp; returns the kernels' shared memory (bytes)."""
     import jax.numpy as jnp
 
-    from gated_attention import base, masking, mosaic, mosaic_kernels
+    from gated_attention.attention import base
+    from gated_attention.attention.pallas_mosaic_gpu import implementation as mosaic
+    from gated_attention.attention.pallas_mosaic_gpu import kernels_sm90 as mosaic_kernels
+    from gated_attention.core import masking
 
     del precision  # float32 at the default precision only: the one MosaicAttention takes
     dt = jnp.dtype(dtype)
@@ -116,7 +119,7 @@ def _compile(
 def verdict(case: dict[str, Any], stats: dict[str, Any]) -> list[str]:
     """What is wrong (empty: nothing): a compile error, a missing kernel, spills, no wgmma,
     shared memory over the H100's."""
-    from gated_attention import mosaic
+    from gated_attention.attention.pallas_mosaic_gpu import implementation as mosaic
 
     if "error" in stats:
         return [f"compile failed: {stats['error']}"]

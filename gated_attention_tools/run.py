@@ -21,9 +21,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gated_attention import attention, modules, numerics, sharding
-from gated_attention import config as config_lib
-from gated_attention import params as params_lib
+from gated_attention.af2 import config as config_lib
+from gated_attention.af2 import modules
+from gated_attention.af2 import params as params_lib
+from gated_attention.attention import api as attention
+from gated_attention.core import numerics
+from gated_attention.parallel import sharding
 from gated_attention_tools import measure, schema
 
 

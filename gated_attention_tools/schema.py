@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import ml_collections
 
-from gated_attention import alphafold, checks
-from gated_attention import config as config_lib
-from gated_attention.config import ORIENTATIONS
+from gated_attention.af2 import config as config_lib
+from gated_attention.af2 import family as alphafold
+from gated_attention.af2.config import ORIENTATIONS
+from gated_attention.core import checks
 
 # cfg.module -> AF2 family module class.
 FAMILY = {

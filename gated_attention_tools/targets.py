@@ -3,7 +3,7 @@
 A target is a GPU (a GpuTargetConfigProto in target_configs/, compiled by JAX's CUDA plugin, ptxas
 included) or a TPU topology (compiled by libtpu). `spec(shape, dtype, target)` places an abstract
 argument on the target's device, so `jax.jit(f).lower(*specs).compile()` compiles for it, and the
-library's dispatch (gated_attention/platforms.py) chooses as it would on that device. Nothing runs:
+library's dispatch (gated_attention/core/platforms.py) chooses as it would on that device. Nothing runs:
 compiles give device memory (memory_analysis), registers, spills and shared memory / VMEM, never
 time.
 
@@ -44,7 +44,7 @@ class Target:
 
     Attributes:
       name: the key in TARGETS.
-      kind: 'gpu' or 'tpu' (gated_attention.platforms kinds).
+      kind: 'gpu' or 'tpu' (gated_attention.core.platforms kinds).
       memory_bytes: the device's memory (HBM), for "does it fit".
       arch: the GPU's ptxas architecture ('sm_90a'), or '' for a TPU.
       config: a GPU target config file name in CONFIG_DIR.

@@ -1,4 +1,4 @@
-"""The Pallas TPU kernels (pallas_tpu.py) compiled for TPU targets by libtpu, deviceless.
+"""The Pallas TPU kernels (attention/pallas_mosaic_tpu/implementation.py) compiled for TPU targets by libtpu, deviceless.
 
 For one case (dtype, head dim, bias and mask forms, lengths) `compile_case` asks
 PallasTpuAttention.check whether it takes the case on a TPU, then compiles the op's forward and
@@ -63,7 +63,9 @@ def compile_case(
     import jax
     import jax.numpy as jnp
 
-    from gated_attention import PallasTpuAttention, base, masking
+    from gated_attention import PallasTpuAttention
+    from gated_attention.attention import base
+    from gated_attention.core import masking
 
     sizes = {"B": batch, "N": heads, "T": q_len, "S": k_len, "1": 1}
     dims = lambda spec: tuple(sizes[c] for c in spec)

@@ -1,4 +1,4 @@
-"""The table 'auto' reads first on a GPU (gated_attention/tuning.json), from device runs: per
+"""The table 'auto' reads first on a GPU (gated_attention/attention/tuning.json), from device runs: per
 device kind, dtype, mode and sequence class, which of our implementations a run timed fastest.
 
   python -m gated_attention_tools.tuning_table benchmark_results/device/h100/results.json
@@ -18,7 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-from gated_attention import tuning
+from gated_attention.attention import tuning
 
 IMPLEMENTATIONS = ("mosaic", "pallas", "cudnn", "xla")  # what Auto may take on a GPU
 MODES = {"forward": "forward", "forward_backward": "training"}

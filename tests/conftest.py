@@ -41,7 +41,7 @@ settings.load_profile("ci")
 @pytest.fixture
 def cudnn_loadable(monkeypatch):
     """cuDNN's library as on a GPU machine, for tests of choices made for a GPU from this host
-    (gated_attention.compat.cudnn_version; the CUDA plugin alone has none)."""
-    from gated_attention import compat
+    (gated_attention.core.compat.cudnn_version; the CUDA plugin alone has none)."""
+    from gated_attention.core import compat
 
     monkeypatch.setattr(compat, "cudnn_version", lambda: 91000)

@@ -6,7 +6,7 @@ instance (`IMPL`, with its own tuning) and its capabilities (`DTYPES`, `SUPPORTS
 `ga.dot_product_attention(..., implementation=IMPL, compute_dtype='input')` under jax.jit and
 compares it with the float64 NumPy/JAX reference (tests/reference.py) fed the same dtype-rounded
 inputs: the output and the vjp at a random cotangent (dq, dk, dv, dbias), for every supported dtype
-and every bias/mask form of FORMS; then the mask contract of gated_attention/numerics.py (fully
+and every bias/mask form of FORMS; then the mask contract of gated_attention/core/numerics.py (fully
 masked rows, masked keys, NaN/inf/1e12 garbage at masked positions), determinism, eager == jit,
 several biases, extra batch axes and unbatched inputs.
 

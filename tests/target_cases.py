@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import gated_attention as ga
-from gated_attention import platforms
+from gated_attention.core import platforms
 from gated_attention_tools import targets
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import af2_package
+from gated_attention.af2 import af2_package
 from gated_attention_tools import af2_model, family_benchmark
 
 config = pytest.importorskip("alphafold.model.config", reason="needs alphafold-colabfold")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import params as params_lib
+from gated_attention.af2 import params as params_lib
 from tests import reference
 from tests.helpers import as_f64, assert_close, rand
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from gated_attention import config
+from gated_attention.af2 import config
 from gated_attention_tools import (
     benchmark,
     device_benchmark,

@@ -15,7 +15,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from gated_attention.params import load_af2_params, save_af2_params
+from gated_attention.af2.params import load_af2_params, save_af2_params
 
 NAME = "ckpt.npz"
 TEMP_NAME = re.compile(r"\.ckpt\.npz\.[0-9a-f]{12}\.tmp")  # The hidden temporary file of a save.
@@ -178,7 +178,7 @@ import sys
 
 import numpy as np
 
-from gated_attention.params import save_af2_params
+from gated_attention.af2.params import save_af2_params
 
 
 class PausingFile:

@@ -13,8 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gated_attention as ga
-from gated_attention.chunked_plan import DEFAULT_MEMORY_BUDGET_BYTES, choose_chunk_sizes
-from gated_attention.memory import chunked_tile_bytes as tile_bytes
+from gated_attention.attention.xla_chunked.plan import (
+    DEFAULT_MEMORY_BUDGET_BYTES,
+    choose_chunk_sizes,
+)
+from gated_attention.core.memory import chunked_tile_bytes as tile_bytes
 from tests import reference
 from tests.helpers import all_eqns, as_f64, assert_close, rand
 from tests.implementation_harness import (

@@ -5,7 +5,7 @@ import types
 import jax
 import pytest
 
-from gated_attention import compat
+from gated_attention.core import compat
 
 
 def test_installed_jax_passes():
@@ -64,8 +64,8 @@ def test_every_private_jax_symbol_is_behind_compat_and_still_there():
     assert compat.triton_registration() is not None  # both tested stacks still have it
     package = pathlib.Path(gated_attention.__file__).parent
     private = [
-        f"{path.name}:{i}"
-        for path in sorted(package.glob("*.py"))
+        f"{path.relative_to(package)}:{i}"
+        for path in sorted(package.rglob("*.py"))
         if path.name != "compat.py"
         for i, line in enumerate(path.read_text().splitlines(), 1)
         if re.search(r"\bjax\._src\b", line.split("#")[0])

@@ -12,8 +12,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from gated_attention import config as config_lib
-from gated_attention import params as params_lib
+from gated_attention.af2 import config as config_lib
+from gated_attention.af2 import params as params_lib
 from gated_attention_tools import environment, run, schema
 from gated_attention_tools.family_benchmark import random_params
 

@@ -32,7 +32,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gated_attention as ga
-from gated_attention import chunked_plan, chunked_tiles, masking
+from gated_attention.attention.xla_chunked import kernels as chunked_tiles
+from gated_attention.attention.xla_chunked import plan as chunked_plan
+from gated_attention.core import masking
 from tests import implementation_harness as harness
 from tests import reference
 from tests.helpers import as_f64, assert_close, device_param, rand
@@ -592,7 +594,7 @@ def _options(**kwargs):
     structure = {
         k: kwargs.pop(k) for k in ("is_causal", "window", "q_lengths", "kv_lengths") if k in kwargs
     }
-    return ga.base.Options(masking.Structure(**structure), **kwargs)
+    return ga.attention.base.Options(masking.Structure(**structure), **kwargs)
 
 
 REFUSALS = {

@@ -15,7 +15,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gated_attention as ga
-from gated_attention import base, config
+from gated_attention.af2 import config
+from gated_attention.attention import base
 from tests import reference
 from tests.helpers import assert_close
 

@@ -159,7 +159,7 @@ def test_python_blocks_run(tmp_path):
 
 
 # Quick start 1 with the op made wrong: the pair bias dropped, which the MSA row and triangles take.
-_PLANTED = """import gated_attention.attention as op
+_PLANTED = """import gated_attention.attention.api as op
 right = op.dot_product_attention
 op.dot_product_attention = lambda q, k, v, bias=None, mask=None, **kw: right(q, k, v, None, mask, **kw)
 """

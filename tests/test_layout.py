@@ -1,6 +1,14 @@
-"""The package's shape: files of one idea (none over 600 lines) and layers that only point down
-(the model-facing modules over the op, the op over its implementations, those over the shared
-pieces); a new module must be placed in a layer here."""
+"""The package's shape: its folders are its layers, lowest first
+
+  core/       checks, numerics, masks, platforms, memory estimates, the JAX compatibility seam
+  parallel/   many devices and row loops (sharding, the row loop, ring attention)
+  attention/  the op: api (entry) over dispatch over the implementations, each kernel family a
+              folder of the same roles (implementation, plan, kernels, and a pipeline or tile table)
+  af2/        the Haiku modules, AlphaFold 2's family, parameters, configs and package
+
+and a module imports its own folder and those below, never one above; a kernel family imports no
+other family, so either can be removed by deleting its folder and its registry line. Files are of
+one idea (none over 600 lines) and functions short (none over 80 lines, docstring aside)."""
 
 from __future__ import annotations
 
@@ -13,87 +21,133 @@ import gated_attention
 
 PACKAGE = pathlib.Path(gated_attention.__file__).parent
 MAX_LINES = 600
-
-# Lowest first: a module may import its own layer and those below it, never one above.
-LAYERS = {
-    "shared": {
-        "archive", "base", "checks", "compat", "mapping", "masking", "memory", "numerics",
-        "gpu_common", "platforms", "sharding", "tuning",
-    },
-    "implementations": {"chunked", "cudnn", "per_mode", "ring", "xla"},
-    "op": {"attention"},
-    "models": {
-        "__init__", "af2_package", "alphafold", "config", "dropout", "modules", "pair_bias",
-        "params",
-    },
-}  # fmt: skip
-# Each kernel family's own modules sit beside it.
-FAMILIES = ("chunked_", "mosaic", "pallas")
+MAX_FUNCTION_LINES = 80
+LAYERS = ("core", "parallel", "attention", "af2")  # lowest first
+FAMILIES = ("xla_chunked", "pallas_triton", "pallas_mosaic_gpu", "pallas_mosaic_tpu")
+ENTRY = ("attention.api", "attention.dispatch")  # the op's entry, above its implementations
+ROLES = ("implementation.py", "plan.py")  # and kernels*.py, in every family folder
 
 
-def _layer(module: str) -> int:
-    names = list(LAYERS)
-    if module.startswith(FAMILIES):
-        return names.index("implementations")
-    for index, name in enumerate(names):
-        if module in LAYERS[name]:
-            return index
-    raise AssertionError(f"gated_attention/{module}.py is in no layer of tests/test_layout.py")
+def _name(path: pathlib.Path) -> str:
+    """gated_attention/attention/pallas_triton/plan.py -> 'attention.pallas_triton.plan'."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+NAMES = {_name(p) for p in MODULES}
+
+
+def _layer(name: str) -> int:
+    top = name.split(".")[0]
+    if name == "":  # the package's __init__: above every layer
+        return len(LAYERS)
+    assert top in LAYERS, f"gated_attention/{name} is in no layer folder of tests/test_layout.py"
+    return LAYERS.index(top)
+
+
+def _family(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 and parts[0] == "attention" and parts[1] in FAMILIES else None
 
 
 def _imports(path: pathlib.Path) -> set[str]:
-    """The gated_attention modules a file imports."""
+    """The gated_attention modules a file imports (names relative to the package)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "gated_attention":
-                found |= {alias.name for alias in node.names}
-            elif node.module.startswith("gated_attention."):
-                found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gated_attention"):
+            base = node.module.removeprefix("gated_attention").removeprefix(".")
+            for alias in node.names:
+                full = f"{base}.{alias.name}" if base else alias.name
+                found.add(full if full in NAMES else base)
         elif isinstance(node, ast.Import):
             found |= {
-                a.name.split(".")[1] for a in node.names if a.name.startswith("gated_attention.")
+                a.name.removeprefix("gated_attention.")
+                for a in node.names
+                if a.name.startswith("gated_attention.")
             }
-    return found
+    return found - {""}
 
 
-MODULES = sorted(PACKAGE.glob("*.py"))
+def test_every_folder_is_a_layer_and_every_family_has_the_roles():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(LAYERS), folders
+    flat = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert flat == ["__init__.py"], f"modules outside a layer folder: {flat}"
+    for family in FAMILIES:
+        files = {p.name for p in (PACKAGE / "attention" / family).glob("*.py")}
+        missing = [r for r in ROLES if r not in files]
+        kernels = [f for f in files if f.startswith("kernels")]
+        assert not missing and kernels, f"attention/{family}/ lacks {missing or 'kernels*.py'}"
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", MODULES, ids=_name)
 def test_files_of_one_idea(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.name} has {lines} lines, over {MAX_LINES}: split it"
 
 
-@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.stem)
+def _long_functions(source: str) -> list[str]:
+    long = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines = node.end_lineno - node.lineno + 1
+            doc = node.body[0]
+            if isinstance(doc, ast.Expr) and isinstance(getattr(doc, "value", None), ast.Constant):
+                lines -= doc.end_lineno - doc.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                long.append(f"{node.name} (line {node.lineno}): {lines} lines")
+    return long
+
+
+def test_the_function_rule_counts_code_not_docstrings():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES - 1))
+    doc = '    """' + "\n" * 30 + '    """\n'
+    assert _long_functions(f"def f():\n{doc}{body}\n") == []
+    assert _long_functions(f"def f():\n{body}\n    return x0\n") == [
+        f"f (line 1): {MAX_FUNCTION_LINES + 1} lines"
+    ]
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_functions_are_short(path):
+    long = _long_functions(path.read_text())
+    assert not long, f"{_name(path)}: split into named steps: {long}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
 def test_imports_point_down(path):
-    own = _layer(path.stem)
-    climbs = sorted(m for m in _imports(path) if _layer(m) > own)
-    assert not climbs, f"{path.name} ({list(LAYERS)[own]}) imports from above: {climbs}"
+    own = _name(path)
+    climbs = sorted(m for m in _imports(path) if _layer(m) > _layer(own))
+    assert not climbs, f"{own} ({LAYERS[_layer(own)] if own else 'package'}) imports {climbs}"
 
 
-def test_neither_gpu_kernel_family_imports_the_other():
-    """The rules both GPU kernels follow live in gpu_common.py: the Mosaic GPU family (mosaic*.py)
-    imports no module of the Triton one (pallas*.py but pallas_tpu*, the deprecated backend's)
-    and the reverse, so either can be removed by deleting its modules and its registry line."""
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if _name(p).startswith("attention.")], ids=_name
+)
+def test_the_op_imports_its_implementations_never_the_reverse(path):
+    """Inside attention/: api and dispatch import the implementations; a family imports its own
+    folder and the shared modules (base, gpu_common), never another family nor the entry."""
+    own = _name(path)
+    if own in ENTRY:
+        return
+    wrong = sorted(
+        m
+        for m in _imports(path)
+        if m in ENTRY or (_family(m) is not None and _family(m) != _family(own))
+    )
+    assert not wrong, f"{own} imports {wrong}"
 
-    def family(stem: str) -> str | None:
-        if stem.startswith("mosaic"):
-            return "mosaic"
-        return "pallas" if stem.startswith("pallas") and not stem.startswith("pallas_tpu") else None
 
-    crossed = []
-    for path in sorted(PACKAGE.glob("*.py")):
-        own = family(path.stem)
-        if own is None:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or not (node.module or "").startswith(
-                "gated_attention"
-            ):
-                continue
-            stems = [a.name for a in node.names] if node.module == "gated_attention" else []
-            stems.append(node.module.split(".")[-1])
-            crossed += [f"{path.name}: {s}" for s in stems if family(s) not in (None, own)]
-    assert not crossed, crossed
+def test_the_rules_see_a_planted_climb(tmp_path):
+    """The import reader resolves `from gated_attention.x import module` to the module."""
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from gated_attention.attention import api\n"
+        "from gated_attention.attention.pallas_triton import plan\n"
+        "from gated_attention.core.checks import check_int\n"
+    )
+    got = _imports(planted)
+    assert got == {"attention.api", "attention.pallas_triton.plan", "core.checks"}
+    assert _layer("attention.api") > _layer("core.checks")
+    assert _family("attention.pallas_triton.plan") == "pallas_triton"

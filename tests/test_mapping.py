@@ -1,4 +1,4 @@
-"""Tests for gated_attention.mapping: subbatching over the batch axis."""
+"""Tests for gated_attention.parallel.row_loop: subbatching over the batch axis."""
 
 import functools
 import re
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gated_attention.mapping import subbatch, subbatch_size_for_budget
+from gated_attention.parallel.row_loop import subbatch, subbatch_size_for_budget
 from tests.helpers import all_eqns
 
 B, N, T, S, H = 10, 2, 5, 6, 4  # batch, heads, queries, keys, channels

@@ -12,8 +12,12 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import base, memory, pair_bias, pallas_tiles, pallas_tpu_plan
-from gated_attention.modules import TILE_BYTES, rows_per_tile
+from gated_attention.af2 import pair_bias
+from gated_attention.af2.modules import TILE_BYTES, rows_per_tile
+from gated_attention.attention import base
+from gated_attention.attention.pallas_mosaic_tpu import plan as pallas_tpu_plan
+from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
+from gated_attention.core import memory
 
 MIB = 2**20
 
@@ -322,7 +326,9 @@ def test_kernel_checks_use_the_estimates(monkeypatch):
         tpu.check(q, q, q, (), None, compute_dtype=jnp.float32, platform="tpu")
 
 
-def _old_chunked_tile_bytes(batch, heads, tq, tk, head_dim, value_dim, dtype):  # chunked.py
+def _old_chunked_tile_bytes(
+    batch, heads, tq, tk, head_dim, value_dim, dtype
+):  # attention/xla_chunked/implementation.py
     acc = jnp.dtype(jnp.promote_types(dtype, jnp.float32)).itemsize
     item = jnp.dtype(dtype).itemsize
     per_head = (

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention.modules import rows_per_tile
+from gated_attention.af2.modules import rows_per_tile
 from gated_attention_tools import family_benchmark
 from tests import reference
 from tests.helpers import DTYPES, as_f64, assert_close, cast_tree, rand
@@ -558,7 +558,7 @@ def test_a_modules_own_memory_budget_reaches_its_tiles_and_its_pair_bias(monkeyp
     """config.memory_budget_mib overrides the global one for everything the module decides by
     it: the op's choice, the module's row tiles and the pair bias's tiles (before, the tiles read
     the global budget alone)."""
-    from gated_attention import modules, pair_bias
+    from gated_attention.af2 import modules, pair_bias
 
     seen = {}
     rows = modules.rows_per_tile

@@ -16,7 +16,10 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import masking, mosaic, mosaic_plan, mosaic_tiles
+from gated_attention.attention.pallas_mosaic_gpu import implementation as mosaic
+from gated_attention.attention.pallas_mosaic_gpu import pipeline as mosaic_tiles
+from gated_attention.attention.pallas_mosaic_gpu import plan as mosaic_plan
+from gated_attention.core import masking
 from tests import implementation_harness as harness
 from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
@@ -88,7 +91,7 @@ def test_two_warpgroups_in_the_interpreter(monkeypatch):
     case, case64 = harness.problem(shape, "bfloat16", "batched_bias+query_key_mask", seed=7)
     impl = ga.MosaicAttention(block_k=64, interpret=True)
     assert mosaic.Plan.make(
-        impl, case.q, case.k, case.v, [case.bias], case.mask, 1.0, jnp.bfloat16, ga.base.PLAIN
+        impl, case.q, case.k, case.v, [case.bias], case.mask, 1.0, jnp.bfloat16, ga.attention.base.PLAIN
     ).warpgroups == 2  # fmt: skip
 
     def loss(q, k, v, bias):
@@ -115,7 +118,7 @@ def test_key_loops_skip_exactly_the_tiles_the_structure_masks_whole():
     for kw in (dict(is_causal=True), dict(local_window_size=(150, 40)), harness.STRUCTURED):
         kw = {**lengths, **kw}
         structure = masking.Structure(kw.get("is_causal", False), kw.get("local_window_size"))
-        options = ga.base.Options(structure)
+        options = ga.attention.base.Options(structure)
         plan = mosaic.Plan.make(impl, q, kv, kv, (), None, 1.0, jnp.float32, options)
         allowed = harness.allowed_by(t, s, kw)[:, 0]
         for row in range(b):
@@ -201,7 +204,7 @@ def test_check_says_why(specs, compute_dtype, options, match):
     q, k, v, bias, mask = specs
     with _on("NVIDIA H100 80GB HBM3"), pytest.raises(NotImplementedError, match=match):
         ga.MosaicAttention().check(
-            q, k, v, (bias,), mask, compute_dtype=compute_dtype, options=ga.base.Options(**options),
+            q, k, v, (bias,), mask, compute_dtype=compute_dtype, options=ga.attention.base.Options(**options),
             platform="gpu",
         )  # fmt: skip
 
@@ -292,7 +295,7 @@ def test_half_precision_zeroes_dead_rows_in_shared_memory():
 def test_named_and_refused_everywhere_says_the_gpus_reason_too():
     """Named, and taken by no platform the program may be compiled for: the error gives the
     GPU's own reason after the host's (here head dim 128 with a mask, on an H100)."""
-    from gated_attention import platforms
+    from gated_attention.core import platforms
 
     if "gpu" not in platforms.compilable():
         pytest.skip("no GPU compiler here: the host's reason is the only one")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import numerics
+from gated_attention.core import numerics
 from gated_attention_tools.family_benchmark import random_params
 from tests import reference
 from tests.helpers import assert_close, rand

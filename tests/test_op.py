@@ -140,7 +140,7 @@ def test_names_and_instances():
         ((), ValueError, "implementation must not be an empty sequence"),
         (3, TypeError, "implementation must be a name, an implementation instance"),
         ((ga.XlaAttention(), object()), TypeError, r"implementation\[1\] must be a name"),
-        (ga.xla.dense, TypeError, "got function"),
+        (ga.attention.xla.dense, TypeError, "got function"),
     ],
 )
 def test_what_is_not_an_implementation(implementation, error, match):

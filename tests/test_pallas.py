@@ -12,7 +12,11 @@ import pytest
 from jax import lax
 
 import gated_attention as ga
-from gated_attention import gpu_common, masking, pallas_kernels, pallas_plan, pallas_tiles
+from gated_attention.attention import gpu_common
+from gated_attention.attention.pallas_triton import kernels as pallas_kernels
+from gated_attention.attention.pallas_triton import plan as pallas_plan
+from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
+from gated_attention.core import masking
 from tests import implementation_harness as harness
 from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
@@ -267,7 +271,7 @@ def test_loops_skip_exactly_the_tiles_the_structure_masks_whole():
     for kw in (dict(is_causal=True), dict(local_window_size=(150, 40)), harness.STRUCTURED):
         kw = {**lengths, **kw}
         structure = masking.Structure(kw.get("is_causal", False), kw.get("local_window_size"))
-        options = ga.base.Options(structure)
+        options = ga.attention.base.Options(structure)
         plan = pallas_plan.Plan.make(impl, q, kv, kv, (), 1.0, jnp.float32, None, options=options)
         tiles = pallas_kernels._Tiles(plan, t, s, 0)
         allowed = harness.allowed_by(t, s, kw)[:, 0]
@@ -317,7 +321,7 @@ def test_a_jax_without_the_triton_backend_refuses_the_kernel_and_auto_moves_on(m
 def test_check_sizes_shared_memory_on_the_plan_the_call_runs(monkeypatch):
     """check() takes its tiles from the plan __call__ builds (clamped to the lengths, the head
     dims padded as the kernels pad them), so a refusal is decided on what would run."""
-    from gated_attention import memory
+    from gated_attention.core import memory
 
     sizes = []
     size = memory.gpu_shared_memory_bytes
@@ -326,7 +330,7 @@ def test_check_sizes_shared_memory_on_the_plan_the_call_runs(monkeypatch):
     sd = jax.ShapeDtypeStruct
     q = sd((2, 8, 2, 48), jnp.bfloat16)  # 8 queries: tiles clamp to 16 x 16; head dim 48 pads to 64
     plan = pallas_plan.Plan.make(
-        impl, q, q, q, (), 1.0, jnp.bfloat16, None, None, None, ga.base.PLAIN
+        impl, q, q, q, (), 1.0, jnp.bfloat16, None, None, None, ga.attention.base.PLAIN
     )
     impl.check(q, q, q, (), None, compute_dtype=jnp.bfloat16, platform="gpu")
     assert (sizes[-1]["block_q"], sizes[-1]["block_k"]) == (plan.block_q, plan.block_k) == (16, 16)

@@ -1,4 +1,4 @@
-"""The Pallas GPU kernels' tile table (gated_attention/pallas_tiles.py and .json): the shipped
+"""The Pallas GPU kernels' tile table (gated_attention/attention/pallas_triton/tile_table.py and .json): the shipped
 table is what gated_attention_tools/gpu_tiles.py makes of the kernel matrices' results, it gives
 every key the tiles the hand tables it replaced gave, the fields a user gives still win, and a key
 it lacks gets the fallback."""
@@ -15,7 +15,7 @@ import pytest
 from jax import lax
 
 import gated_attention as ga
-from gated_attention import pallas_tiles
+from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
 from gated_attention_tools import gpu_kernels, gpu_tiles
 
 # Every key's tiles as the hand tables and their precedence gave them before the generated table

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import masking, pallas_tpu_kernels, pallas_tpu_plan
+from gated_attention.attention.pallas_mosaic_tpu import kernels as pallas_tpu_kernels
+from gated_attention.attention.pallas_mosaic_tpu import plan as pallas_tpu_plan
+from gated_attention.core import masking
 from tests import implementation_harness as harness
 from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
@@ -163,7 +165,7 @@ def test_skips_exactly_the_tiles_the_structure_masks_whole():
     for kw in (dict(is_causal=True), dict(local_window_size=(150, 40)), harness.STRUCTURED):
         kw = {**lengths, **kw}
         structure = masking.Structure(kw.get("is_causal", False), kw.get("local_window_size"))
-        options = ga.base.Options(structure)
+        options = ga.attention.base.Options(structure)
         plan = pallas_tpu_plan.Plan.make(INTERPRETED, q, kv, kv, (), None, 1.0, jnp.float32,
                                          options, None, None)  # fmt: skip
         allowed = harness.allowed_by(t, s, kw)

@@ -1,4 +1,4 @@
-"""Tests for gated_attention.params: AF2 .npz checkpoints <-> Haiku params."""
+"""Tests for gated_attention.af2.params: AF2 .npz checkpoints <-> Haiku params."""
 
 import io
 import re
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gated_attention.params import (
+from gated_attention.af2.params import (
     ParamsDiff,
     cast_params,
     check_params,

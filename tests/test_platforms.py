@@ -1,4 +1,4 @@
-"""Choices per compile target (gated_attention/platforms.py): code traced inside a dispatch branch
+"""Choices per compile target (gated_attention/core/platforms.py): code traced inside a dispatch branch
 decides for that branch's kinds, and the modules' compute dtype and tile rule follow the target,
 as the op's choice does (the deviceless compile for an H100: tests/test_targets.py)."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import platforms
+from gated_attention.core import platforms
 
 
 def test_a_branch_is_traced_for_the_kinds_it_serves(monkeypatch):
@@ -69,7 +69,7 @@ def test_the_registry_of_backends_is_read_where_jax_keeps_it():
 def test_no_reference_to_files_outside_the_repository():
     """Comments cite what a reader of the repository can open (DESIGN.md is not in it)."""
     root = pathlib.Path(ga.__file__).parent
-    citing = [p.name for p in root.glob("*.py") if "DESIGN.md" in p.read_text()]
+    citing = [p.name for p in root.rglob("*.py") if "DESIGN.md" in p.read_text()]
     assert citing == []
 
 
@@ -83,5 +83,5 @@ def test_the_host_is_asked_in_one_way(monkeypatch):
     ga.PallasAttention().check(q, q, q, (), None, compute_dtype=jnp.float16)  # no refusal
     with pytest.raises(NotImplementedError, match="runs on TPU only, the program is for 'gpu'"):
         ga.PallasTpuAttention().check(q, q, q, (), None, compute_dtype=jnp.bfloat16)
-    assert ga.numerics.compute_dtype(jnp.bfloat16) == jnp.bfloat16  # an accelerator's policy
-    assert ga.numerics.compute_dtype(jnp.bfloat16, backend="cpu") == jnp.float32
+    assert ga.core.numerics.compute_dtype(jnp.bfloat16) == jnp.bfloat16  # an accelerator's policy
+    assert ga.core.numerics.compute_dtype(jnp.bfloat16, backend="cpu") == jnp.float32

@@ -21,7 +21,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gated_attention as ga
-from gated_attention import config
+from gated_attention.af2 import config
 from tests import reference, row_parallel_case
 from tests.helpers import all_eqns, assert_close
 
@@ -175,7 +175,7 @@ def test_af2s_sums_over_rows_run_on_columns_under_the_swap():
     per-device partial products; their training step on 8 devices (Auto axes) matches one device."""
     from alphafold.model import config as af2_config
 
-    from gated_attention import af2_package
+    from gated_attention.af2 import af2_package
 
     c = af2_config.model_config("model_1").model
     evo, gc = c.embeddings_and_evoformer.evoformer, c.global_config

@@ -14,7 +14,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import gated_attention as ga
-from gated_attention import mapping, sharding
+from gated_attention.parallel import row_loop as mapping
+from gated_attention.parallel import sharding
 from tests import reference
 from tests.helpers import all_eqns, assert_close, rand
 

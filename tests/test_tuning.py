@@ -1,4 +1,4 @@
-"""'auto' on a GPU takes what a device run measured fastest (gated_attention/tuning.json, written
+"""'auto' on a GPU takes what a device run measured fastest (gated_attention/attention/tuning.json, written
 by gated_attention_tools/tuning_table.py), per mode: PerMode runs one implementation for the
 forward alone and another for a training step."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gated_attention as ga
-from gated_attention import per_mode, tuning
+from gated_attention.attention import per_mode, tuning
 from gated_attention_tools import tuning_table
 from tests import reference
 

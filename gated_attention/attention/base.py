@@ -1,0 +1,299 @@
+"""What an attention implementation is: a frozen dataclass that carries its own tuning.
+
+An implementation takes dot_product_attention's validated inputs in the public layout, with the
+batch dimensions flattened to one:
+
+  query [B, T, N, H], key [B, S, K, H], value [B, S, K, Hv]   (the caller's dtype)
+  biases: a tuple of float arrays [B|1, N|1, T|1, S|1]          (added; possibly empty)
+  mask: None or bool [B|1, N|1, T|1, S|1]                       (True = attend)
+  options: `Options`, what jax.nn's and tokamax's further arguments ask: the causal, window and
+    length masks as a masking.Structure (never an array of mask), the logits' soft cap, the
+    dots' precision, and whether to return the residual
+
+and returns [B, T, N, Hv] in query's dtype, or with options.return_residual the pair (that, the
+logsumexp of each query's logits [B, N, T] in the accumulation dtype). K divides N: query head n
+uses key/value head n // (N // K) (grouped-query attention, as jax.nn), which `Groups` lays out
+without ever repeating a key or value. It computes in `compute_dtype` (numerics.py's policy,
+resolved by the op), casting inside its own tiles, and makes any layout change there too, so no
+whole-array copy of query, key or value is made. Masks follow numerics.py: masked positions never
+leak, a row with no key to attend to is the uniform average of the values. `plan` returns the
+call's plan (its static facts: tiles, grid, scratch; None where nothing is planned) or raises
+NotImplementedError saying why the implementation cannot take the inputs here; the op asks it once
+per call and passes the plan to __call__, so what refuses and what runs are one plan. The default
+`plan` asks `check`, which refuses every option not named in `TAKES`. Inputs reach an
+implementation already validated: it asserts, it does not re-check.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+
+from gated_attention.core import masking, platforms
+from gated_attention.parallel import row_loop as mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """dot_product_attention's arguments beyond the arrays, for the implementations (a pytree).
+
+    Attributes:
+      structure: the causal, window and sequence-length masks (masking.py).
+      logits_soft_cap: None or a float > 0: logits -> cap * tanh(logits / cap), applied to the
+        scaled logits plus the biases, before any mask (tokamax's definition).
+      precision: None or a jax.lax.Precision for the dots.
+      return_residual: also return the logsumexp of the logits, [B, N, T].
+      residual_gradient: the logsumexp carries its gradient (merging attention over key shards,
+        ring.py, differentiates through it); else it is a constant.
+    """
+
+    structure: masking.Structure = masking.NONE
+    logits_soft_cap: float | None = None
+    precision: Any = None
+    return_residual: bool = False
+    residual_gradient: bool = False
+
+    def asked(self, query, key) -> dict[str, str]:
+        """What these options and shapes ask beyond plain attention: capability -> description."""
+        asked = {}
+        if key.shape[2] != query.shape[2]:
+            asked["grouped"] = (
+                f"grouped-query attention ({query.shape[2]} over {key.shape[2]} heads)"
+            )
+        s = self.structure
+        for name, wanted in (
+            ("is_causal", s.is_causal),
+            ("local_window_size", s.window is not None),
+            ("query_seq_lengths", s.q_lengths is not None),
+            ("key_value_seq_lengths", s.kv_lengths is not None),
+            ("logits_soft_cap", self.logits_soft_cap is not None),
+            ("precision", self.precision is not None),
+            ("return_residual", self.return_residual),
+            ("residual_gradient", self.residual_gradient),
+        ):
+            if wanted:
+                asked[name] = name
+        return asked
+
+
+jax.tree_util.register_dataclass(
+    Options,
+    data_fields=["structure"],
+    meta_fields=["logits_soft_cap", "precision", "return_residual", "residual_gradient"],
+)
+
+PLAIN = Options()
+
+ALL_OPTIONS = frozenset(
+    (
+        "grouped",
+        "is_causal",
+        "local_window_size",
+        "query_seq_lengths",
+        "key_value_seq_lengths",
+        "logits_soft_cap",
+        "precision",
+        "return_residual",
+        "residual_gradient",
+    )
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation(abc.ABC):
+    """Base of the attention implementations (xla.XlaAttention, chunked.ChunkedAttention, ...).
+
+    Attributes:
+      TAKES: the options of `Options.asked` it implements (the default `check` refuses others).
+    """
+
+    name: ClassVar[str]
+    TAKES: ClassVar[frozenset[str]] = frozenset()
+
+    def check(
+        self, query, key, value, biases, mask, *, compute_dtype, options=PLAIN, platform=None
+    ) -> None:
+        """Raises NotImplementedError (with the reason) if these inputs cannot run here.
+
+        Arguments as for __call__ (arrays or jax.ShapeDtypeStructs), and `platform`: the kind of
+        platform the program is compiled for ('cpu', 'gpu', 'tpu'; None: the host's,
+        platforms.host()), which is not always the host's (platforms.py). The default
+        takes any arrays on any platform and the options in TAKES.
+        """
+        del value, biases, mask, compute_dtype, platform
+        refused = [
+            what for name, what in options.asked(query, key).items() if name not in self.TAKES
+        ]
+        if refused:
+            raise NotImplementedError(f"{self.name} does not implement " + ", ".join(refused))
+
+    def plan(
+        self,
+        query,
+        key,
+        value,
+        biases,
+        mask,
+        *,
+        scale,
+        compute_dtype,
+        options=PLAIN,
+        platform=None,
+    ) -> Any:
+        """The plan __call__ runs for these inputs (None: nothing planned), or NotImplementedError
+        with the reason they cannot run here (arguments as for check and __call__). The default
+        asks `check` and plans nothing; a kernel overrides this and its `check` asks it."""
+        del scale
+        self.check(
+            query, key, value, biases, mask, compute_dtype=compute_dtype, options=options,
+            platform=platform,
+        )  # fmt: skip
+        return None
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        biases: tuple,
+        mask,
+        *,
+        scale: float,
+        compute_dtype,
+        options=PLAIN,
+        plan=None,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """Attention over validated inputs (module docstring): [B, T, N, Hv] in query's dtype,
+        and with options.return_residual the logsumexp [B, N, T]. `plan`: what `plan` returned
+        for these inputs (None: made here, unchecked)."""
+
+
+def live_shapes(structure, mask, q_len: int, k_len: int):
+    """The shapes (jax.ShapeDtypeStructs) of masking.Structure.live's live queries and keys for
+    this mask (an array, a jax.ShapeDtypeStruct or None), or (None, None): what a plan needs of
+    them, known before they are computed."""
+    return jax.eval_shape(lambda s, m: s.live(m, q_len, k_len), structure, mask)
+
+
+def check_kernel(
+    what: str,
+    runs_on: str,
+    *,
+    impl: Implementation,
+    platform,
+    compute_dtype,
+    dtypes,
+    query,
+    value,
+    max_head_dim: int,
+) -> None:
+    """The checks each Pallas kernel (attention/pallas_triton/implementation.py, attention/pallas_mosaic_tpu/implementation.py) makes of its inputs: the platform
+    it lowers for (unless `impl.interpret`), its compute dtypes and head dims; raises
+    NotImplementedError naming `what` and the reason."""
+    import jax.numpy as jnp
+
+    platform = platforms.host() if platform is None else platforms.kind(platform)
+    if not getattr(impl, "interpret", False) and platform != runs_on:
+        raise NotImplementedError(
+            f"{what} runs on {runs_on.upper()} only, the program is for {platform!r} "
+            f"({type(impl).__name__}(interpret=True) runs it in Pallas's interpreter anywhere)"
+        )
+    if jnp.dtype(compute_dtype) not in dtypes:
+        names = [jnp.dtype(d).name for d in dtypes]
+        listed = ", ".join(names[:-1]) + " or " + names[-1]
+        raise NotImplementedError(f"{what} computes in {listed}, got {jnp.dtype(compute_dtype)}")
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    if max(head_dim, value_dim) > max_head_dim:
+        raise NotImplementedError(
+            f"{what} takes head dims <= {max_head_dim}, got {head_dim} (query/key) and "
+            f"{value_dim} (value)"
+        )
+
+
+class Groups(NamedTuple):
+    """N query heads over K key/value heads, G = N // K query heads per key/value head.
+
+    Head-major arrays of the query side ([B, N, T, ...]: queries, outputs, biases, masks and
+    their gradients) get a group axis when G > 1, [B, K, G, T, ...] (a free reshape: query head
+    n = k * G + g), while the key side keeps [B, K, S, ...]: the einsums below contract each kv
+    head with its G query heads, and no key or value is ever repeated. With G == 1 nothing
+    changes shape (the 4-D einsums ran faster on XLA:CPU than 5-D ones with a unit group axis).
+    """
+
+    kv_heads: int
+    size: int
+
+    @classmethod
+    def of(cls, query, key) -> Groups:
+        """From query [B, T, N, H] and key [B, S, K, H] (public layout)."""
+        return cls(key.shape[2], query.shape[2] // key.shape[2])
+
+    def split(self, x, axis: int = 1):
+        """A query-side array's head axis (N or 1) -> (K, G) or (1, 1); unchanged if G == 1."""
+        if self.size == 1 or x is None:
+            return x
+        heads = (self.kv_heads, self.size) if x.shape[axis] != 1 else (1, 1)
+        return x.reshape((*x.shape[:axis], *heads, *x.shape[axis + 1 :]))
+
+    def merge(self, x, axis: int = 1):
+        """The inverse of split: (K|1, G|1) -> N|1."""
+        if self.size == 1 or x is None:
+            return x
+        return x.reshape((*x.shape[:axis], -1, *x.shape[axis + 2 :]))
+
+    def reduce(self, live, axis: int = 1):
+        """A per-query-head bool [B|1, N|1, ...] -> per kv head: any over the group."""
+        if self.size == 1 or live is None or live.shape[axis] == 1:
+            return live
+        return self.split(live, axis).any(axis=axis + 1)
+
+    @property
+    def qk(self) -> str:  # query side x key side -> logits
+        return "bnqh,bnkh->bnqk" if self.size == 1 else "bngqh,bnkh->bngqk"
+
+    @property
+    def pv(self) -> str:  # logits x key side -> query side
+        return "bnqk,bnkh->bnqh" if self.size == 1 else "bngqk,bnkh->bngqh"
+
+    @property
+    def kv(self) -> str:  # logits x query side -> key side (summed over the group)
+        return "bnqk,bnqh->bnkh" if self.size == 1 else "bngqk,bngqh->bnkh"
+
+
+def in_row_tiles(fn: Callable[..., Any], rows: int, args: Sequence[jax.Array | None]) -> Any:
+    """fn(*args) run on tiles of `rows` rows of the leading axis, each recomputed in the backward.
+
+    args are arrays whose leading dimension is the batch B (cut into tiles) or 1 (shared by every
+    tile, never broadcast), or None. fn returns an array or a pytree of arrays, each with the
+    batch first. Under differentiation each tile keeps only its inputs (jax.checkpoint), so
+    forward+backward memory is bounded by a tile too. rows >= B: one call.
+    """
+    batch = max(x.shape[0] for x in args if x is not None)
+    if rows >= batch:
+        return fn(*args)
+    batched = [x is not None and x.shape[0] == batch for x in args]
+    return mapping.subbatch(fn, args, subbatch_size=rows, batched=batched, remat=True)
+
+
+def kernel_attention(forward: Callable, backward: Callable) -> Callable:
+    """attention(plan, q, k, v, biases, extras) -> (out, log-sum-exp) for a kernel pair, as a
+    custom VJP: forward(plan, q, k, v, biases, extras) -> (out, lse); backward(plan, residuals,
+    (d_out, d_lse)) -> (dq, dk, dv, dbiases, None), residuals (q, k, v, biases, extras, out, lse).
+    d_lse is the log-sum-exp's cotangent (zero unless options.residual_gradient); plan is static."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def attention(plan, q, k, v, biases, extras):
+        return forward(plan, q, k, v, biases, extras)
+
+    def attention_fwd(plan, q, k, v, biases, extras):
+        out, lse = forward(plan, q, k, v, biases, extras)
+        return (out, lse), (q, k, v, biases, extras, out, lse)
+
+    attention.defvjp(attention_fwd, backward)
+    return attention

@@ -1,0 +1,238 @@
+"""A fused attention kernel for Hopper GPUs (sm_90a) in Pallas's Mosaic GPU backend, the contract
+of the Triton kernel (attention/pallas_triton/implementation.py) on the backend JAX keeps: biases shared over the batch read in
+place, their gradient summed per group of batch rows without atomics.
+
+Each kernel runs two warpgroups: a producer that streams tiles into shared memory with TMA (two
+slots, so the next step's tiles load while the current one computes) and a consumer that
+multiplies with wgmma (bfloat16 and float16; float32 as TF32 wgmma, JAX's default precision)
+and does the online softmax in registers (attention/pallas_mosaic_gpu/kernels_sm90.py).
+  * forward: one program per (batch row, head, block of 64 queries), looping over the key blocks
+    some query of the block may attend (masking's rule: tiles the causal, window and length masks
+    hide whole are never loaded); saves the log-sum-exp.
+  * dk, dv: one program per (batch row, key/value head, key block), over the group's query heads
+    and the query blocks, in the transposed orientation (k @ q.T) so that p.T and ds.T are the
+    left operands in registers.
+  * dq and the bias gradients: one program per (group of batch rows, head, query block), as
+    attention/pallas_triton/implementation.py's: it owns its tiles of the float32 bias-gradient buffers (per batch row for a
+    per-row bias, per group for a shared one) and adds each step's ds into them by a
+    read-modify-write through shared memory, so no [B, N, T, S] array is written for a bias
+    shared over the batch and the result is deterministic.
+
+Inputs are prepared by XLA around the kernels: queries, keys and values are cast to the compute
+dtype, queries and keys that the masks leave without a partner zeroed (masked garbage never
+leaks), and everything padded to whole tiles (64 queries, block_k keys) and head dims wgmma
+takes (a power of two from 16, then multiples of the 128-byte swizzle). So unlike the Triton
+kernel this one copies query, key and value once (small beside the [N, T, S] pair arrays),
+and a bias or mask is copied only when a length is not a whole number of tiles. TF32 wgmma reads
+both operands K-major, so in float32 the kernels also read transposed copies of v (forward),
+q, dO, k and of the full-tile biases and masks (backward); the dk/dv kernel reads transposed
+copies of full-tile biases and masks in every dtype.
+
+Files: this one, the implementation (check, tiles, __call__: the inputs' preparation);
+attention/pallas_mosaic_gpu/plan.py, the static facts of a call (Plan) and the operations with an interpreted form
+(Ops); attention/pallas_mosaic_gpu/pipeline.py, the pipeline and the tiles the kernels share; attention/pallas_mosaic_gpu/kernels_sm90.py, the
+three kernels, their scratch and launches.
+
+`interpret=True` runs the same kernels in JAX's Mosaic GPU interpreter on any backend, with the
+few operations it lacks replaced (mosaic_plan.Ops: wgmma, register layouts), how they are tested
+without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from gated_attention.attention import base, gpu_common
+from gated_attention.attention.pallas_mosaic_gpu.kernels_sm90 import (
+    backward,
+    forward,
+    shared_memory_bytes,
+)
+from gated_attention.attention.pallas_mosaic_gpu.plan import Plan
+from gated_attention.core import checks, numerics, platforms
+
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_HEAD_DIM = 128
+# With a mask or a structure the kernels zero dead rows in shared memory: at head dims above 64
+# that spills registers on an H100 (benchmark_results/mosaic_kernels/h100.md).
+MAX_HEAD_DIM_MASKED = 64
+BLOCK_Q = 64  # one consumer warpgroup: wgmma's M
+SHARED_MEMORY_LIMIT = 232_448  # an H100's opt-in shared memory per block (227 KiB)
+HOPPER = 9  # wgmma is sm_90a's: Blackwell (sm_100) has tcgen05 instead
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicAttention(base.Implementation):
+    """Fused attention in Pallas's Mosaic GPU backend for Hopper, bias gradient deterministic.
+
+    Attributes:
+      block_k: keys per tile (64 or 128; None: 128 for half precision at head dims <= 32
+        without the op's further arguments, else 64: the largest that compiled without spills
+        for an H100, benchmark_results/mosaic_kernels/h100.md).
+      bias_grad_programs: about how many programs the dq/bias-gradient kernel should have when a
+        bias is shared over the batch; batch rows are grouped so that it does.
+      interpret: run the kernels in JAX's Mosaic GPU interpreter (any backend; slow, for tests).
+    """
+
+    name = "mosaic"
+    block_k: int | None = None
+    bias_grad_programs: int = 512
+    interpret: bool = False
+
+    TAKES = base.ALL_OPTIONS
+
+    def __post_init__(self):
+        value = checks.check_int("block_k", self.block_k, minimum=64, optional=True)
+        if value is not None and value not in (64, 128):
+            raise ValueError(f"block_k must be 64 or 128, got {value}")
+        checks.check_int("bias_grad_programs", self.bias_grad_programs)
+        checks.check_bool("interpret", self.interpret)
+
+    def tiles(self, compute_dtype, head_dim: int, options: bool = False) -> tuple[int, int]:
+        """(block_q, block_k) for a compute dtype, the larger head dim and whether the op's
+        further arguments (gpu_common.extra_options) are asked."""
+        if self.block_k is not None:
+            return BLOCK_Q, self.block_k
+        half = jnp.dtype(compute_dtype).itemsize == 2
+        return BLOCK_Q, 128 if half and head_dim <= 32 and not options else 64
+
+    def check(
+        self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
+    ):
+        self.plan(
+            query, key, value, biases, mask, scale=1.0, compute_dtype=compute_dtype,
+            options=options, platform=platform,
+        )  # fmt: skip
+
+    def plan(
+        self,
+        query,
+        key,
+        value,
+        biases,
+        mask,
+        *,
+        scale,
+        compute_dtype,
+        options=base.PLAIN,
+        platform=None,
+    ) -> Plan:
+        super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
+        what = "the Mosaic GPU kernel"
+        base.check_kernel(
+            what,
+            "gpu",
+            impl=self,
+            platform=platform,
+            compute_dtype=compute_dtype,
+            dtypes=DTYPES,
+            query=query,
+            value=value,
+            max_head_dim=MAX_HEAD_DIM,
+        )
+        if not self.interpret:
+            capability = platforms.gpu_capability()
+            if capability is None or capability[0] != HOPPER:
+                got = "unknown" if capability is None else f"sm_{capability[0]}{capability[1]}"
+                raise NotImplementedError(
+                    f"{what} uses Hopper's wgmma: sm_90 GPUs only, this one is {got}"
+                )
+        masked = mask is not None or not options.structure.trivial
+        if masked and max(query.shape[-1], value.shape[-1]) > MAX_HEAD_DIM_MASKED:
+            raise NotImplementedError(
+                f"{what} takes head dims <= {MAX_HEAD_DIM_MASKED} with a mask or a causal, "
+                f"window or length mask (above, the kernels spill registers), got {query.shape[-1]} and "
+                f"{value.shape[-1]}"
+            )
+        if jnp.dtype(compute_dtype) == jnp.float32:
+            level = gpu_common.dot_precision(options.precision, compute_dtype, False)
+            if level != gpu_common.dot_precision("default", compute_dtype, False):
+                raise NotImplementedError(
+                    f"{what} computes float32 dots as TF32 wgmma (JAX's default precision), "
+                    f"the call asks for {level}"
+                )
+        # The plan __call__ runs, with the live-row scratch wherever a row may be dead.
+        plan = self._make(query, key, value, biases, mask, scale, compute_dtype, options)
+        need = shared_memory_bytes(plan)
+        if need > SHARED_MEMORY_LIMIT:
+            raise NotImplementedError(
+                f"{what} needs {need:,} bytes of shared memory at head dims "
+                f"{query.shape[-1]}/{value.shape[-1]} ({jnp.dtype(compute_dtype)}), over the "
+                f"{SHARED_MEMORY_LIMIT:,} an H100 block has"
+            )
+        return plan
+
+    def _make(self, query, key, value, biases, mask, scale, compute_dtype, options) -> Plan:
+        live_q, _ = base.live_shapes(options.structure, mask, query.shape[1], key.shape[1])
+        live = live_q is not None
+        return Plan.make(self, query, key, value, biases, mask, scale, compute_dtype, options, live)
+
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        biases,
+        mask,
+        *,
+        scale,
+        compute_dtype,
+        options=base.PLAIN,
+        plan=None,
+    ):
+        structure = options.structure
+        q_len, k_len = query.shape[1], key.shape[1]
+        live_q, live_k = structure.live(mask, q_len, k_len)
+        if plan is None:
+            plan = self._make(query, key, value, biases, mask, scale, compute_dtype, options)
+        zero = live_q is not None and not plan.live  # float32: in the transposed copies' pass
+        group = query.shape[2] // key.shape[2]
+        if zero and group > 1 and live_k.shape[1] > 1:
+            # Keys are zeroed where no query of a head sees them: each query head gets its own
+            # copy of its key/value head (XLA sums the copies' gradients).
+            key, value = (jnp.repeat(x, group, axis=2) for x in (key, value))
+            plan = dataclasses.replace(plan, kv_heads=plan.heads)
+        q = _rows(query, live_q if zero else None, plan.q_pad, plan.head_dim, compute_dtype)
+        k = _rows(key, live_k if zero else None, plan.k_pad, plan.head_dim, compute_dtype)
+        v = _rows(value, live_k if zero else None, plan.k_pad, plan.value_dim, compute_dtype)
+        pair = tuple(_pair(x, shape) for x, shape in zip(biases, plan.bias_shapes, strict=True))
+        extras = []
+        if mask is not None:
+            extras.append(_pair(mask, plan.mask_shape).astype(plan.mask_dtype))
+        if plan.live:  # int32 [B|1, N|1, L] padded: dead rows zeroed inside the kernels
+            for x, real, length in ((live_q, q_len, plan.q_pad), (live_k, k_len, plan.k_pad)):
+                x = jnp.broadcast_to(x, (*x.shape[:2], real))  # [.., 1] from a key mask
+                pad = ((0, 0), (0, 0), (0, length - real))
+                extras.append(jnp.pad(x.astype(jnp.int32), pad))
+        if not structure.trivial:
+            extras.append(structure.meta(query.shape[0]))
+        out, lse = _attention(plan, q, k, v, pair, tuple(extras))
+        out = out[:, :q_len, :, : value.shape[-1]].astype(query.dtype)
+        return numerics.finish_rows_without_key(
+            out, lse[:, :, :q_len], value, live_q, options.return_residual
+        )
+
+
+def _rows(x, live, length: int, width: int, dtype):
+    """[B, L, H, D] in `dtype` with the rows `live` ([B|1, H|1, L] or None) lacks zeroed, padded
+    to `length` rows and `width` features."""
+    x = x.astype(dtype)
+    if live is not None:
+        x = jnp.where(jnp.swapaxes(live, 1, 2)[..., None], x, jnp.zeros((), dtype))
+    pad = ((0, 0), (0, length - x.shape[1]), (0, 0), (0, width - x.shape[3]))
+    return jnp.pad(x, pad) if any(p[1] for p in pad) else x
+
+
+def _pair(x, shape):
+    """A [B|1, N|1, T|1, S|1] bias or mask padded to the plan's `shape` (zeros: no bias; for a
+    mask, masked), a [.., 1, 1] one broadcast over the keys."""
+    if x.shape[2] == 1 and x.shape[3] == 1:
+        x = jnp.broadcast_to(x, (*x.shape[:3], shape[3]))
+        return x
+    pad = [(0, 0), (0, 0), (0, shape[2] - x.shape[2]), (0, shape[3] - x.shape[3])]
+    return jnp.pad(x, pad) if any(p[1] for p in pad) else x
+
+
+_attention = base.kernel_attention(forward, backward)

@@ -1,0 +1,517 @@
+"""The Mosaic GPU kernels (attention/pallas_mosaic_gpu/implementation.py's docstring: grids, numerics): the forward, the dk/dv kernel
+and the dq/bias-gradient kernel with their shared-memory scratch and launches, forward and
+backward, the pair attention/pallas_mosaic_gpu/implementation.py makes a custom VJP of; on mosaic_tiles' pipeline and tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gated_attention.attention.pallas_mosaic_gpu.pipeline import (
+    Stream,
+    key_blocks,
+    kv_tile,
+    lhs_operand,
+    live_scratch,
+    logits,
+    pair_scratch,
+    pair_streams,
+    pipeline,
+    query_blocks,
+    row_structure,
+    split_refs,
+    staging_scratch,
+    vector_source,
+    widen,
+    zero_dead_rows,
+)
+from gated_attention.attention.pallas_mosaic_gpu.plan import (
+    DEPTH,
+    Plan,
+    broadcast_form,
+    modules,
+)
+from gated_attention.core import numerics
+
+
+def _forward_kernel(*refs, plan: Plan):
+    pl, plgpu = modules()
+    ops = plan.ops
+    front, bias_refs, mask_ref, (_, live_k_ref), meta_ref, refs = split_refs(plan, refs, 3)
+    q_ref, k_ref, v_ref = front
+    o_ref, lse_ref = refs.pop(0), refs.pop(0)
+    q_smem, q_bar, k_buf, k_bar, v_buf, v_bar, consumed, o_smem, lse_smem, *scratch = refs
+    staging = scratch.pop(0) if jnp.dtype(plan.compute_dtype) == jnp.float32 else None
+    b, n, i = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("i")
+    kv = lax.div(n, jnp.int32(plan.group))
+    st = row_structure(meta_ref, b)
+    lo, hi = key_blocks(plan, st, i)
+
+    def k_source(r, j):
+        return k_ref.at[b, pl.ds(j * plan.block_k, plan.block_k), kv]
+
+    def v_source(r, j):
+        if plan.tf32:  # v transposed: [B, K, Dv, S]
+            return v_ref.at[b, kv, :, pl.ds(j * plan.block_k, plan.block_k)]
+        return v_ref.at[b, pl.ds(j * plan.block_k, plan.block_k), kv]
+
+    pair, bias_slots, mask_slots = pair_streams(
+        plan, bias_refs, mask_ref, scratch, lambda r: b, lambda r: n, lambda r, j: i,
+        lambda r, j: j,
+    )  # fmt: skip
+    streams = [Stream(k_source, k_buf, k_bar), Stream(v_source, v_buf, v_bar), *pair]
+    if plan.live:  # keys no query of head n sees: zeroed in v before p @ v
+        live_buf, live_bar = scratch[-2:]
+        source = vector_source(plan, live_k_ref, lambda r: b, lambda r: n, lambda r, j: j,
+                                plan.block_k)  # fmt: skip
+        streams.append(Stream(source, live_buf, live_bar))
+
+    def begin(r):
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[b, pl.ds(i * plan.block_q, plan.block_q), n], q_smem, q_bar.at[0]
+        )
+        plgpu.barrier_wait(q_bar.at[0])
+        acc = ops.zeros((plan.block_q, plan.value_dim))
+        return acc, ops.zeros((plan.block_q,), 1, -jnp.inf), ops.zeros((plan.block_q,), 1)
+
+    def step(r, j, slot, carry):
+        acc, m_prev, l_prev = carry
+        s = ops.dot(q_smem, k_buf.at[slot], trans_b=True)
+        biases = [
+            widen(plan, buf.at[slot], shape)
+            for buf, shape in zip(bias_slots, plan.bias_shapes, strict=True)
+        ]
+        mask = None if mask_slots is None else widen(plan, mask_slots.at[slot], plan.mask_shape)
+        s, _ = logits(plan, s, biases, mask, st, i, j)
+        m = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        correction = jnp.exp(m_prev - m)
+        p = jnp.exp(s - lax.broadcast_in_dim(m, s.shape, (0,)))
+        acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
+        if plan.live:
+            zero_dead_rows(plan, v_buf.at[slot], live_buf.at[slot])
+        acc = ops.dot(lhs_operand(plan, p, staging), v_buf.at[slot], trans_b=plan.tf32, acc=acc)
+        return acc, m, l_prev * correction + jnp.sum(p, axis=1)
+
+    def end(r, carry):
+        acc, m, total = carry
+        if st is not None:  # a row whose every key block was skipped: 0 and a finite lse
+            seen = total > 0
+            total = jnp.where(seen, total, 1.0)
+            m = jnp.where(seen, m, numerics.MASK_VALUE)
+        o_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, (0,))).astype(o_smem.dtype)
+        lse_smem[...] = m + jnp.log(total)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(i * plan.block_q, plan.block_q), n])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, n, pl.ds(i * plan.block_q, plan.block_q)])
+        plgpu.wait_smem_to_gmem(0)
+
+    pipeline(plan, 1, lambda r: (lo, hi), streams, consumed, begin, step, end)
+
+
+def forward_scratch(plan: Plan) -> list:
+    """The forward kernel's shared memory and barriers, in the order it unpacks them."""
+    _, plgpu = modules()
+    cdt = jnp.dtype(plan.compute_dtype)
+    return [
+        plan.smem((plan.block_q, plan.head_dim), cdt, operand=True),
+        plgpu.Barrier(num_barriers=1),
+        plan.smem((DEPTH, plan.block_k, plan.head_dim), cdt, operand=True),
+        plgpu.Barrier(num_barriers=DEPTH),
+        plan.smem(kv_tile(plan, plan.value_dim), cdt, operand=True),
+        plgpu.Barrier(num_barriers=DEPTH),
+        plgpu.Barrier(num_barriers=DEPTH),  # consumed
+        plan.smem((plan.block_q, plan.value_dim), cdt, operand=True),
+        plan.smem((plan.block_q,), jnp.float32),
+        *staging_scratch(plan, plan.block_q, plan.block_k),
+        *pair_scratch(plan),
+        *live_scratch(plan, plan.block_k),
+    ]
+
+
+def shared_memory_bytes(plan: Plan) -> int:
+    """The most shared memory one of the three kernels' blocks takes (barriers aside)."""
+
+    def total(scratch):
+        return sum(
+            math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+            for x in scratch
+            if hasattr(x, "dtype") and hasattr(x, "shape")
+        )
+
+    return max(total(f(plan)) for f in (forward_scratch, dkdv_scratch, dq_scratch))
+
+
+def forward(plan: Plan, q, k, v, biases, extras):
+    """(out [B, Tp, N, Dv] in the compute dtype, lse [B, N, Tp] float32) of padded inputs."""
+    batch, heads, cdt = q.shape[0], plan.heads, jnp.dtype(plan.compute_dtype)
+    v_op = jnp.transpose(v, (0, 2, 3, 1)) if plan.tf32 else v
+    out_type = (
+        jax.ShapeDtypeStruct((batch, plan.q_pad, heads, plan.value_dim), cdt),
+        jax.ShapeDtypeStruct((batch, heads, plan.q_pad), jnp.float32),
+    )
+    return plan.launch(
+        _forward_kernel,
+        (batch, heads, plan.q_blocks),
+        ("b", "n", "i"),
+        out_type,
+        forward_scratch(plan),
+        (q, k, v_op, *biases, *extras),
+        "gated_attention_mosaic_forward",
+    )
+
+
+def _dkdv_kernel(*refs, plan: Plan):
+    """dk, dv of key block j of key/value head kv, summed over the group's query heads, in the
+    transposed orientation (s.T = k @ q.T [bk, bq]) so that p.T and ds.T are left operands."""
+    pl, plgpu = modules()
+    ops = plan.ops
+    front, bias_refs, mask_ref, live_refs, meta_ref, rest = split_refs(
+        plan, refs, 8 if plan.tf32 else 6
+    )
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *transposed = front
+    qt_ref, dot_ref = transposed if plan.tf32 else (None, None)
+    dk_ref, dv_ref, *scratch = rest
+    k_smem, v_smem, kv_bar, q_buf, q_bar, do_buf, do_bar, lse_buf, lse_bar = scratch[:9]
+    delta_buf, delta_bar, consumed, dk_smem, dv_smem = scratch[9:14]
+    scratch = scratch[14:]
+    qt_buf, qt_bar, dot_buf, dot_bar = scratch[:4] if plan.tf32 else (None,) * 4
+    scratch = scratch[4:] if plan.tf32 else scratch
+    staging = scratch.pop(0) if plan.tf32 else None
+    b, kv, j = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("j")
+    st = row_structure(meta_ref, b)
+    lo, hi = query_blocks(plan, st, j)
+    head = lambda r: kv * plan.group + r  # noqa: E731
+    ks = pl.ds(j * plan.block_k, plan.block_k)
+    qs = lambda i: pl.ds(i * plan.block_q, plan.block_q)  # noqa: E731
+    streams = [
+        Stream(lambda r, i: q_ref.at[b, qs(i), head(r)], q_buf, q_bar),
+        Stream(lambda r, i: do_ref.at[b, qs(i), head(r)], do_buf, do_bar),
+        Stream(lambda r, i: lse_ref.at[b, head(r), qs(i)], lse_buf, lse_bar),
+        Stream(lambda r, i: delta_ref.at[b, head(r), qs(i)], delta_buf, delta_bar),
+    ]
+    if plan.tf32:
+        streams += [
+            Stream(lambda r, i: qt_ref.at[b, head(r), :, qs(i)], qt_buf, qt_bar),
+            Stream(lambda r, i: dot_ref.at[b, head(r), :, qs(i)], dot_buf, dot_bar),
+        ]
+    pair, bias_slots, mask_slots = pair_streams(
+        plan, bias_refs, mask_ref, scratch, lambda r: b, head, lambda r, i: i, lambda r, i: j,
+        transposed=True,
+    )  # fmt: skip
+    streams += pair
+    if plan.live:  # queries of head(r) with no key: zeroed in q before ds.T @ q
+        live_buf, live_bar = scratch[-2:]
+        source = vector_source(plan, live_refs[0], lambda r: b, head, lambda r, i: i,
+                                plan.block_q)  # fmt: skip
+        streams.append(Stream(source, live_buf, live_bar))
+
+    @pl.when(lax.axis_index("wg") == 0)
+    def _():
+        plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kv], k_smem, kv_bar.at[0])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kv], v_smem, kv_bar.at[1])
+        plgpu.barrier_wait(kv_bar.at[0])
+        plgpu.barrier_wait(kv_bar.at[1])
+
+    def begin(r):
+        return ops.zeros((plan.block_k, plan.head_dim)), ops.zeros((plan.block_k, plan.value_dim))
+
+    def step(r, i, slot, carry):
+        dk, dv = carry
+        st_ = ops.dot(k_smem, q_buf.at[slot], trans_b=True)  # [bk, bq]
+        biases = [
+            widen(plan, buf.at[slot], shape, transposed=True)
+            for buf, shape in zip(bias_slots, plan.bias_shapes, strict=True)
+        ]
+        mask = None
+        if mask_slots is not None:
+            mask = widen(plan, mask_slots.at[slot], plan.mask_shape, transposed=True)
+        s, cap_grad = logits(plan, st_, biases, mask, st, i, j, transposed=True)
+        lse = ops.load(lse_buf.at[slot], axis=0)
+        p = jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, (1,)))
+        dp = ops.dot(v_smem, do_buf.at[slot], trans_b=True)  # [bk, bq]
+        delta = ops.load(delta_buf.at[slot], axis=0)
+        ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, (1,)))
+        if cap_grad is not None:
+            ds = ds * cap_grad
+        if plan.live:
+            zero_dead_rows(plan, q_buf.at[slot], live_buf.at[slot])
+        if plan.tf32:
+            dv = ops.dot(lhs_operand(plan, p, staging), dot_buf.at[slot], trans_b=True, acc=dv)
+            dk = ops.dot(lhs_operand(plan, ds, staging), qt_buf.at[slot], trans_b=True, acc=dk)
+        else:
+            dv = ops.dot(lhs_operand(plan, p, None), do_buf.at[slot], acc=dv)
+            dk = ops.dot(lhs_operand(plan, ds, None), q_buf.at[slot], acc=dk)
+        return dk, dv
+
+    def end(r, carry):  # after the group's last head: the accumulators span the group
+        dk, dv = carry
+        dk_smem[...] = (dk * plan.scale).astype(dk_smem.dtype)
+        dv_smem[...] = dv.astype(dv_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[b, ks, kv])
+        plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[b, ks, kv])
+        plgpu.wait_smem_to_gmem(0)
+
+    pipeline(plan, plan.group, lambda r: (lo, hi), streams, consumed, begin, step, end,
+              carry_rows=True)  # fmt: skip
+
+
+def dbias_shape(plan: Plan, shape, batch: int):
+    """The float32 buffer of one bias's gradient: [B or groups, N, Tp (or query blocks for a
+    bias without T), Sp or 1]; XLA sums it to the bias's shape afterwards."""
+    slots = batch if shape[0] > 1 else plan.groups
+    return (
+        slots,
+        plan.heads,
+        plan.q_pad if shape[2] > 1 else plan.q_blocks,
+        plan.k_pad if shape[3] > 1 else 1,
+    )
+
+
+def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
+    """dq of query block i of head n for each batch row g, g + groups, ...; and the bias
+    gradients of those rows (summed per group for a bias shared over the batch) by
+    read-modify-write of this program's own tiles, so no two programs touch one tile."""
+    pl, plgpu = modules()
+    ops = plan.ops
+    front, bias_refs, mask_ref, live_refs, meta_ref, rest = split_refs(
+        plan, refs, 7 if plan.tf32 else 6
+    )
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *transposed = front
+    kt_ref = transposed[0] if plan.tf32 else None
+    n_bias = len(plan.bias_shapes)
+    dq_ref, dbias_refs, scratch = rest[0], rest[1 : 1 + n_bias], list(rest[1 + n_bias :])
+    q_smem, do_smem, lse_smem, delta_smem, row_bar = scratch[:5]
+    k_buf, k_bar, v_buf, v_bar, consumed, dq_smem = scratch[5:11]
+    scratch = scratch[11:]
+    kt_buf, kt_bar = (scratch.pop(0), scratch.pop(0)) if plan.tf32 else (None, None)
+    staging = scratch.pop(0) if plan.tf32 else None
+    rmw = [(scratch.pop(0), scratch.pop(0)) for _ in range(n_bias)]  # (smem, barrier)
+    g, n, i = lax.axis_index("g"), lax.axis_index("n"), lax.axis_index("i")
+    kv = lax.div(n, jnp.int32(plan.group))
+    b_of = lambda r: g + plan.groups * r  # noqa: E731
+    qs = pl.ds(i * plan.block_q, plan.block_q)
+    ks = lambda j: pl.ds(j * plan.block_k, plan.block_k)  # noqa: E731
+    streams = [
+        Stream(lambda r, j: k_ref.at[b_of(r), ks(j), kv], k_buf, k_bar),
+        Stream(lambda r, j: v_ref.at[b_of(r), ks(j), kv], v_buf, v_bar),
+    ]
+    if plan.tf32:
+        streams.append(Stream(lambda r, j: kt_ref.at[b_of(r), kv, :, ks(j)], kt_buf, kt_bar))
+    pair, bias_slots, mask_slots = pair_streams(
+        plan, bias_refs, mask_ref, scratch, b_of, lambda r: n, lambda r, j: i, lambda r, j: j
+    )
+    streams += pair
+    if plan.live:  # keys no query of head n sees: zeroed in k and v before ds @ k, do @ v.T
+        live_buf, live_bar = scratch[-2:]
+        source = vector_source(plan, live_refs[1], b_of, lambda r: n, lambda r, j: j,
+                                plan.block_k)  # fmt: skip
+        streams.append(Stream(source, live_buf, live_bar))
+
+    def dbias_view(t, b, j):
+        shape, ref = plan.bias_shapes[t], dbias_refs[t]
+        slot = b if shape[0] > 1 else g
+        form = broadcast_form(shape)
+        if form == "tile":
+            return ref.at[slot, n, qs, ks(j)]
+        return ref.at[slot, n, i, ks(j)] if form == "keys" else ref.at[slot, n, qs, 0]
+
+    def zero_fill(r, b):
+        """Zeroes this program's tiles of each bias gradient, before the first add to them."""
+        for t, (smem, _) in enumerate(rmw):
+            shared = plan.bias_shapes[t][0] == 1
+
+            @pl.when(jnp.logical_or(not shared, r == 0))
+            def _(t=t, smem=smem):
+                form = broadcast_form(plan.bias_shapes[t])
+                smem[...] = ops.zeros(smem.shape, {"tile": None, "keys": 0, "queries": 1}[form])
+                plgpu.commit_smem()
+                blocks = 1 if broadcast_form(plan.bias_shapes[t]) == "queries" else plan.k_blocks
+
+                @pl.loop(0, blocks)
+                def _(j):
+                    plgpu.copy_smem_to_gmem(smem, dbias_view(t, b, j))
+
+                plgpu.wait_smem_to_gmem(0)
+
+    def accumulate(t, b, j, ds):
+        smem, bar = rmw[t]
+        form = broadcast_form(plan.bias_shapes[t])
+        view = dbias_view(t, b, j)
+        plgpu.copy_gmem_to_smem(view, smem, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+        if form == "tile":
+            part, axis = ds, None
+        else:  # a vector: the sum over the bias's broadcast dim
+            axis = 0 if form == "keys" else 1
+            part = jnp.sum(ds, axis=axis)
+        smem[...] = ops.load(smem, axis) + part
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, view)
+        plgpu.wait_smem_to_gmem(0)
+
+    def begin(r):
+        b = b_of(r)
+        for src, dst, k in (
+            (q_ref.at[b, qs, n], q_smem, 0),
+            (do_ref.at[b, qs, n], do_smem, 1),
+            (lse_ref.at[b, n, qs], lse_smem, 2),
+            (delta_ref.at[b, n, qs], delta_smem, 3),
+        ):
+            plgpu.copy_gmem_to_smem(src, dst, row_bar.at[k])
+        for k in range(4):
+            plgpu.barrier_wait(row_bar.at[k])
+        zero_fill(r, b)
+        return ops.zeros((plan.block_q, plan.head_dim))
+
+    def step(r, j, slot, dq):
+        b = b_of(r)
+        st = row_structure(meta_ref, b)
+        if plan.live:
+            zero_dead_rows(plan, k_buf.at[slot], live_buf.at[slot])
+            zero_dead_rows(plan, v_buf.at[slot], live_buf.at[slot])
+        s = ops.dot(q_smem, k_buf.at[slot], trans_b=True)
+        biases = [
+            widen(plan, buf.at[slot], shape)
+            for buf, shape in zip(bias_slots, plan.bias_shapes, strict=True)
+        ]
+        mask = None if mask_slots is None else widen(plan, mask_slots.at[slot], plan.mask_shape)
+        s, cap_grad = logits(plan, s, biases, mask, st, i, j)
+        lse = ops.load(lse_smem, axis=1)
+        p = jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, (0,)))
+        dp = ops.dot(do_smem, v_buf.at[slot], trans_b=True)
+        delta = ops.load(delta_smem, axis=1)
+        ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, (0,)))
+        if cap_grad is not None:
+            ds = ds * cap_grad
+        for t in range(n_bias):
+            accumulate(t, b, j, ds)
+        if plan.tf32:
+            return ops.dot(lhs_operand(plan, ds, staging), kt_buf.at[slot], trans_b=True, acc=dq)
+        return ops.dot(lhs_operand(plan, ds, None), k_buf.at[slot], acc=dq)
+
+    def end(r, dq):
+        dq_smem[...] = (dq * plan.scale).astype(dq_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[b_of(r), qs, n])
+        plgpu.wait_smem_to_gmem(0)
+
+    def span(r):
+        return key_blocks(plan, row_structure(meta_ref, b_of(r)), i)
+
+    rows = lax.div(batch - g + plan.groups - 1, jnp.int32(plan.groups))
+    pipeline(plan, rows, span, streams, consumed, begin, step, end)
+
+
+def _scratch_kit(plan: Plan):
+    _, plgpu = modules()
+    cdt = jnp.dtype(plan.compute_dtype)
+    operand = lambda shape, dtype=cdt: plan.smem(shape, dtype, operand=True)  # noqa: E731
+    barrier = lambda n=DEPTH: plgpu.Barrier(num_barriers=n)  # noqa: E731
+    return cdt, operand, barrier
+
+
+def dkdv_scratch(plan: Plan) -> list:
+    """The dk/dv kernel's shared memory and barriers, in the order it unpacks them."""
+    cdt, operand, barrier = _scratch_kit(plan)
+    q_tile = lambda w: operand((DEPTH, plan.block_q, w))  # noqa: E731
+    scratch = [
+        operand((plan.block_k, plan.head_dim)),
+        operand((plan.block_k, plan.value_dim)),
+        barrier(2),
+        q_tile(plan.head_dim), barrier(),
+        q_tile(plan.value_dim), barrier(),
+        plan.smem((DEPTH, plan.block_q), jnp.float32), barrier(),
+        plan.smem((DEPTH, plan.block_q), jnp.float32), barrier(),
+        barrier(),  # consumed
+        operand((plan.block_k, plan.head_dim)),
+        operand((plan.block_k, plan.value_dim)),
+    ]  # fmt: skip
+    if plan.tf32:
+        for w in (plan.head_dim, plan.value_dim):
+            scratch += [operand((DEPTH, w, plan.block_q)), barrier()]
+    scratch += staging_scratch(plan, plan.block_k, plan.block_q) + pair_scratch(plan, True)
+    return scratch + live_scratch(plan, plan.block_q)
+
+
+def dq_scratch(plan: Plan) -> list:
+    """The dq/bias-gradient kernel's shared memory and barriers, in the order it unpacks them."""
+    cdt, operand, barrier = _scratch_kit(plan)
+    rmw = []
+    for shape in plan.bias_shapes:
+        form = broadcast_form(shape)
+        if form == "tile":
+            rmw += [operand((plan.block_q, plan.block_k), jnp.float32), barrier(1)]
+        else:
+            size = plan.block_k if form == "keys" else plan.block_q
+            rmw += [plan.smem((size,), jnp.float32), barrier(1)]
+    scratch = [
+        operand((plan.block_q, plan.head_dim)),
+        operand((plan.block_q, plan.value_dim)),
+        plan.smem((plan.block_q,), jnp.float32),
+        plan.smem((plan.block_q,), jnp.float32),
+        barrier(4),
+        operand((DEPTH, plan.block_k, plan.head_dim)), barrier(),
+        operand((DEPTH, plan.block_k, plan.value_dim)), barrier(),
+        barrier(),  # consumed
+        operand((plan.block_q, plan.head_dim)),
+    ]  # fmt: skip
+    if plan.tf32:
+        scratch += [operand((DEPTH, plan.head_dim, plan.block_k)), barrier()]
+    scratch += staging_scratch(plan, plan.block_q, plan.block_k) + rmw + pair_scratch(plan)
+    return scratch + live_scratch(plan, plan.block_k)
+
+
+def backward(plan: Plan, residuals, cotangents):
+    """(dq, dk, dv, dbiases, None per extra) of padded inputs (base.kernel_attention)."""
+    _, plgpu = modules()
+    q, k, v, biases, extras, out, lse = residuals
+    d_out, d_lse = cotangents
+    batch, heads, cdt = q.shape[0], plan.heads, jnp.dtype(plan.compute_dtype)
+    delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    delta = delta - d_lse.astype(jnp.float32)
+    d_out = d_out.astype(cdt)
+    mask = extras[0] if plan.mask_shape is not None else None
+    after_mask = extras[1:] if mask is not None else extras  # live vectors, then meta
+    flip = lambda x: jnp.swapaxes(x, 2, 3) if x.shape[2] > 1 and x.shape[3] > 1 else x  # noqa: E731
+    pair_t = (*(flip(x) for x in biases), *(() if mask is None else (flip(mask),)))
+    tr = lambda *xs: tuple(jnp.transpose(x, (0, 2, 3, 1)) for x in xs) if plan.tf32 else ()  # noqa: E731
+    dk, dv = plan.launch(
+        _dkdv_kernel,
+        (batch, plan.kv_heads, plan.k_blocks),
+        ("b", "n", "j"),
+        (jax.ShapeDtypeStruct(k.shape, cdt), jax.ShapeDtypeStruct(v.shape, cdt)),
+        dkdv_scratch(plan),
+        (q, k, v, d_out, lse, delta, *tr(q, d_out), *pair_t, *after_mask),
+        "gated_attention_mosaic_dkdv",
+    )
+
+    if plan.live:  # keys no query head of the group sees: no gradient (NaN garbage in v there)
+        live_k = after_mask[1] != 0  # [B|1, N|1, S]
+        if live_k.shape[1] > 1:  # per query head: seen by some head of the group
+            live_k = jnp.any(live_k.reshape(live_k.shape[0], -1, plan.group, live_k.shape[2]), 2)
+        seen = jnp.swapaxes(live_k, 1, 2)[..., None]  # [B|1, S, K|1, 1]
+        dk, dv = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (dk, dv))
+    shapes = [dbias_shape(plan, shape, batch) for shape in plan.bias_shapes]
+    dq, *partials = plan.launch(
+        functools.partial(_dq_dbias_kernel, batch=batch),
+        (plan.groups, heads, plan.q_blocks),
+        ("g", "n", "i"),
+        (
+            jax.ShapeDtypeStruct(q.shape, cdt),
+            *(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes),
+        ),
+        dq_scratch(plan),
+        (q, k, v, d_out, lse, delta, *tr(k), *biases, *extras),
+        "gated_attention_mosaic_dq_dbias",
+    )
+    dbiases = []
+    for bias, partial in zip(biases, partials, strict=True):
+        axes = tuple(a for a in range(4) if bias.shape[a] == 1 and partial.shape[a] > 1)
+        dbiases.append(jnp.sum(partial, axis=axes, keepdims=True).astype(bias.dtype))
+    return dq, dk, dv, tuple(dbiases), tuple(None for _ in extras)

@@ -1,0 +1,1 @@
+"""The fused TPU kernel in Pallas's Mosaic TPU backend."""

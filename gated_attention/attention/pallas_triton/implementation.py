@@ -1,0 +1,198 @@
+"""A fused attention kernel for GPUs in Pallas (Triton lowering), biases shared over the batch included.
+
+Forward: one program per (batch row, head, block of queries) streams the keys in blocks with an
+online softmax (FlashAttention-2) and saves the log-sum-exp of each query. Every bias and the mask
+are read tile by tile through their own broadcast dimensions, so a [1, N, T, S] bias is read by
+every batch row and never copied per row, and a key mask is never expanded to [B, N, T, S].
+
+Backward, two kernels, no atomics, so the gradients are deterministic:
+  * dk, dv: one program per (batch row, head, block of keys), looping over the query blocks;
+  * dq and the bias gradients: one program per (group of batch rows, head, block of queries),
+    looping over its rows and the key blocks. The program owns the bias-gradient tiles of its
+    group, head and queries in a float32 buffer: per batch row for a per-row bias, per group for a
+    bias shared over the batch (summed over a size-1 T or S dimension inside the tile). So no
+    [B, N, T, S] array is written for a shared bias; XLA sums the few group partials afterwards.
+    Groups exist only to give the GPU enough programs: about `bias_grad_programs` of them, so
+    the partials take about bias_grad_programs x block_q x S x 4 bytes (128 MiB at S = 1,024).
+
+Numerics follow numerics.py: logits, softmax and accumulation in float32; masked logits are
+selected to MASK_VALUE (a fully masked row is then uniform); queries with no key and keys no query
+sees are zeroed as they are loaded (so masked garbage never leaks), and fully masked rows get the
+uniform average of the values as given. float32 dots follow JAX's matmul precision as XLA's do on
+a GPU (dot_precision): TF32 tensor-core MMAs by default, three TF32 passes at 'high', IEEE at
+'highest'. Head dims up to 128 are padded inside the tiles to a power of two of at least 16
+(Triton's smallest dot); sequence lengths need not be multiples of the blocks (masked loads).
+
+Files: this one, the implementation (check, tiles, __call__) and the kernels' custom VJP;
+attention/pallas_triton/plan.py, the static facts of a call (Plan: tiles, batch-row groups, the launch);
+attention/pallas_triton/kernels.py, the kernel bodies and their launches; attention/pallas_triton/tile_table.py, the tile table.
+
+`interpret=True` runs the same kernels in Pallas's interpreter on any backend: how they are tested
+on machines without a GPU. Without it the kernels run on GPU only (check() says so elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from gated_attention.attention import base
+from gated_attention.attention.gpu_common import dot_precision
+from gated_attention.attention.pallas_triton import kernels as pallas_kernels
+from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
+from gated_attention.attention.pallas_triton.plan import Plan, triton_backend_missing
+from gated_attention.attention.pallas_triton.tile_table import (
+    MIN_TILE,
+    SHARED_MEMORY_LIMIT,
+    _pow2_tile,
+)
+from gated_attention.core import checks, memory, numerics
+
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasAttention(base.Implementation):
+    """Fused attention in Pallas/Triton with per-bias broadcast and a deterministic bias gradient.
+
+    Attributes:
+      block_q: queries per tile (a power of two >= 16; shorter sequences take a smaller tile;
+        None: from pallas_tiles' table).
+      block_k: keys per tile (likewise).
+      num_warps: Triton warps per program (None: from pallas_tiles' table).
+      num_stages: Triton software-pipelining stages (None: from pallas_tiles' table).
+      bias_grad_programs: about how many programs the dq/bias-gradient kernel should have when a
+        bias is shared over the batch; batch rows are grouped so that it does.
+      interpret: run the kernels in Pallas's interpreter (any backend; slow, for tests).
+    """
+
+    name = "pallas"
+    block_q: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    bias_grad_programs: int = 512
+    interpret: bool = False
+
+    TAKES = base.ALL_OPTIONS
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = checks.check_int(name, getattr(self, name), minimum=MIN_TILE, optional=True)
+            if value is not None and value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= {MIN_TILE}, got {value}")
+        checks.check_int("num_warps", self.num_warps, optional=True)
+        checks.check_int("num_stages", self.num_stages, optional=True)
+        checks.check_int("bias_grad_programs", self.bias_grad_programs)
+        checks.check_bool("interpret", self.interpret)
+
+    def check(
+        self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
+    ):
+        self.plan(
+            query, key, value, biases, mask, scale=1.0, compute_dtype=compute_dtype,
+            options=options, platform=platform,
+        )  # fmt: skip
+
+    def plan(
+        self,
+        query,
+        key,
+        value,
+        biases,
+        mask,
+        *,
+        scale,
+        compute_dtype,
+        options=base.PLAIN,
+        platform=None,
+    ) -> Plan:
+        super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
+        missing = triton_backend_missing()
+        if missing is not None:
+            raise NotImplementedError(missing)
+        base.check_kernel(
+            "the Pallas kernel",
+            "gpu",
+            impl=self,
+            platform=platform,
+            compute_dtype=compute_dtype,
+            dtypes=DTYPES,
+            query=query,
+            value=value,
+            max_head_dim=MAX_HEAD_DIM,
+        )
+        dims = (query.shape[-1], value.shape[-1])
+        plan = self._make(query, key, value, biases, mask, scale, compute_dtype, options)
+        block_q, block_k, stages = plan.block_q, plan.block_k, plan.num_stages
+        need = memory.gpu_shared_memory_bytes(
+            block_q=block_q,
+            block_k=block_k,
+            stages=stages,
+            padded_head_dim=_pow2_tile(max(dims)),
+            itemsize=jnp.dtype(compute_dtype).itemsize,
+            pair_itemsize=sum(jnp.dtype(b.dtype).itemsize for b in biases) + (mask is not None),
+        )
+        if need > SHARED_MEMORY_LIMIT:
+            raise NotImplementedError(
+                f"tiles {block_q} x {block_k} with {stages} stages need about {need:,} bytes of "
+                f"shared memory at head dim {max(dims)} ({jnp.dtype(compute_dtype)}), over the "
+                f"{SHARED_MEMORY_LIMIT:,} an A100 block has: take smaller tiles"
+            )
+        return plan
+
+    def _make(self, query, key, value, biases, mask, scale, compute_dtype, options) -> Plan:
+        live_q, _ = base.live_shapes(options.structure, mask, query.shape[1], key.shape[1])
+        precision = dot_precision(options.precision, compute_dtype, self.interpret)
+        return Plan.make(
+            self, query, key, value, biases, scale, compute_dtype, precision, mask, live_q, options
+        )
+
+    def tiles(
+        self,
+        compute_dtype,
+        precision,
+        head_dim: int,
+        options: bool = False,
+        form: tuple[str, str] | None = None,
+    ) -> tuple[int, int, int, int]:
+        """(block_q, block_k, num_warps, num_stages): the fields where given, else pallas_tiles'
+        table's for the dtype, the dots' precision, the head dim, whether `options` (the op's
+        further arguments) are asked and the call's kernel_form (None: the heaviest form)."""
+        table = pallas_tiles.lookup(compute_dtype, precision, head_dim, options, form)
+        given = (self.block_q, self.block_k, self.num_warps, self.num_stages)
+        return tuple(g if g is not None else t for g, t in zip(given, table, strict=True))
+
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        biases,
+        mask,
+        *,
+        scale,
+        compute_dtype,
+        options=base.PLAIN,
+        plan=None,
+    ):
+        structure = options.structure
+        q_len, k_len = query.shape[1], key.shape[1]
+        # Live queries [B|1, N|1, T|1] and keys [B|1, N|1, S|1] under the mask and the structure.
+        live_q, live_k = structure.live(mask, q_len, k_len)
+        extras = []
+        if mask is not None:
+            extras.append(mask.astype(jnp.int8))  # int8 for Triton
+        if live_q is not None:
+            extras += [live_q.astype(jnp.int8), live_k.astype(jnp.int8)]
+        if not structure.trivial:
+            extras.append(structure.meta(query.shape[0]))
+        if plan is None:
+            plan = self._make(query, key, value, biases, mask, scale, compute_dtype, options)
+        out, lse = _attention(plan, query, key, value, tuple(biases), tuple(extras))
+        return numerics.finish_rows_without_key(out, lse, value, live_q, options.return_residual)
+
+
+_attention = base.kernel_attention(pallas_kernels.forward, pallas_kernels.backward)

@@ -1,0 +1,401 @@
+"""The Pallas GPU kernels (attention/pallas_triton/implementation.py's docstring: grids, numerics): the forward, the dk/dv kernel
+and the dq/bias-gradient kernel, with the tile loads and logits they share (_Tiles: rows, bias and
+mask tiles, the structure's key and query block ranges) and their launches, forward and backward,
+the pair attention/pallas_triton/implementation.py makes a custom VJP of.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gated_attention.attention.pallas_triton.plan import Plan
+from gated_attention.attention.pallas_triton.plan import pallas_modules as _pallas
+from gated_attention.attention.pallas_triton.tile_table import _pow2_tile
+from gated_attention.core import masking, numerics
+
+
+def _dot(a, b, **kwargs):
+    _, plgpu = _pallas()
+    return plgpu.dot(a, b, **kwargs)
+
+
+def _ds(start, size: int):
+    """pl.ds with an int32 start (a Python int is int64 where jax_enable_x64 is set)."""
+    pl, _ = _pallas()
+    return pl.ds(jnp.asarray(start, jnp.int32), size)
+
+
+def _index(ref, axis: int, i):
+    """i along a ref's axis, or 0 where that axis is broadcast (size 1)."""
+    return i if ref.shape[axis] > 1 else jnp.zeros((), jnp.int32)
+
+
+class _Extras(NamedTuple):
+    """The optional refs after the biases (None where absent)."""
+
+    mask: Any  # int8 [B|1, N|1, T|1, S|1]
+    live_q: Any  # int8 [B|1, N|1, T|1]
+    live_k: Any  # int8 [B|1, N|1, S|1]
+    meta: Any  # int32 [B, 3] (masking.Structure.meta)
+
+
+class _Structure(NamedTuple):
+    """One batch row's causal, window and length masks, read from the meta ref."""
+
+    offset: Any  # the position of local query 0
+    q_length: Any
+    kv_length: Any
+
+
+class _Tiles:
+    """Loads of one program's tiles: q/k/v rows of one batch row and head, bias and mask tiles."""
+
+    def __init__(self, plan: Plan, q_len: int, k_len: int, n_bias: int):
+        self.plan, self.q_len, self.k_len = plan, q_len, k_len
+        self.n_bias = n_bias
+
+    def split(self, refs):
+        """refs after q, k, v (and any per-kernel ones) -> (bias refs, _Extras, rest)."""
+        plan = self.plan
+        biases, rest = refs[: self.n_bias], list(refs[self.n_bias :])
+        take = lambda present: rest.pop(0) if present else None
+        mask = take(plan.has_mask)
+        live_q, live_k = take(plan.has_live), take(plan.has_live)
+        meta = take(plan.structured)
+        return biases, _Extras(mask, live_q, live_k, meta), tuple(rest)
+
+    def structure(self, extras: _Extras, b):
+        """Batch row b's _Structure, or None when there is no causal, window or length mask."""
+        if extras.meta is None:
+            return None
+        return _Structure(extras.meta[b, 0], extras.meta[b, 1], extras.meta[b, 2])
+
+    def key_blocks(self, st: _Structure | None, i):
+        """[lo, hi): the key blocks that some query of query block i may attend (all without a
+        structure): the loops skip the tiles the structure masks whole."""
+        plan = self.plan
+        if st is None:
+            return 0, -(-self.k_len // plan.block_k)
+        return masking.key_tiles(
+            st.offset + i * plan.block_q, plan.block_q, plan.block_k, plan.causal, plan.window,
+            self.k_len, st.q_length, st.kv_length,
+        )  # fmt: skip
+
+    def query_blocks(self, st: _Structure | None, j):
+        """[lo, hi): the query blocks with some query that may attend a key of key block j."""
+        plan = self.plan
+        if st is None:
+            return 0, -(-self.q_len // plan.block_q)
+        return masking.query_tiles(
+            j * plan.block_k, plan.block_k, plan.block_q, plan.causal, plan.window, st.offset,
+            self.q_len, st.q_length, st.kv_length,
+        )  # fmt: skip
+
+    def span(self, index: int, block: int, length: int):
+        pl, _ = _pallas()
+        ids = index * block + jnp.arange(block, dtype=jnp.int32)
+        return _ds(index * block, block), ids < length
+
+    def rows(self, ref, b, span, n, width: int, live=None):
+        """ref [B, L, N, D] rows span of batch row b and head n -> [block, padded D], cast to compute."""
+        pl, plgpu = _pallas()
+        index, ok = span
+        padded = _pow2_tile(width)
+        mask = ok[:, None] & (jnp.arange(padded, dtype=jnp.int32) < width)[None, :]
+        x = plgpu.load(ref.at[b, index, n, _ds(0, padded)], mask=mask, other=0)
+        x = x.astype(self.plan.compute_dtype)
+        if live is not None:
+            x = jnp.where(live[:, None] != 0, x, jnp.zeros((), x.dtype))
+        return x
+
+    def queries(self, q_ref, extras, b, n, q_span):
+        """(q [bq, padded H] with dead queries zeroed, live_q or None) of one query block."""
+        live_q = None if extras.live_q is None else self.vector(extras.live_q, b, n, q_span)
+        return self.rows(q_ref, b, q_span, n, self.plan.head_dim, live_q), live_q
+
+    def keys_values(self, k_ref, v_ref, extras, b, n, k_span):
+        """(k, v of key/value head n // group with the keys query head n does not see zeroed,
+        live_k or None) of one key block."""
+        live_k = None if extras.live_k is None else self.vector(extras.live_k, b, n, k_span)
+        kv = n // self.plan.group
+        k = self.rows(k_ref, b, k_span, kv, self.plan.head_dim, live_k)
+        v = self.rows(v_ref, b, k_span, kv, self.plan.value_dim, live_k)
+        return k, v, live_k
+
+    def store_rows(self, ref, b, span, n, width: int, x):
+        pl, plgpu = _pallas()
+        index, ok = span
+        padded = _pow2_tile(width)
+        mask = ok[:, None] & (jnp.arange(padded, dtype=jnp.int32) < width)[None, :]
+        plgpu.store(ref.at[b, index, n, _ds(0, padded)], x.astype(ref.dtype), mask=mask)
+
+    @staticmethod
+    def vector(ref, b, n, span, other=0):
+        """ref [B|1, N|1, L|1] at (b, n, span) -> [block] (or [1] for a broadcast L)."""
+        pl, plgpu = _pallas()
+        bb, nn = _index(ref, 0, b), _index(ref, 1, n)
+        index, ok = span
+        if ref.shape[2] == 1:
+            return plgpu.load(ref.at[bb, nn, _ds(0, 1)])
+        return plgpu.load(ref.at[bb, nn, index], mask=ok, other=other)
+
+    @staticmethod
+    def tile(ref, b, n, q_span, k_span, other=0):
+        """ref [B|1, N|1, T|1, S|1] at (b, n, q_span, k_span) -> [bq|1, bk|1]."""
+        pl, plgpu = _pallas()
+        bb, nn = _index(ref, 0, b), _index(ref, 1, n)
+        (q_index, q_ok), (k_index, k_ok) = q_span, k_span
+        mask = None
+        if ref.shape[2] > 1:
+            mask = q_ok[:, None]
+        else:
+            q_index = _ds(0, 1)
+        if ref.shape[3] > 1:
+            mask = k_ok[None, :] if mask is None else mask & k_ok[None, :]
+        else:
+            k_index = _ds(0, 1)
+        return plgpu.load(ref.at[bb, nn, q_index, k_index], mask=mask, other=other)
+
+    def allowed(self, st: _Structure, q_span, k_span):
+        """bool [bq, bk]: the causal, window and length masks of a tile (masking.allowed)."""
+        plan = self.plan
+        q_start, k_start = q_span[0].start, k_span[0].start
+        qi = st.offset + q_start + jnp.arange(plan.block_q, dtype=jnp.int32)[:, None]
+        kj = k_start + jnp.arange(plan.block_k, dtype=jnp.int32)[None, :]
+        return masking.allowed(qi, kj, plan.causal, plan.window, st.q_length, st.kv_length)
+
+    def logits(self, q, k, bias_refs, extras, st, b, n, q_span, k_span):
+        """Scaled, biased, soft-capped, masked float32 logits [bq, bk] (keys past the end -inf),
+        and the soft cap's derivative there (None: no cap)."""
+        plan = self.plan
+        s = _dot(q, k, trans_b=True, precision=plan.precision) * plan.scale
+        for ref in bias_refs:
+            s = s + self.tile(ref, b, n, q_span, k_span).astype(jnp.float32)
+        cap_grad = None
+        if plan.soft_cap is not None:
+            t = jnp.tanh(s * (1.0 / plan.soft_cap))
+            inside = q_span[1][:, None] & k_span[1][None, :]  # bias loads past the end give 0
+            s, cap_grad = plan.soft_cap * t, jnp.where(inside, 1.0 - t * t, 0.0)
+        if extras.mask is not None:
+            keep = self.tile(extras.mask, b, n, q_span, k_span) != 0
+            s = jnp.where(keep, s, numerics.MASK_VALUE)
+        if st is not None:
+            s = jnp.where(self.allowed(st, q_span, k_span), s, numerics.MASK_VALUE)
+        return jnp.where(k_span[1][None, :], s, -jnp.inf), cap_grad
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, *refs, tiles: _Tiles):
+    pl, plgpu = _pallas()
+    plan = tiles.plan
+    bias_refs, extras, (o_ref, lse_ref) = tiles.split(refs)
+    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_span = tiles.span(i, plan.block_q, tiles.q_len)
+    q, _ = tiles.queries(q_ref, extras, b, n, q_span)
+    st = tiles.structure(extras, b)
+
+    def body(j, carry):
+        acc, m_prev, l_prev = carry
+        k_span = tiles.span(j, plan.block_k, tiles.k_len)
+        k, v, _ = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span)
+        s, _ = tiles.logits(q, k, bias_refs, extras, st, b, n, q_span, k_span)
+        m = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        correction = jnp.exp(m_prev - m)
+        p = jnp.exp(s - m[:, None])
+        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, precision=plan.precision)
+        return acc, m, l_prev * correction + jnp.sum(p, axis=1)
+
+    init = (
+        jnp.zeros((plan.block_q, _pow2_tile(plan.value_dim)), jnp.float32),
+        jnp.full((plan.block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((plan.block_q,), jnp.float32),
+    )
+    acc, m, total = lax.fori_loop(*tiles.key_blocks(st, i), body, init)
+    if st is not None:  # a row whose every key block was skipped: 0 and a finite lse
+        seen = total > 0
+        total = jnp.where(seen, total, 1.0)
+        m = jnp.where(seen, m, numerics.MASK_VALUE)
+    tiles.store_rows(o_ref, b, q_span, n, plan.value_dim, acc / total[:, None])
+    plgpu.store(lse_ref.at[b, n, q_span[0]], m + jnp.log(total), mask=q_span[1])
+
+
+def _grads(tiles, q, k, v, do, lse, delta, bias_refs, extras, st, b, n, q_span, k_span):
+    """(p, ds) of one tile: the recomputed softmax weights (zero on rows past the end) and the
+    gradient of the logits before the soft cap."""
+    plan = tiles.plan
+    s, cap_grad = tiles.logits(q, k, bias_refs, extras, st, b, n, q_span, k_span)
+    p = jnp.where(q_span[1][:, None], jnp.exp(s - lse[:, None]), 0.0)
+    dp = _dot(do, v, trans_b=True, precision=plan.precision)
+    ds = p * (dp - delta[:, None])
+    return p, ds if cap_grad is None else ds * cap_grad
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: _Tiles):
+    """dk, dv of one key block of key/value head `kv`, summed over its group's query heads."""
+    pl, _ = _pallas()
+    plan = tiles.plan
+    bias_refs, extras, (dk_ref, dv_ref) = tiles.split(refs)
+    b, kv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    k_span = tiles.span(j, plan.block_k, tiles.k_len)
+    st = tiles.structure(extras, b)
+    dk = jnp.zeros((plan.block_k, _pow2_tile(plan.head_dim)), jnp.float32)
+    dv = jnp.zeros((plan.block_k, _pow2_tile(plan.value_dim)), jnp.float32)
+    seen = None  # keys some query head of the group sees
+    for g in range(plan.group):
+        n = kv * plan.group + g
+        k, v, live_k = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span)
+        if live_k is not None:
+            seen = live_k if seen is None else jnp.maximum(seen, live_k)
+
+        def body(i, carry, n=n, k=k, v=v):
+            dk, dv = carry
+            q_span = tiles.span(i, plan.block_q, tiles.q_len)
+            q, _ = tiles.queries(q_ref, extras, b, n, q_span)
+            do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
+            lse = tiles.vector(lse_ref, b, n, q_span)
+            delta = tiles.vector(delta_ref, b, n, q_span)
+            p, ds = _grads(tiles, q, k, v, do, lse, delta, bias_refs, extras, st, b, n, q_span,
+                           k_span)  # fmt: skip
+            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True, precision=plan.precision)
+            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True, precision=plan.precision)
+            return dk, dv
+
+        dk, dv = lax.fori_loop(*tiles.query_blocks(st, j), body, (dk, dv))
+    dk = dk * plan.scale
+    if seen is not None:  # keys no query sees were zeroed: no gradient reaches them
+        dk, dv = (jnp.where(seen[:, None] != 0, x, 0.0) for x in (dk, dv))
+    tiles.store_rows(dk_ref, b, k_span, kv, plan.head_dim, dk)
+    tiles.store_rows(dv_ref, b, k_span, kv, plan.value_dim, dv)
+
+
+def _dq_dbias_kernel(
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: _Tiles, shapes: tuple
+):
+    """dq of one query block of every row of a group; the bias gradients it owns (module doc)."""
+    pl, plgpu = _pallas()
+    plan = tiles.plan
+    bias_refs, extras, rest = tiles.split(refs)
+    rest = rest[len(shapes) :]  # the zero-filled buffers aliased to the outputs below
+    dq_ref, dbias_refs = rest[0], rest[1:]
+    g, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    batch = q_ref.shape[0]
+    q_span = tiles.span(i, plan.block_q, tiles.q_len)
+
+    def accumulate(ref, shape, b, k_span, ds):
+        """Adds ds, reduced to the bias's broadcast dims, into this program's tile of ref."""
+        slot = b if shape[0] > 1 else g
+        (q_index, q_ok), (k_index, k_ok) = q_span, k_span
+        mask = None
+        if shape[2] > 1:
+            mask = q_ok[:, None]
+        else:  # one partial row per query block
+            ds, q_index = jnp.sum(ds, axis=0, keepdims=True), _ds(i, 1)
+        if shape[3] > 1:
+            mask = k_ok[None, :] if mask is None else mask & k_ok[None, :]
+        else:
+            ds, k_index = jnp.sum(ds, axis=1, keepdims=True), _ds(0, 1)
+        view = ref.at[slot, n, q_index, k_index]
+        plgpu.store(view, plgpu.load(view, mask=mask, other=0.0) + ds, mask=mask)
+
+    def row(r, carry):
+        b = g + plan.groups * r
+        st = tiles.structure(extras, b)
+        q, live_q = tiles.queries(q_ref, extras, b, n, q_span)
+        do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
+        lse = tiles.vector(lse_ref, b, n, q_span)
+        delta = tiles.vector(delta_ref, b, n, q_span)
+
+        def body(j, dq):
+            k_span = tiles.span(j, plan.block_k, tiles.k_len)
+            k, v, _ = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span)
+            _, ds = _grads(tiles, q, k, v, do, lse, delta, bias_refs, extras, st, b, n, q_span,
+                           k_span)  # fmt: skip
+            for ref, shape in zip(dbias_refs, shapes, strict=True):
+                accumulate(ref, shape, b, k_span, ds)
+            return dq + _dot(ds.astype(k.dtype), k, precision=plan.precision)
+
+        init = jnp.zeros((plan.block_q, _pow2_tile(plan.head_dim)), jnp.float32)
+        # Skipped key blocks leave the zero-filled bias-gradient buffers as they are.
+        dq = lax.fori_loop(*tiles.key_blocks(st, i), body, init) * plan.scale
+        if live_q is not None:
+            dq = jnp.where(live_q[:, None] != 0, dq, 0.0)
+        tiles.store_rows(dq_ref, b, q_span, n, plan.head_dim, dq)
+        return carry
+
+    rows = (batch - g + plan.groups - 1) // plan.groups  # rows g, g + groups, ... < batch
+    lax.fori_loop(0, rows, row, 0)
+
+
+def forward(plan: Plan, q, k, v, biases, extras):
+    batch, q_len, heads, _ = q.shape
+    tiles = _Tiles(plan, q_len, k.shape[1], len(biases))
+    grid = (
+        batch,
+        heads,
+        -(-q_len // plan.block_q),
+    )  # batch rows vary fastest: bias tiles stay in L2
+    out_shape = (
+        jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), q.dtype),
+        jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
+    )
+    args = (q, k, v, *biases, *extras)
+    kernel = functools.partial(_forward_kernel, tiles=tiles)
+    return plan.call(kernel, grid, out_shape, args, "gated_attention_forward")
+
+
+def backward(plan, residuals, cotangents):
+    q, k, v, biases, extras, out, lse = residuals
+    d_out, d_lse = cotangents
+    batch, q_len, heads, _ = q.shape
+    k_len = k.shape[1]
+    tiles = _Tiles(plan, q_len, k_len, len(biases))
+    delta = jnp.einsum(
+        "btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
+    )  # [B, N, T]: rowsum(dO * O), the softmax backward's correction
+    delta = delta - d_lse.astype(jnp.float32)  # d lse / d logits = p: ds = p * (dp - delta + d_lse)
+    common = (q, k, v, d_out, lse, delta, *biases, *extras)
+
+    dk, dv = plan.call(
+        functools.partial(_dkdv_kernel, tiles=tiles),
+        (batch, plan.kv_heads, -(-k_len // plan.block_k)),
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        common,
+        "gated_attention_dkdv",
+    )
+
+    # Bias-gradient buffers [slots, N, T or query blocks, S or 1], float32, zero-filled.
+    q_blocks = -(-q_len // plan.block_q)
+    shapes = tuple(tuple(b.shape) for b in biases)
+    buffers = tuple(
+        jnp.zeros(
+            (
+                batch if s[0] > 1 else plan.groups,
+                heads,
+                q_len if s[2] > 1 else q_blocks,
+                k_len if s[3] > 1 else 1,
+            ),
+            jnp.float32,
+        )
+        for s in shapes
+    )
+    first_buffer = len(common)
+    dq, *partials = plan.call(
+        functools.partial(_dq_dbias_kernel, tiles=tiles, shapes=shapes),
+        (plan.groups, heads, q_blocks),
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers),
+        ),
+        (*common, *buffers),
+        "gated_attention_dq_dbias",
+        aliases={first_buffer + t: 1 + t for t in range(len(buffers))},
+    )
+    dbiases = []
+    for bias, partial in zip(biases, partials, strict=True):
+        axes = tuple(a for a in range(4) if bias.shape[a] == 1 and partial.shape[a] > 1)
+        dbiases.append(jnp.sum(partial, axis=axes, keepdims=True).astype(bias.dtype))
+    return dq, dk, dv, tuple(dbiases), tuple(None for _ in extras)

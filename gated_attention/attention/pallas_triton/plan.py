@@ -1,0 +1,135 @@
+"""The static facts of one call of the Pallas GPU kernels (attention/pallas_triton/implementation.py): Plan, hashable (the custom
+VJP's static argument), with the tiles (pallas_tiles' table unless the implementation names
+them), the batch-row groups of the dq/bias-gradient kernel, the options the kernels apply, and the
+pallas_call launch of the kernels of attention/pallas_triton/kernels.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from gated_attention.attention import base
+from gated_attention.attention.gpu_common import bias_grad_groups, extra_options
+from gated_attention.attention.pallas_triton.tile_table import _pow2_tile, kernel_form
+from gated_attention.core import compat
+
+
+def pallas_modules():
+    """(jax.experimental.pallas, its triton module), imported on first use: `import
+    gated_attention` stays free of Pallas's import time."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    return pl, plgpu
+
+
+def triton_backend_missing() -> str | None:
+    """None where this JAX has Pallas's Triton backend, else why not (it was deprecated in jax
+    0.11.0 for Mosaic GPU and is to be removed): the Triton kernel is then refused with this
+    reason, never an import error."""
+    try:  # by module name: what sys.modules holds decides, as for a fresh import
+        importlib.import_module("jax.experimental.pallas.triton")
+        compat.triton_registration()
+    except ImportError as e:
+        return (
+            f"Pallas's Triton backend is not in jax {jax.__version__} (deprecated in jax 0.11.0 "
+            f"for Mosaic GPU): {e}"
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static facts of one call, shared by the three kernels (hashable: a custom_vjp argument)."""
+
+    scale: float
+    compute_dtype: str
+    block_q: int
+    block_k: int
+    head_dim: int
+    value_dim: int
+    groups: int  # batch-row groups of the dq/bias-gradient kernel
+    num_warps: int
+    num_stages: int
+    precision: Any
+    interpret: bool
+    heads: int
+    kv_heads: int
+    has_mask: bool
+    has_live: bool
+    causal: bool
+    window: tuple | None  # (left, right)
+    structured: bool  # causal, window or lengths: the [B, 3] meta ref (Structure.meta)
+    soft_cap: float | None
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head: head n reads key/value head n // group."""
+        return self.heads // self.kv_heads
+
+    @classmethod
+    def make(
+        cls,
+        impl,  # a pallas.PallasAttention: its tiles()
+        query,
+        key,
+        value,
+        biases,
+        scale,
+        compute_dtype,
+        precision,
+        mask=None,
+        live_q=None,
+        options=base.PLAIN,
+    ):
+        batch, q_len, heads, head_dim = query.shape
+        k_len, value_dim = key.shape[1], value.shape[-1]
+        padded = max(_pow2_tile(head_dim), _pow2_tile(value_dim))
+        extra = extra_options(options, query, key)
+        form = kernel_form(biases, mask)
+        tile_q, tile_k, num_warps, num_stages = impl.tiles(
+            compute_dtype, precision, padded, extra, form
+        )
+        block_q = min(tile_q, _pow2_tile(q_len))
+        q_blocks = -(-q_len // block_q)
+        groups = bias_grad_groups(batch, heads, q_blocks, biases, impl.bias_grad_programs)
+        return cls(
+            scale=float(scale),
+            compute_dtype=jnp.dtype(compute_dtype).name,
+            block_q=block_q,
+            block_k=min(tile_k, _pow2_tile(k_len)),
+            head_dim=head_dim,
+            value_dim=value_dim,
+            groups=groups,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            precision=precision,
+            interpret=impl.interpret,
+            heads=heads,
+            kv_heads=key.shape[2],
+            has_mask=mask is not None,
+            has_live=live_q is not None,
+            causal=options.structure.is_causal,
+            window=options.structure.window,
+            structured=not options.structure.trivial,
+            soft_cap=options.logits_soft_cap,
+        )
+
+    def call(self, kernel, grid, out_shape, args, name, aliases=None):
+        pl, plgpu = pallas_modules()
+        return pl.pallas_call(
+            kernel,
+            grid=grid,
+            out_shape=out_shape,
+            input_output_aliases=aliases or {},
+            compiler_params=plgpu.CompilerParams(
+                num_warps=self.num_warps, num_stages=self.num_stages
+            ),
+            interpret=self.interpret,
+            name=name,
+        )(*args)

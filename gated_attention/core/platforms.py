@@ -1,0 +1,150 @@
+"""The platform a program is compiled for, and choices made per platform.
+
+JAX picks the platform late: a program traced on a CPU host may be compiled for a GPU or a TPU
+(ahead-of-time `.lower()` with a device's or a topology's shardings), and nothing inside the trace
+says which. So the op decides for every platform the program could be compiled for here and
+stages the decisions with lax.platform_dependent, whose untaken branches XLA never lowers: a
+program compiled for an H100 from a CPU host chooses exactly as on the H100.
+
+Platform kinds are 'cpu', 'gpu' (CUDA or ROCm) and 'tpu', as jax.default_backend() names them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib.util
+from collections.abc import Callable, Mapping
+
+import jax
+
+from gated_attention.core import compat
+
+KINDS = ("cpu", "gpu", "tpu")
+_LOWERING_NAMES = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
+
+
+def kind(platform: str) -> str:
+    """'cpu', 'gpu' or 'tpu' for a JAX platform or backend name ('cuda', 'rocm', 'gpu', ...)."""
+    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+def host() -> str:
+    """The kind of the default backend: where un-annotated programs run."""
+    return kind(jax.default_backend())
+
+
+# Compute capabilities by device kind, for a deviceless compile's abstract device (which names its
+# kind only): NVIDIA's data-centre GPUs this project compiles for.
+_CAPABILITIES = (("H100", (9, 0)), ("H200", (9, 0)), ("H800", (9, 0)), ("GH200", (9, 0)),
+                 ("B200", (10, 0)), ("B100", (10, 0)), ("GB200", (10, 0)), ("B300", (10, 3)),
+                 ("A100", (8, 0)), ("A800", (8, 0)), ("A10", (8, 6)), ("L4", (8, 9)))  # fmt: skip
+
+
+def _gpu():
+    """The GPU a program is being compiled for: the abstract mesh's device where one is in use
+    (deviceless compiles), else the first GPU; None when there is none."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is None:
+        try:
+            device = jax.devices("gpu")[0]
+        except RuntimeError:  # no GPU backend
+            return None
+    return device
+
+
+def gpu_kind() -> str | None:
+    """The device kind of the GPU a program is being compiled for ('NVIDIA H100 80GB HBM3')."""
+    device = _gpu()
+    return None if device is None else str(getattr(device, "device_kind", "")) or None
+
+
+def gpu_capability() -> tuple[int, int] | None:
+    """(major, minor) compute capability of the GPU a program is being compiled for (_gpu);
+    None when there is no GPU or its kind is not known."""
+    device = _gpu()
+    if device is None:
+        return None
+    capability = getattr(device, "compute_capability", None)
+    if capability:
+        return tuple(int(x) for x in str(capability).split(".")[:2])
+    kind = str(getattr(device, "device_kind", ""))
+    words = kind.replace("-", " ").split()
+    return next((cc for name, cc in _CAPABILITIES if name in words), None)
+
+
+def of_arrays(arrays) -> str | None:
+    """The kind of the devices holding these concrete arrays, if they agree; None when any is a
+    tracer or not a jax.Array (under jit the devices are not known while tracing)."""
+    kinds = set()
+    for x in jax.tree.leaves(arrays):
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+            return None
+        kinds.update(kind(d.platform) for d in x.devices())
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+@functools.cache
+def compilable() -> tuple[str, ...]:
+    """Kinds this process can compile for: the host's, a GPU where JAX's CUDA or ROCm plugin is
+    registered, a TPU where libtpu is installed (deviceless compiles need exactly these)."""
+    found = [host()]  # first: starting the backends registers the plugins' factories
+    registered = compat.registered_backends()
+    if registered & {"cuda", "rocm"}:
+        found.append("gpu")
+    if importlib.util.find_spec("libtpu") is not None:
+        found.append("tpu")
+    return tuple(k for k in KINDS if k in found)
+
+
+# The kinds the branch being traced serves, inside dispatch: code traced there (the op inside a
+# module's branch) decides for them alone instead of staging every kind again.
+_STAGED: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "gated_attention_staged_platforms", default=None
+)
+
+
+def candidates(arrays) -> tuple[str, ...]:
+    """The kinds a call on these inputs may be compiled for, the likeliest first: the arrays' own
+    when they are concrete, else those of the dispatch branch being traced, else the host's and
+    then every other kind compilable here."""
+    known = of_arrays(arrays)
+    if known is not None:
+        return (known,)
+    staged = _STAGED.get()
+    if staged is not None:
+        return staged
+    first = host()
+    return (first, *(k for k in compilable() if k != first))
+
+
+def dispatch(branches: Mapping[str, Callable], *args):
+    """branches[kind](*args) for the kind the program is compiled for.
+
+    One branch (or the same callable for every kind) is simply called; otherwise the branches are
+    staged with lax.platform_dependent, the host's branch (where there is one) the default for
+    any other platform. A branch is traced with candidates() answering the kinds it serves.
+    """
+    fns = list(dict.fromkeys(branches.values()))
+    if len(fns) == 1:
+        return fns[0](*args)
+    served = {fn: tuple(k for k, f in branches.items() if f is fn) for fn in fns}
+    staged = {fn: _traced_for(fn, kinds) for fn, kinds in served.items()}
+    default = branches.get(host())  # None: lowering for a kind without a branch fails in JAX
+    per_platform = {
+        name: staged[fn] for k, fn in branches.items() if k != host() for name in _LOWERING_NAMES[k]
+    }
+    return jax.lax.platform_dependent(
+        *args, default=None if default is None else staged[default], **per_platform
+    )
+
+
+def _traced_for(fn: Callable, kinds: tuple[str, ...]) -> Callable:
+    def branch(*args):
+        token = _STAGED.set(kinds)
+        try:
+            return fn(*args)
+        finally:
+            _STAGED.reset(token)
+
+    return branch
