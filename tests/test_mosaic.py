@@ -328,3 +328,32 @@ def test_check_refuses_on_the_plan_the_call_runs(monkeypatch):
         q, k, v, bias, mask,
     )  # fmt: skip
     assert made and all(len(needs) == 1 for needs in made.values()), made  # check's == call's
+
+
+def test_each_call_plans_once_and_runs_that_plan(monkeypatch):
+    """The op asks the implementation for its plan once per platform kind and runs that very
+    plan: Plan.make is called once per kind (before, __call__ made its own: twice), and every
+    plan the kernels get is one the refusal was decided on."""
+    made, ran = [], []
+    make = mosaic.Plan.make.__func__
+    attention = mosaic._attention
+
+    def recording(cls, *args, **kwargs):
+        made.append(make(cls, *args, **kwargs))
+        return made[-1]
+
+    def running(plan, *args):
+        ran.append(plan)
+        return attention(plan, *args)
+
+    monkeypatch.setattr(mosaic.Plan, "make", classmethod(recording))
+    monkeypatch.setattr(mosaic, "_attention", running)
+    q, k, v, bias, mask = _specs()
+    impl = ga.MosaicAttention(interpret=True)
+    attend = functools.partial(ga.dot_product_attention, implementation=impl, compute_dtype="input")
+    with ga.record_implementation_choices() as record:
+        jax.eval_shape(lambda q, k, v, b, m: attend(q, k, v, b, m), q, k, v, bias, mask)
+    kinds = len(record[0]["by_platform"])
+    assert len(made) == kinds and ran, (len(made), kinds, len(ran))
+    assert all(any(r is m for m in made) for r in ran)
+    assert all(m.live for m in made)  # bfloat16 with a mask: the live-row scratch planned

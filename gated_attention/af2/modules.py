@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from gated_attention.af2 import config as config_lib
+from gated_attention.af2 import inputs
 from gated_attention.attention import api as attention
 from gated_attention.core import checks, memory, numerics, platforms
 from gated_attention.parallel import row_loop as mapping
@@ -31,97 +32,6 @@ from gated_attention.parallel import sharding
 
 def _glorot_uniform() -> hk.initializers.Initializer:
     return hk.initializers.VarianceScaling(1.0, mode="fan_avg", distribution="uniform")
-
-
-def _check_data(q_data, m_data, q_name="q_data", m_name="m_data") -> None:
-    for name, x in ((q_name, q_data), (m_name, m_data)):
-        checks.check_float_array(name, x)
-        if x.ndim < 3:
-            raise ValueError(
-                f"{name} must have rank >= 3 ([..., b, positions, channels]), got shape "
-                f"{tuple(x.shape)}"
-            )
-    if q_data.ndim != m_data.ndim or q_data.shape[:-2] != m_data.shape[:-2]:
-        raise ValueError(
-            f"{q_name} {tuple(q_data.shape)} and {m_name} {tuple(m_data.shape)} must have "
-            "the same batch dimensions [..., b]"
-        )
-    if q_data.dtype != m_data.dtype:
-        raise TypeError(
-            f"{q_name} and {m_name} must have the same dtype, got {q_data.dtype} and {m_data.dtype}"
-        )
-
-
-def _head_dims(cfg: config_lib.ModuleConfig, a: int, m: int) -> tuple[int, int]:
-    key_dim = a if cfg.key_dim is None else cfg.key_dim
-    value_dim = m if cfg.value_dim is None else cfg.value_dim
-    num_head = cfg.num_head
-    if key_dim % num_head:
-        raise ValueError(f"{key_dim=} must be divisible by {num_head=}")
-    if value_dim % num_head:
-        raise ValueError(f"{value_dim=} must be divisible by {num_head=}")
-    return key_dim // num_head, value_dim // num_head
-
-
-def _mask_or_bias(name, x, batch, heads, q_len, k_len):
-    """A per-batch mask or bias as a rank len(batch)+3 array [..., b, h|1, q|1, k|1].
-
-    Rank len(batch)+3 is taken as [..., b, h, q, k]; rank len(batch)+2 as [..., b, q, k], shared
-    by every head. Each dimension must be 1 or equal.
-    """
-    full4 = (*batch, heads, q_len, k_len)
-    shape = tuple(x.shape)
-    if x.ndim == len(batch) + 2:
-        x = jnp.expand_dims(x, -3)
-    if x.ndim != len(full4):
-        fix = ""
-        if x.ndim == len(batch) + 1 and x.shape[-1] in (1, k_len):  # [..., b, k]: a key mask
-            fix = f"; a key mask [..., b, k] is {name}[..., :, None, None, :]"
-        raise ValueError(
-            f"{name} of shape {shape} must have the rank of [..., b, h, q, k] = {full4} "
-            f"or of [..., b, q, k] = {(*batch, q_len, k_len)} (no leading dimension is added), "
-            f"each dimension 1 or equal; got rank {len(shape)}{fix}"
-        )
-    if any(d not in (1, t) for d, t in zip(x.shape, full4, strict=True)):
-        desc = "[..., b, h, q, k]" if len(shape) == len(full4) else "[..., b, q, k]"
-        target = full4 if len(shape) == len(full4) else (*batch, q_len, k_len)
-        raise ValueError(
-            f"{name} of shape {shape} does not broadcast to {desc} = {target} (each dimension "
-            f"1 or equal){checks.mismatch(shape, target, desc)}"
-        )
-    return x
-
-
-def _nonbatched(nonbatched_bias, batch, heads, q_len, k_len, ring: int = 1):
-    """nonbatched_bias [h, q, k] or [q, k] -> [1, ..., 1, h|1, q, k], shared over the batch.
-    ring > 1 (inside a shard_map over shard_columns_over's ring devices): q may also be every
-    device's queries, q * ring (ring.py: each device slices its own)."""
-    checks.check_float_array("nonbatched_bias", nonbatched_bias)
-    shape = tuple(nonbatched_bias.shape)
-    allowed = {(heads, q, k_len) for q in (q_len, q_len * ring)}
-    allowed |= {s[1:] for s in allowed}
-    if shape not in allowed:
-        also = f" (or q = {q_len * ring}: every device's queries)" if ring > 1 else ""
-        raise ValueError(
-            f"nonbatched_bias of shape {shape} must be [h, q, k] = {(heads, q_len, k_len)} "
-            f"or [q, k] = {(q_len, k_len)}{also}"
-        )
-    x = nonbatched_bias if len(shape) == 3 else nonbatched_bias[None]
-    return x.reshape((1,) * len(batch) + x.shape)
-
-
-def _mask_and_biases(mask, nonbatched_bias, bias, batch, heads, q_len, k_len, ring: int = 1):
-    """Attention's mask and biases, validated, each [..., b|1, h|1, q|1, k|1]."""
-    biases = []
-    if nonbatched_bias is not None:
-        biases.append(_nonbatched(nonbatched_bias, batch, heads, q_len, k_len, ring))
-    if bias is not None:
-        checks.check_float_array("bias", bias)
-        biases.append(_mask_or_bias("bias", bias, batch, heads, q_len, k_len))
-    if mask is not None:
-        checks.check_bool_mask("mask", mask)
-        mask = _mask_or_bias("mask", mask, batch, heads, q_len, k_len)
-    return mask, biases
 
 
 class _AttentionModule(hk.Module):
@@ -315,45 +225,20 @@ class Attention(_AttentionModule):
         Returns:
           [..., b, q, output_dim] in q_data's dtype.
         """
-        _check_data(q_data, m_data)
-        _check_subbatch_size(subbatch_size)
+        inputs.check_data(q_data, m_data)
+        inputs.check_subbatch_size(subbatch_size)
         batch, (q_len, a), (k_len, m) = q_data.shape[:-2], q_data.shape[-2:], m_data.shape[-2:]
         h = self.config.num_head
-        key_dim, value_dim = _head_dims(self.config, a, m)
-        ring = 1
-        columns = self.global_config.shard_columns_over
-        keys_over = None if hk.running_init() else columns  # init: outside any mesh
-        if keys_over is not None:
-            mesh, axes = sharding.rows_mesh(
-                columns, "global_config.shard_columns_over", manual=True
-            )
-            ring = math.prod(mesh.shape[a] for a in axes) if sharding.manual_axes(mesh, axes) else 1
-        mask, biases = _mask_and_biases(mask, nonbatched_bias, bias, batch, h, q_len, k_len, ring)
+        key_dim, value_dim = inputs.head_dims(self.config, a, m)
+        keys_over, ring = self._keys_over()
+        mask, biases = inputs.mask_and_biases(
+            mask, nonbatched_bias, bias, batch, h, q_len, k_len, ring
+        )
         shapes = (a, h, key_dim), (m, h, key_dim), (m, h, value_dim)
         params = _create_params(self, *shapes, q_data.dtype)
-
-        def make_forward(implementation, policy, compute, p):
-            def forward(q_data, m_data, mask, *biases):  # pure: parameters are closed over
-                q_data, m_data = _transformed(input_transform, q_data, m_data)
-                out_dtype = q_data.dtype
-                q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
-                q = _project(q_data, p["query_w"])  # [..., b, q, h, c]
-                k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # [.., k, h, c]
-                weighted_avg = attention.dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    biases or None,
-                    mask,
-                    scale=key_dim**-0.5,
-                    implementation=implementation,
-                    compute_dtype=policy,
-                    shard_keys_over=keys_over,
-                )  # [..., b, q, h, cv]
-                return _gated_output(weighted_avg, q_data, p).astype(out_dtype)  # [..., b, q, o]
-
-            return forward
-
+        make_forward = functools.partial(
+            _attention_forward, input_transform, key_dim**-0.5, keys_over
+        )
         # Per row: AF2's dense working set, and ours in a training step (memory.py).
         queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
         dims = dict(heads=h, queries=queries, keys=keys, key_dim=key_dim, value_dim=value_dim)
@@ -374,6 +259,41 @@ class Attention(_AttentionModule):
             row_logits=h * queries * k_len,
         )
 
+    def _keys_over(self):
+        """(the op's shard_keys_over, the ring's device count inside its shard_map, else 1)
+        from global_config.shard_columns_over; none at init, which runs outside any mesh."""
+        columns = self.global_config.shard_columns_over
+        if columns is None or hk.running_init():
+            return None, 1
+        mesh, axes = sharding.rows_mesh(columns, "global_config.shard_columns_over", manual=True)
+        ring = math.prod(mesh.shape[a] for a in axes) if sharding.manual_axes(mesh, axes) else 1
+        return columns, ring
+
+
+def _attention_forward(input_transform, scale, keys_over, implementation, policy, compute, p):
+    """Attention's forward over one tile, parameters p closed over (a pure function)."""
+
+    def forward(q_data, m_data, mask, *biases):
+        q_data, m_data = _transformed(input_transform, q_data, m_data)
+        out_dtype = q_data.dtype
+        q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
+        q = _project(q_data, p["query_w"])  # [..., b, q, h, c]
+        k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # [.., k, h, c]
+        weighted_avg = attention.dot_product_attention(
+            q,
+            k,
+            v,
+            biases or None,
+            mask,
+            scale=scale,
+            implementation=implementation,
+            compute_dtype=policy,
+            shard_keys_over=keys_over,
+        )  # [..., b, q, h, cv]
+        return _gated_output(weighted_avg, q_data, p).astype(out_dtype)  # [..., b, q, o]
+
+    return forward
+
 
 def _transformed(transform, q_data, m_data):
     """(q_data, m_data) after input_transform; m_data None stands for q_data (self-attention:
@@ -382,16 +302,6 @@ def _transformed(transform, q_data, m_data):
         q_data = transform(q_data)
         m_data = None if m_data is None else transform(m_data)
     return q_data, q_data if m_data is None else m_data
-
-
-def _check_subbatch_size(subbatch_size: Any) -> None:
-    if subbatch_size not in (None, "auto"):
-        try:
-            checks.check_int("subbatch_size", subbatch_size)
-        except ValueError:
-            raise ValueError(
-                f"subbatch_size must be None, 'auto' or an int >= 1, got {subbatch_size!r}"
-            ) from None
 
 
 def _project(x, weights):
@@ -478,70 +388,19 @@ class GlobalAttention(_AttentionModule):
         Returns:
           [..., b, q, output_dim] in q_data's dtype ([q, b, output_dim] with positions_first).
         """
-        _check_data(q_data, m_data)
-        _check_subbatch_size(subbatch_size)
-        checks.check_bool("positions_first", positions_first)
-        if self.global_config.shard_columns_over is not None:
-            raise ValueError(
-                f"global_config.shard_columns_over={self.global_config.shard_columns_over!r}: "
-                "GlobalAttention's one query per row attends all positions; split its rows "
-                "(shard_rows_over) instead"
-            )
-        if positions_first and (q_data.ndim != 3 or m_data.ndim != 3):
-            raise ValueError(
-                f"positions_first takes q_data [q, b, a] and m_data [k, b, m], got shapes "
-                f"{tuple(q_data.shape)} and {tuple(m_data.shape)}"
-            )
-        pos = -3 if positions_first else -2  # the positions' axis; the batch's is the other one
+        pos = self._check_global(q_data, m_data, subbatch_size, positions_first)
         batch = q_data.shape[:-3] + (q_data.shape[-2 if positions_first else -3],)
         (q_len, a), (k_len, m) = (
             (q_data.shape[pos], q_data.shape[-1]),
-            (
-                m_data.shape[pos],
-                m_data.shape[-1],
-            ),
+            (m_data.shape[pos], m_data.shape[-1]),
         )
-        if k_len != q_len:
-            raise ValueError(
-                f"m_data has {k_len} positions but q_data has {q_len}; global attention "
-                "masks keys with q_mask, so they must be equal"
-            )
-        q_mask = _global_mask(q_mask, batch, q_len, positions_first)
+        q_mask = inputs.global_mask(q_mask, batch, q_len, positions_first)
         h = self.config.num_head
-        key_dim, value_dim = _head_dims(self.config, a, m)
+        key_dim, value_dim = inputs.head_dims(self.config, a, m)
         params = _create_params(self, (a, h, key_dim), (m, key_dim), (m, value_dim), q_data.dtype)
-
-        def make_forward(implementation, policy, compute, p):
-            def forward(q_data, m_data, q_mask):  # pure: parameters are closed over
-                q_data, m_data = _transformed(input_transform, q_data, m_data)
-                out_dtype = q_data.dtype
-                q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
-                q = _project(_masked_mean(q_data, q_mask, pos), p["query_w"])  # [..., b, h, c]
-                k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # positions, c
-                mask = q_mask.astype(bool)
-                if positions_first:  # [k, b, c] -> [b, k, c]: the narrow projections, not the data
-                    k, v, mask = (jnp.swapaxes(x, -3, -2) for x in (k, v, mask))
-                key_mask = jnp.swapaxes(mask, -1, -2)[..., None, :, :]  # [..., b, 1, 1, k]
-                # The h heads attend as h query positions of one head (the shared key/value head).
-                avg = attention.dot_product_attention(
-                    q[..., None, :],
-                    k[..., None, :],
-                    v[..., None, :],
-                    None,
-                    key_mask,
-                    scale=key_dim**-0.5,
-                    implementation=implementation,
-                    compute_dtype=policy,
-                )  # [..., b, h, 1, cv]
-                avg = jnp.swapaxes(avg, -3, -2)  # [..., b, 1, h, cv]
-                if positions_first:
-                    avg = jnp.swapaxes(avg, -4, -3)  # [1, b, h, cv]
-                out = _gated_output(avg, q_data, p)  # [..., b, q|1, o] ([q|1, b, o])
-                out = jnp.broadcast_to(out, (*q_data.shape[:-1], self.output_dim))
-                return out.astype(out_dtype)
-
-            return forward
-
+        make_forward = functools.partial(
+            _global_forward, input_transform, key_dim**-0.5, pos, self.output_dim
+        )
         # Per row: gate and gated average per query, k and v per key; in a training step also
         # the inputs, and the cotangents (memory.py).
         if positions_first:
@@ -567,6 +426,65 @@ class GlobalAttention(_AttentionModule):
             row_logits=None,
         )
 
+    def _check_global(self, q_data, m_data, subbatch_size, positions_first) -> int:
+        """Validates the call; returns the positions' axis (-3 with positions_first, else -2)."""
+        inputs.check_data(q_data, m_data)
+        inputs.check_subbatch_size(subbatch_size)
+        checks.check_bool("positions_first", positions_first)
+        if self.global_config.shard_columns_over is not None:
+            raise ValueError(
+                f"global_config.shard_columns_over={self.global_config.shard_columns_over!r}: "
+                "GlobalAttention's one query per row attends all positions; split its rows "
+                "(shard_rows_over) instead"
+            )
+        if positions_first and (q_data.ndim != 3 or m_data.ndim != 3):
+            raise ValueError(
+                f"positions_first takes q_data [q, b, a] and m_data [k, b, m], got shapes "
+                f"{tuple(q_data.shape)} and {tuple(m_data.shape)}"
+            )
+        pos = -3 if positions_first else -2  # the positions' axis; the batch's is the other one
+        if m_data.shape[pos] != q_data.shape[pos]:
+            raise ValueError(
+                f"m_data has {m_data.shape[pos]} positions but q_data has {q_data.shape[pos]}; "
+                "global attention masks keys with q_mask, so they must be equal"
+            )
+        return pos
+
+
+def _global_forward(input_transform, scale, pos, output_dim, implementation, policy, compute, p):
+    """GlobalAttention's forward over one tile (positions along `pos`), p closed over."""
+    positions_first = pos == -3
+
+    def forward(q_data, m_data, q_mask):
+        q_data, m_data = _transformed(input_transform, q_data, m_data)
+        out_dtype = q_data.dtype
+        q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
+        q = _project(_masked_mean(q_data, q_mask, pos), p["query_w"])  # [..., b, h, c]
+        k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # positions, c
+        mask = q_mask.astype(bool)
+        if positions_first:  # [k, b, c] -> [b, k, c]: the narrow projections, not the data
+            k, v, mask = (jnp.swapaxes(x, -3, -2) for x in (k, v, mask))
+        key_mask = jnp.swapaxes(mask, -1, -2)[..., None, :, :]  # [..., b, 1, 1, k]
+        # The h heads attend as h query positions of one head (the shared key/value head).
+        avg = attention.dot_product_attention(
+            q[..., None, :],
+            k[..., None, :],
+            v[..., None, :],
+            None,
+            key_mask,
+            scale=scale,
+            implementation=implementation,
+            compute_dtype=policy,
+        )  # [..., b, h, 1, cv]
+        avg = jnp.swapaxes(avg, -3, -2)  # [..., b, 1, h, cv]
+        if positions_first:
+            avg = jnp.swapaxes(avg, -4, -3)  # [1, b, h, cv]
+        out = _gated_output(avg, q_data, p)  # [..., b, q|1, o] ([q|1, b, o])
+        out = jnp.broadcast_to(out, (*q_data.shape[:-1], output_dim))
+        return out.astype(out_dtype)
+
+    return forward
+
 
 def _masked_mean(q_data, q_mask, axis=-2):
     """AF2's mean of q_data [..., b, q, a] over the positions (`axis`) q_mask [..., b, q, 1]
@@ -576,20 +494,3 @@ def _masked_mean(q_data, q_mask, axis=-2):
     kept = jnp.where(q_mask.astype(bool), q_data, jnp.zeros((), q_data.dtype))
     total = jnp.sum(weights, axis=axis) + 1e-10
     return jnp.sum(weights * kept, axis=axis) / total  # [..., b, a]
-
-
-def _global_mask(q_mask, batch, q_len, positions_first=False):
-    """q_mask [..., b, q, 1] or [..., b, q], bool or float -> [..., b, q, 1] ([q, b, 1] or [q, b]
-    -> [q, b, 1] with positions_first)."""
-    dtype = jnp.result_type(q_mask)
-    if dtype != jnp.bool_ and not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"q_mask must be bool or float 0/1, got dtype {dtype}")
-    shape, lead = tuple(q_mask.shape), (q_len, *batch) if positions_first else (*batch, q_len)
-    names = "[q, b" if positions_first else "[..., b, q"
-    if shape == lead:
-        return q_mask[..., None]
-    if shape != (*lead, 1):
-        raise ValueError(
-            f"q_mask of shape {shape} must be {names}, 1] = {(*lead, 1)} or {names}] = {lead}"
-        )
-    return q_mask
