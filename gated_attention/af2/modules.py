@@ -57,7 +57,7 @@ class _AttentionModule(hk.Module):
         self.output_dim = output_dim
 
     def _run(self, make_forward, params, dtype, args, subbatch_size, axis=0, **row):
-        """make_forward(implementation, policy, compute dtype, params cast to it) -> forward,
+        """make_forward(implementation, compute dtype, params cast to it) -> forward,
         called on args in tiles of rows along `axis` (the batch rows) by rows_per_tile(**row).
 
         The compute dtype (numerics.compute_dtype) and the tile rule follow the platform the
@@ -79,7 +79,7 @@ class _AttentionModule(hk.Module):
         def branch(compute, rows):
             def run(params, *args):
                 forward = make_forward(
-                    implementation, policy, compute, numerics.cast_floats(params, compute)
+                    implementation, compute, numerics.cast_floats(params, compute)
                 )
                 if rows is None:
                     return forward(*args)
@@ -270,7 +270,7 @@ class Attention(_AttentionModule):
         return columns, ring
 
 
-def _attention_forward(input_transform, scale, keys_over, implementation, policy, compute, p):
+def _attention_forward(input_transform, scale, keys_over, implementation, compute, p):
     """Attention's forward over one tile, parameters p closed over (a pure function)."""
 
     def forward(q_data, m_data, mask, *biases):
@@ -287,7 +287,7 @@ def _attention_forward(input_transform, scale, keys_over, implementation, policy
             mask,
             scale=scale,
             implementation=implementation,
-            compute_dtype=policy,
+            compute_dtype="input",  # cast to `compute` above: the policy is decided once
             shard_keys_over=keys_over,
         )  # [..., b, q, h, cv]
         return _gated_output(weighted_avg, q_data, p).astype(out_dtype)  # [..., b, q, o]
@@ -451,7 +451,7 @@ class GlobalAttention(_AttentionModule):
         return pos
 
 
-def _global_forward(input_transform, scale, pos, output_dim, implementation, policy, compute, p):
+def _global_forward(input_transform, scale, pos, output_dim, implementation, compute, p):
     """GlobalAttention's forward over one tile (positions along `pos`), p closed over."""
     positions_first = pos == -3
 
@@ -474,7 +474,7 @@ def _global_forward(input_transform, scale, pos, output_dim, implementation, pol
             key_mask,
             scale=scale,
             implementation=implementation,
-            compute_dtype=policy,
+            compute_dtype="input",  # cast to `compute` above: the policy is decided once
         )  # [..., b, h, 1, cv]
         avg = jnp.swapaxes(avg, -3, -2)  # [..., b, 1, h, cv]
         if positions_first:
