@@ -165,6 +165,54 @@ def forward(plan: Plan, q, k, v, biases, extras):
     )
 
 
+def _load_whole(copies, barriers):
+    """Copies each (global slice, shared-memory tile) of `copies` on its barrier k, then waits
+    for them all: the tiles the consumer holds across a row's steps, outside the streams."""
+    _, plgpu = modules()
+    for k, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, barriers.at[k])
+    for k in range(len(copies)):
+        plgpu.barrier_wait(barriers.at[k])
+
+
+def _slot_logits(plan: Plan, s, bias_slots, mask_slots, slot, st, i, j, transposed=False):
+    """logits() of the product s with the slot's bias and mask tiles widened to its shape."""
+    biases = [
+        widen(plan, buf.at[slot], shape, transposed=transposed)
+        for buf, shape in zip(bias_slots, plan.bias_shapes, strict=True)
+    ]
+    mask = None
+    if mask_slots is not None:
+        mask = widen(plan, mask_slots.at[slot], plan.mask_shape, transposed=transposed)
+    return logits(plan, s, biases, mask, st, i, j, transposed=transposed)
+
+
+def _p_and_ds(plan: Plan, s, cap_grad, lse_ref, delta_ref, do_ref, v_ref, transposed=False):
+    """Recomputes p = exp(s - lse) of a tile of logits and ds = p * (dp - delta), times the soft
+    cap's derivative, with dp = do @ v.T ([bq, bk]; transposed: v @ do.T [bk, bq])."""
+    ops = plan.ops
+    q_axis = 1 if transposed else 0
+    lse = ops.load(lse_ref, axis=1 - q_axis)
+    p = jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, (q_axis,)))
+    left, right = (v_ref, do_ref) if transposed else (do_ref, v_ref)
+    dp = ops.dot(left, right, trans_b=True)
+    delta = ops.load(delta_ref, axis=1 - q_axis)
+    ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, (q_axis,)))
+    if cap_grad is not None:
+        ds = ds * cap_grad
+    return p, ds
+
+
+def _grad_dot(plan: Plan, x, staging, bufs, transposed_bufs, slot, acc):
+    """acc + x @ bufs[slot], x (p or ds) in registers the left operand; in float32 against the
+    slot of the operand's transposed copy (TF32 wgmma reads both operands K-major)."""
+    if plan.tf32:
+        return plan.ops.dot(
+            lhs_operand(plan, x, staging), transposed_bufs.at[slot], trans_b=True, acc=acc
+        )
+    return plan.ops.dot(lhs_operand(plan, x, None), bufs.at[slot], acc=acc)
+
+
 def _dkdv_kernel(*refs, plan: Plan):
     """dk, dv of key block j of key/value head kv, summed over the group's query heads, in the
     transposed orientation (s.T = k @ q.T [bk, bq]) so that p.T and ds.T are left operands."""
@@ -212,10 +260,7 @@ def _dkdv_kernel(*refs, plan: Plan):
 
     @pl.when(lax.axis_index("wg") == 0)
     def _():
-        plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kv], k_smem, kv_bar.at[0])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kv], v_smem, kv_bar.at[1])
-        plgpu.barrier_wait(kv_bar.at[0])
-        plgpu.barrier_wait(kv_bar.at[1])
+        _load_whole([(k_ref.at[b, ks, kv], k_smem), (v_ref.at[b, ks, kv], v_smem)], kv_bar)
 
     def begin(r):
         return ops.zeros((plan.block_k, plan.head_dim)), ops.zeros((plan.block_k, plan.value_dim))
@@ -223,29 +268,15 @@ def _dkdv_kernel(*refs, plan: Plan):
     def step(r, i, slot, carry):
         dk, dv = carry
         st_ = ops.dot(k_smem, q_buf.at[slot], trans_b=True)  # [bk, bq]
-        biases = [
-            widen(plan, buf.at[slot], shape, transposed=True)
-            for buf, shape in zip(bias_slots, plan.bias_shapes, strict=True)
-        ]
-        mask = None
-        if mask_slots is not None:
-            mask = widen(plan, mask_slots.at[slot], plan.mask_shape, transposed=True)
-        s, cap_grad = logits(plan, st_, biases, mask, st, i, j, transposed=True)
-        lse = ops.load(lse_buf.at[slot], axis=0)
-        p = jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, (1,)))
-        dp = ops.dot(v_smem, do_buf.at[slot], trans_b=True)  # [bk, bq]
-        delta = ops.load(delta_buf.at[slot], axis=0)
-        ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, (1,)))
-        if cap_grad is not None:
-            ds = ds * cap_grad
+        s, cap_grad = _slot_logits(
+            plan, st_, bias_slots, mask_slots, slot, st, i, j, transposed=True
+        )
+        p, ds = _p_and_ds(plan, s, cap_grad, lse_buf.at[slot], delta_buf.at[slot],
+                          do_buf.at[slot], v_smem, transposed=True)  # fmt: skip
         if plan.live:
             zero_dead_rows(plan, q_buf.at[slot], live_buf.at[slot])
-        if plan.tf32:
-            dv = ops.dot(lhs_operand(plan, p, staging), dot_buf.at[slot], trans_b=True, acc=dv)
-            dk = ops.dot(lhs_operand(plan, ds, staging), qt_buf.at[slot], trans_b=True, acc=dk)
-        else:
-            dv = ops.dot(lhs_operand(plan, p, None), do_buf.at[slot], acc=dv)
-            dk = ops.dot(lhs_operand(plan, ds, None), q_buf.at[slot], acc=dk)
+        dv = _grad_dot(plan, p, staging, do_buf, dot_buf, slot, dv)
+        dk = _grad_dot(plan, ds, staging, q_buf, qt_buf, slot, dk)
         return dk, dv
 
     def end(r, carry):  # after the group's last head: the accumulators span the group
@@ -271,6 +302,64 @@ def dbias_shape(plan: Plan, shape, batch: int):
         plan.q_pad if shape[2] > 1 else plan.q_blocks,
         plan.k_pad if shape[3] > 1 else 1,
     )
+
+
+def _dbias_tiles(plan: Plan, dbias_refs, g, n, i, qs, ks):
+    """tile(t, b, j): the slice of bias gradient t's buffer that program (g, n, i) owns for batch
+    row b and key block j (a bias shared over the batch: its group g's)."""
+
+    def tile(t, b, j):
+        shape, ref = plan.bias_shapes[t], dbias_refs[t]
+        slot = b if shape[0] > 1 else g
+        form = broadcast_form(shape)
+        if form == "tile":
+            return ref.at[slot, n, qs, ks(j)]
+        return ref.at[slot, n, i, ks(j)] if form == "keys" else ref.at[slot, n, qs, 0]
+
+    return tile
+
+
+def _zero_dbias(plan: Plan, rmw, tile, r, b):
+    """Zeroes this program's tiles of each bias gradient for row r (batch row b), before the
+    first add to them: a shared bias's once per group, at its first row."""
+    pl, plgpu = modules()
+    ops = plan.ops
+    for t, (smem, _) in enumerate(rmw):
+        shared = plan.bias_shapes[t][0] == 1
+
+        @pl.when(jnp.logical_or(not shared, r == 0))
+        def _(t=t, smem=smem):
+            form = broadcast_form(plan.bias_shapes[t])
+            smem[...] = ops.zeros(smem.shape, {"tile": None, "keys": 0, "queries": 1}[form])
+            plgpu.commit_smem()
+            blocks = 1 if form == "queries" else plan.k_blocks
+
+            @pl.loop(0, blocks)
+            def _(j):
+                plgpu.copy_smem_to_gmem(smem, tile(t, b, j))
+
+            plgpu.wait_smem_to_gmem(0)
+
+
+def _accumulate_dbias(plan: Plan, rmw, tile, b, j, ds):
+    """Adds ds into this program's tile of each bias gradient for batch row b, key block j, by a
+    read-modify-write through shared memory in the steps' order (deterministic, no atomics)."""
+    _, plgpu = modules()
+    ops = plan.ops
+    for t, (smem, bar) in enumerate(rmw):
+        form = broadcast_form(plan.bias_shapes[t])
+        view = tile(t, b, j)
+        plgpu.copy_gmem_to_smem(view, smem, bar.at[0])
+        plgpu.barrier_wait(bar.at[0])
+        if form == "tile":
+            part, axis = ds, None
+        else:  # a vector: the sum over the bias's broadcast dim
+            axis = 0 if form == "keys" else 1
+            part = jnp.sum(ds, axis=axis)
+        smem[...] = ops.load(smem, axis) + part
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(smem, view)
+        plgpu.wait_smem_to_gmem(0)
 
 
 def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
@@ -312,61 +401,14 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
         source = vector_source(plan, live_refs[1], b_of, lambda r: n, lambda r, j: j,
                                 plan.block_k)  # fmt: skip
         streams.append(Stream(source, live_buf, live_bar))
-
-    def dbias_view(t, b, j):
-        shape, ref = plan.bias_shapes[t], dbias_refs[t]
-        slot = b if shape[0] > 1 else g
-        form = broadcast_form(shape)
-        if form == "tile":
-            return ref.at[slot, n, qs, ks(j)]
-        return ref.at[slot, n, i, ks(j)] if form == "keys" else ref.at[slot, n, qs, 0]
-
-    def zero_fill(r, b):
-        """Zeroes this program's tiles of each bias gradient, before the first add to them."""
-        for t, (smem, _) in enumerate(rmw):
-            shared = plan.bias_shapes[t][0] == 1
-
-            @pl.when(jnp.logical_or(not shared, r == 0))
-            def _(t=t, smem=smem):
-                form = broadcast_form(plan.bias_shapes[t])
-                smem[...] = ops.zeros(smem.shape, {"tile": None, "keys": 0, "queries": 1}[form])
-                plgpu.commit_smem()
-                blocks = 1 if broadcast_form(plan.bias_shapes[t]) == "queries" else plan.k_blocks
-
-                @pl.loop(0, blocks)
-                def _(j):
-                    plgpu.copy_smem_to_gmem(smem, dbias_view(t, b, j))
-
-                plgpu.wait_smem_to_gmem(0)
-
-    def accumulate(t, b, j, ds):
-        smem, bar = rmw[t]
-        form = broadcast_form(plan.bias_shapes[t])
-        view = dbias_view(t, b, j)
-        plgpu.copy_gmem_to_smem(view, smem, bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
-        if form == "tile":
-            part, axis = ds, None
-        else:  # a vector: the sum over the bias's broadcast dim
-            axis = 0 if form == "keys" else 1
-            part = jnp.sum(ds, axis=axis)
-        smem[...] = ops.load(smem, axis) + part
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem, view)
-        plgpu.wait_smem_to_gmem(0)
+    dbias_tile = _dbias_tiles(plan, dbias_refs, g, n, i, qs, ks)
 
     def begin(r):
         b = b_of(r)
-        for src, dst, k in (
-            (q_ref.at[b, qs, n], q_smem, 0),
-            (do_ref.at[b, qs, n], do_smem, 1),
-            (lse_ref.at[b, n, qs], lse_smem, 2),
-            (delta_ref.at[b, n, qs], delta_smem, 3),
-        ):
-            plgpu.copy_gmem_to_smem(src, dst, row_bar.at[k])
-        for k in range(4):
-            plgpu.barrier_wait(row_bar.at[k])
-        zero_fill(r, b)
+        tiles = [(q_ref.at[b, qs, n], q_smem), (do_ref.at[b, qs, n], do_smem)]
+        tiles += [(lse_ref.at[b, n, qs], lse_smem), (delta_ref.at[b, n, qs], delta_smem)]
+        _load_whole(tiles, row_bar)
+        _zero_dbias(plan, rmw, dbias_tile, r, b)
         return ops.zeros((plan.block_q, plan.head_dim))
 
     def step(r, j, slot, dq):
@@ -376,24 +418,10 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
             zero_dead_rows(plan, k_buf.at[slot], live_buf.at[slot])
             zero_dead_rows(plan, v_buf.at[slot], live_buf.at[slot])
         s = ops.dot(q_smem, k_buf.at[slot], trans_b=True)
-        biases = [
-            widen(plan, buf.at[slot], shape)
-            for buf, shape in zip(bias_slots, plan.bias_shapes, strict=True)
-        ]
-        mask = None if mask_slots is None else widen(plan, mask_slots.at[slot], plan.mask_shape)
-        s, cap_grad = logits(plan, s, biases, mask, st, i, j)
-        lse = ops.load(lse_smem, axis=1)
-        p = jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, (0,)))
-        dp = ops.dot(do_smem, v_buf.at[slot], trans_b=True)
-        delta = ops.load(delta_smem, axis=1)
-        ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, (0,)))
-        if cap_grad is not None:
-            ds = ds * cap_grad
-        for t in range(n_bias):
-            accumulate(t, b, j, ds)
-        if plan.tf32:
-            return ops.dot(lhs_operand(plan, ds, staging), kt_buf.at[slot], trans_b=True, acc=dq)
-        return ops.dot(lhs_operand(plan, ds, None), k_buf.at[slot], acc=dq)
+        s, cap_grad = _slot_logits(plan, s, bias_slots, mask_slots, slot, st, i, j)
+        _, ds = _p_and_ds(plan, s, cap_grad, lse_smem, delta_smem, do_smem, v_buf.at[slot])
+        _accumulate_dbias(plan, rmw, dbias_tile, b, j, ds)
+        return _grad_dot(plan, ds, staging, k_buf, kt_buf, slot, dq)
 
     def end(r, dq):
         dq_smem[...] = (dq * plan.scale).astype(dq_smem.dtype)
