@@ -315,6 +315,13 @@ FAMILY_ERRORS = {
         TypeError,
         r"msa_act must be a floating-point array, got dtype int32",
     ),
+    "msa_act float8": (  # the family's argument named, not Attention's q_data
+        ga.MSAColumnAttention,
+        COLUMN,
+        (jnp.ones((S, R, C_M), jnp.float8_e4m3fn), jnp.ones((S, R))),
+        TypeError,
+        r"msa_act must be a floating-point array of at least 16 bits, got dtype float8_e4m3fn",
+    ),
     "msa_mask shape": (
         ga.MSARowAttentionWithPairBias,
         ROW,

@@ -100,9 +100,7 @@ class ModuleConfig:
             raise ValueError(
                 f"config.orientation must be one of {ORIENTATIONS}, got {self.orientation!r}"
             )
-        rate = self.dropout_rate
-        if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
-            raise ValueError(f"config.dropout_rate must be a number in [0, 1), got {rate!r}")
+        checks.check_rate("config.dropout_rate", self.dropout_rate)
         _check_bool(where, "shared_dropout", self.shared_dropout)
         _check_implementation(
             where, "attention_implementation", self.attention_implementation, True

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from gated_attention.af2 import config as config_lib
+from gated_attention.core import checks
 
 # Axis whose dropout mask is shared when config.shared_dropout, per orientation (AF2: per_row -> 0,
 # per_column -> 1 of [N_seq|N_res, N_res, c]); counted from the end so leading axes may be added.
@@ -39,8 +40,7 @@ def apply_dropout(
     Returns:
       tensor's shape and dtype.
     """
-    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
-        raise ValueError(f"rate must be a number in [0, 1), got {rate!r}")
+    checks.check_rate("rate", rate)
     if not is_training or rate == 0.0:
         return tensor
     shape = list(tensor.shape)

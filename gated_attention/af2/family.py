@@ -59,6 +59,7 @@ import jax.numpy as jnp
 
 from gated_attention.af2 import config as config_lib
 from gated_attention.af2 import modules, pair_bias
+from gated_attention.core import checks
 from gated_attention.parallel import sharding
 
 # --------------------------------------------------------------------------------------------------
@@ -66,9 +67,7 @@ from gated_attention.parallel import sharding
 
 
 def _check_act(name: str, x: Any, expected: str) -> None:
-    dtype = jnp.result_type(x)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name} must be a floating-point array, got dtype {dtype}")
+    checks.check_float_array(name, x)  # 8-bit floats refused here, naming the family's argument
     if x.ndim < 3:
         raise ValueError(f"{name} must have rank >= 3 ({expected}), got shape {tuple(x.shape)}")
 

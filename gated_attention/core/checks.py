@@ -57,6 +57,12 @@ def check_float_array(name: str, x: Any) -> None:
         )
 
 
+def check_rate(name: str, rate: Any) -> None:
+    """A dropout rate: a real number in [0, 1)."""
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0.0 <= rate < 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1), got {rate!r}")
+
+
 def check_bool_mask(name: str, x: Any) -> None:
     dtype = jnp.result_type(x)
     if dtype != jnp.bool_:
