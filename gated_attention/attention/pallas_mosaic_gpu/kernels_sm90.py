@@ -48,7 +48,7 @@ def _forward_kernel(*refs, plan: Plan):
     q_smem, q_bar, k_buf, k_bar, v_buf, v_bar, consumed, o_smem, lse_smem, *scratch = refs
     staging = scratch.pop(0) if jnp.dtype(plan.compute_dtype) == jnp.float32 else None
     b, n, i = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("i")
-    kv = lax.div(n, jnp.int32(plan.group))
+    kv = lax.div(n, jnp.int32(plan.q_heads_per_kv_head))
     st = row_structure(meta_ref, b)
     lo, hi = key_blocks(plan, st, i)
 
@@ -233,7 +233,7 @@ def _dkdv_kernel(*refs, plan: Plan):
     b, kv, j = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("j")
     st = row_structure(meta_ref, b)
     lo, hi = query_blocks(plan, st, j)
-    head = lambda r: kv * plan.group + r  # noqa: E731
+    head = lambda r: kv * plan.q_heads_per_kv_head + r  # noqa: E731
     ks = pl.ds(j * plan.block_k, plan.block_k)
     qs = lambda i: pl.ds(i * plan.block_q, plan.block_q)  # noqa: E731
     streams = [
@@ -288,14 +288,14 @@ def _dkdv_kernel(*refs, plan: Plan):
         plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[b, ks, kv])
         plgpu.wait_smem_to_gmem(0)
 
-    pipeline(plan, plan.group, lambda r: (lo, hi), streams, consumed, begin, step, end,
+    pipeline(plan, plan.q_heads_per_kv_head, lambda r: (lo, hi), streams, consumed, begin, step, end,
               carry_rows=True)  # fmt: skip
 
 
 def dbias_shape(plan: Plan, shape, batch: int):
     """The float32 buffer of one bias's gradient: [B or groups, N, Tp (or query blocks for a
     bias without T), Sp or 1]; XLA sums it to the bias's shape afterwards."""
-    slots = batch if shape[0] > 1 else plan.groups
+    slots = batch if shape[0] > 1 else plan.row_groups
     return (
         slots,
         plan.heads,
@@ -382,8 +382,8 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
     staging = scratch.pop(0) if plan.tf32 else None
     rmw = [(scratch.pop(0), scratch.pop(0)) for _ in range(n_bias)]  # (smem, barrier)
     g, n, i = lax.axis_index("g"), lax.axis_index("n"), lax.axis_index("i")
-    kv = lax.div(n, jnp.int32(plan.group))
-    b_of = lambda r: g + plan.groups * r  # noqa: E731
+    kv = lax.div(n, jnp.int32(plan.q_heads_per_kv_head))
+    b_of = lambda r: g + plan.row_groups * r  # noqa: E731
     qs = pl.ds(i * plan.block_q, plan.block_q)
     ks = lambda j: pl.ds(j * plan.block_k, plan.block_k)  # noqa: E731
     streams = [
@@ -432,7 +432,7 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
     def span(r):
         return key_blocks(plan, row_structure(meta_ref, b_of(r)), i)
 
-    rows = lax.div(batch - g + plan.groups - 1, jnp.int32(plan.groups))
+    rows = lax.div(batch - g + plan.row_groups - 1, jnp.int32(plan.row_groups))
     pipeline(plan, rows, span, streams, consumed, begin, step, end)
 
 
@@ -522,13 +522,15 @@ def backward(plan: Plan, residuals, cotangents):
     if plan.live:  # keys no query head of the group sees: no gradient (NaN garbage in v there)
         live_k = after_mask[1] != 0  # [B|1, N|1, S]
         if live_k.shape[1] > 1:  # per query head: seen by some head of the group
-            live_k = jnp.any(live_k.reshape(live_k.shape[0], -1, plan.group, live_k.shape[2]), 2)
+            live_k = jnp.any(
+                live_k.reshape(live_k.shape[0], -1, plan.q_heads_per_kv_head, live_k.shape[2]), 2
+            )
         seen = jnp.swapaxes(live_k, 1, 2)[..., None]  # [B|1, S, K|1, 1]
         dk, dv = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (dk, dv))
     shapes = [dbias_shape(plan, shape, batch) for shape in plan.bias_shapes]
     dq, *partials = plan.launch(
         functools.partial(_dq_dbias_kernel, batch=batch),
-        (plan.groups, heads, plan.q_blocks),
+        (plan.row_groups, heads, plan.q_blocks),
         ("g", "n", "i"),
         (
             jax.ShapeDtypeStruct(q.shape, cdt),

@@ -92,11 +92,11 @@ class Plan:
     structured: bool  # causal, window or lengths: the [B, 3] meta ref
     live: bool  # int32 live-query and live-key vectors, dead rows zeroed in shared memory
     soft_cap: float | None
-    groups: int  # batch-row groups of the dq/bias-gradient kernel (attention/pallas_triton/implementation.py's scheme)
+    row_groups: int  # batch-row groups of the dq/bias-gradient kernel (attention/pallas_triton/implementation.py's scheme)
     warpgroups: int = 2  # 2: a producer and a consumer; 1: one does both (interpreter only)
 
     @property
-    def group(self) -> int:
+    def q_heads_per_kv_head(self) -> int:
         return self.heads // self.kv_heads
 
     @property
@@ -194,7 +194,7 @@ class Plan:
             structured=not structure.trivial,
             live=bool(live) and jnp.dtype(compute_dtype) != jnp.float32,
             soft_cap=options.logits_soft_cap,
-            groups=groups,
+            row_groups=groups,
             warpgroups=INTERPRET_WARPGROUPS if impl.interpret else 2,
         )
 

@@ -163,7 +163,7 @@ def _heads(plan: Plan, tile: _Tile, q_ref, k_ref, v_ref):
     for n in range(plan.heads):
         live_k = tile.live(tile.extras.live_k, n)
         qn = tile.head(q, n, h, tile.live(tile.extras.live_q, n))
-        kv = n // plan.group
+        kv = n // plan.q_heads_per_kv_head
         yield n, qn, tile.head(k, kv, h, live_k), tile.head(v, kv, hv, live_k)
 
 
@@ -271,8 +271,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan: P
     def step():
         steps = _grad_step(plan, tile, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref)
         for n, qn, _, do_n, p, ds in steps:  # query heads sum into their key/value head
-            dv_scr[n // plan.group] += _dot(p.astype(do_n.dtype), do_n, TN, plan)
-            dk_scr[n // plan.group] += _dot(ds.astype(qn.dtype), qn, TN, plan)
+            dv_scr[n // plan.q_heads_per_kv_head] += _dot(p.astype(do_n.dtype), do_n, TN, plan)
+            dk_scr[n // plan.q_heads_per_kv_head] += _dot(ds.astype(qn.dtype), qn, TN, plan)
 
     tile.when_allowed(step)
 
@@ -281,7 +281,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, plan: P
         dks, dvs = [], []
         for kv in range(plan.kv_heads):
             live = None  # the key is seen by some query head of the group
-            for n in range(kv * plan.group, (kv + 1) * plan.group):
+            for n in range(kv * plan.q_heads_per_kv_head, (kv + 1) * plan.q_heads_per_kv_head):
                 head = tile.live(extras.live_k, n)
                 live = head if live is None else jnp.maximum(live, head)
             dk, dv = dk_scr[kv] * plan.scale, dv_scr[kv]

@@ -91,8 +91,8 @@ class Plan:
         )
 
     @property
-    def group(self) -> int:
-        """Query heads per key/value head: head n reads key/value head n // group."""
+    def q_heads_per_kv_head(self) -> int:
+        """Query heads per key/value head: head n reads key/value head n // q_heads_per_kv_head."""
         return self.heads // self.kv_heads
 
     @property

@@ -122,7 +122,7 @@ class _Tiles:
         """(k, v of key/value head n // group with the keys query head n does not see zeroed,
         live_k or None) of one key block."""
         live_k = None if extras.live_k is None else self.vector(extras.live_k, b, n, k_span)
-        kv = n // self.plan.group
+        kv = n // self.plan.q_heads_per_kv_head
         k = self.rows(k_ref, b, k_span, kv, self.plan.head_dim, live_k)
         v = self.rows(v_ref, b, k_span, kv, self.plan.value_dim, live_k)
         return k, v, live_k
@@ -245,8 +245,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: 
     dk = jnp.zeros((plan.block_k, _pow2_tile(plan.head_dim)), jnp.float32)
     dv = jnp.zeros((plan.block_k, _pow2_tile(plan.value_dim)), jnp.float32)
     seen = None  # keys some query head of the group sees
-    for g in range(plan.group):
-        n = kv * plan.group + g
+    for g in range(plan.q_heads_per_kv_head):
+        n = kv * plan.q_heads_per_kv_head + g
         k, v, live_k = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span)
         if live_k is not None:
             seen = live_k if seen is None else jnp.maximum(seen, live_k)
@@ -302,7 +302,7 @@ def _dq_dbias_kernel(
         plgpu.store(view, plgpu.load(view, mask=mask, other=0.0) + ds, mask=mask)
 
     def row(r, carry):
-        b = g + plan.groups * r
+        b = g + plan.row_groups * r
         st = tiles.structure(extras, b)
         q, live_q = tiles.queries(q_ref, extras, b, n, q_span)
         do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
@@ -326,7 +326,7 @@ def _dq_dbias_kernel(
         tiles.store_rows(dq_ref, b, q_span, n, plan.head_dim, dq)
         return carry
 
-    rows = (batch - g + plan.groups - 1) // plan.groups  # rows g, g + groups, ... < batch
+    rows = (batch - g + plan.row_groups - 1) // plan.row_groups  # rows g, g + groups, ... < batch
     lax.fori_loop(0, rows, row, 0)
 
 
@@ -373,7 +373,7 @@ def backward(plan, residuals, cotangents):
     buffers = tuple(
         jnp.zeros(
             (
-                batch if s[0] > 1 else plan.groups,
+                batch if s[0] > 1 else plan.row_groups,
                 heads,
                 q_len if s[2] > 1 else q_blocks,
                 k_len if s[3] > 1 else 1,
@@ -385,7 +385,7 @@ def backward(plan, residuals, cotangents):
     first_buffer = len(common)
     dq, *partials = plan.call(
         functools.partial(_dq_dbias_kernel, tiles=tiles, shapes=shapes),
-        (plan.groups, heads, q_blocks),
+        (plan.row_groups, heads, q_blocks),
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers),

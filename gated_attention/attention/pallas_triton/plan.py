@@ -53,7 +53,7 @@ class Plan:
     block_k: int
     head_dim: int
     value_dim: int
-    groups: int  # batch-row groups of the dq/bias-gradient kernel
+    row_groups: int  # batch-row groups of the dq/bias-gradient kernel
     num_warps: int
     num_stages: int
     precision: Any
@@ -68,8 +68,8 @@ class Plan:
     soft_cap: float | None
 
     @property
-    def group(self) -> int:
-        """Query heads per key/value head: head n reads key/value head n // group."""
+    def q_heads_per_kv_head(self) -> int:
+        """Query heads per key/value head: head n reads key/value head n // q_heads_per_kv_head."""
         return self.heads // self.kv_heads
 
     @classmethod
@@ -105,7 +105,7 @@ class Plan:
             block_k=min(tile_k, _pow2_tile(k_len)),
             head_dim=head_dim,
             value_dim=value_dim,
-            groups=groups,
+            row_groups=groups,
             num_warps=num_warps,
             num_stages=num_stages,
             precision=precision,

@@ -1,17 +1,18 @@
 """The tiles of the Pallas GPU kernels (attention/pallas_triton/implementation.py): (block_q, block_k, num_warps, num_stages) by
 everything that decides them, read from tile_table.json beside this module.
 
-The table is generated, never written by hand: `python -m gated_attention_tools.gpu_tiles` reads
-the kernel matrices' ptxas results (benchmark_results/gpu_kernels/*.json, deviceless compiles for
-an A100, an H100 and a B200) and keeps per key the tiles that compiled clean on every one of those
-targets in every case of the key (0 spill bytes in all three kernels, shared memory within the
-A100's SHARED_MEMORY_LIMIT, MMA instructions in every non-IEEE kernel; gpu_tiles.EXEMPT lets one
-key off the B200, where no candidate compiled clean): the largest for the heaviest form (both
-biases, a full mask), else the candidate nearest that. tests/test_pallas_tiles.py checks
-that the shipped table is what the generator makes of the results. The committed results predate
-the rows' own `tiles` field (gpu_kernels.py now writes it): each was compiled once, with the tiles
-then in force, so for them the generator reads those tiles from its record of the hand tables
-they ran under (gpu_tiles.UNRECORDED_*); a rerun with candidate tiles lets the rule choose.
+The table is generated, never written by hand: `python -m
+gated_attention_tools.kernel_matrix.tile_table` reads the kernel matrices' ptxas results
+(benchmark_results/gpu_kernels/*.json, deviceless compiles for an A100, an H100 and a B200) and
+keeps per key the tiles that compiled clean on every one of those targets in every case of the key
+(0 spill bytes in all three kernels, shared memory within the A100's SHARED_MEMORY_LIMIT, MMA
+instructions in every non-IEEE kernel; the generator's EXEMPT lets one key off the B200, where no
+candidate compiled clean): the largest for the heaviest form (both biases, a full mask), else the
+candidate nearest that. tests/test_pallas_tiles.py checks that the shipped table is what the
+generator makes of the results. The committed results predate the rows' own `tiles` field
+(kernel_matrix/pallas_triton.py now writes it): each was compiled once, with the tiles then in
+force, so for them the generator reads those tiles from its record of the hand tables they ran
+under (its UNRECORDED_*); a rerun with candidate tiles lets the rule choose.
 
 A key is (dtype kind 'float32' | 'half', float32 dot precision level 'default' | 'high' |
 'highest' (half precision: 'default'), head dim padded to a power of two >= MIN_TILE, whether the
@@ -76,7 +77,7 @@ def _precision_level(precision) -> str:
 
 
 def kernel_form(biases, mask) -> tuple[str, str]:
-    """(bias form, mask form) of a call, the names of gpu_kernels' matrix: 'shared' (batch
+    """(bias form, mask form) of a call, the names of the kernel matrix's forms: 'shared' (batch
     dimension 1), 'per_row', 'both' or 'none'; 'key' ([B|1, 1, 1, S]), 'full' or 'none'."""
     shared = any(b.shape[0] == 1 for b in biases)
     per_row = any(b.shape[0] != 1 for b in biases)
