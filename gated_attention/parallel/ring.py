@@ -182,25 +182,47 @@ def _with_explicit_axes(local, args, mesh, axes, dims, residual: bool):
 
 def _ring(attend_block, axes, devices: int, static):
     """The per-device ring (inside the shard_map), as a custom VJP."""
-    shift = [(i, (i - 1) % devices) for i in range(devices)]  # block d + 1 -> device d
-    send = functools.partial(jax.lax.ppermute, axis_name=axes, perm=shift)
-    skips = static.is_causal or static.window is not None
+    steps = _Ring(attend_block, axes, devices, static)
 
-    def cut(x, layout: _Layout, c, t, s):
+    @jax.custom_vjp
+    def ring(q, k, v, biases, mask, lengths):
+        return steps.forward(q, k, v, biases, mask, lengths)[:2]
+
+    ring.defvjp(steps.ring_fwd, steps.ring_bwd)
+    return ring
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """The ring's steps on one device: attend_block over the key blocks passed around the
+    devices of `axes`, forward and backward (the module docstring). static: the structure
+    without lengths or q_offset."""
+
+    attend_block: Callable[..., tuple[jax.Array, jax.Array]]
+    axes: Any
+    devices: int
+    static: masking.Structure
+
+    def send(self, carry):
+        """carry passed on round the ring: block d + 1 -> device d."""
+        shift = [(i, (i - 1) % self.devices) for i in range(self.devices)]
+        return jax.lax.ppermute(carry, axis_name=self.axes, perm=shift)
+
+    def cut(self, x, layout: _Layout, c, t, s):
         """Block c's part of a bias or mask for this device's t queries."""
         if x is None:
             return None
         if layout.queries:
-            x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axes) * t, t, x.ndim - 2)
+            x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(self.axes) * t, t, x.ndim - 2)
         if layout.keys:
             x = jax.lax.dynamic_slice_in_dim(x, c * s, s, x.ndim - 1)
         return x
 
-    def add_cut(total, part, layout: _Layout, c, t, s):
+    def add_cut(self, total, part, layout: _Layout, c, t, s):
         """cut's transpose: part added into total where cut took it."""
         starts = [jnp.zeros((), jnp.int32)] * total.ndim
         if layout.queries:
-            starts[-2] = jax.lax.axis_index(axes) * t
+            starts[-2] = jax.lax.axis_index(self.axes) * t
         if layout.keys:
             starts[-1] = c * s
         if not (layout.queries or layout.keys):
@@ -208,56 +230,45 @@ def _ring(attend_block, axes, devices: int, static):
         old = jax.lax.dynamic_slice(total, starts, part.shape)
         return jax.lax.dynamic_update_slice(total, old + part, starts)
 
-    def block(c, q, carry, biases, mask, lengths, layouts):
+    def block(self, c, q, carry, biases, mask, lengths, layouts):
         """Block c's (k, v, biases, mask, structure, hidden) for this device's queries."""
+        static, devices = self.static, self.devices
         k, v, moving, moving_mask = carry
         t, s = q.shape[-3], k.shape[-3]
-        q_offset = jax.lax.axis_index(axes) * t
+        q_offset = jax.lax.axis_index(self.axes) * t
         k_offset = c * s
         moving = iter(moving)
         biases = tuple(
             next(moving) if lay.travels else b for b, lay in zip(biases, layouts[0], strict=True)
         )
         mask = moving_mask if layouts[1].travels else mask
-        biases = tuple(cut(b, lay, c, t, s) for b, lay in zip(biases, layouts[0], strict=True))
-        mask = cut(mask, layouts[1], c, t, s)
+        biases = tuple(self.cut(b, lay, c, t, s) for b, lay in zip(biases, layouts[0], strict=True))
+        mask = self.cut(mask, layouts[1], c, t, s)
         q_lengths, kv_lengths = (None if n is None else n - k_offset for n in lengths)
         structure = dataclasses.replace(
             static, q_offset=q_offset - k_offset, q_lengths=q_lengths, kv_lengths=kv_lengths
         )  # positions relative to the block's first key: the masks depend on i - j
         hidden = False
-        if skips:
+        if static.is_causal or static.window is not None:  # a block may be hidden: skipped
             lo, hi = dataclasses.replace(static, q_offset=q_offset).key_range(0, t, s * devices)
             hidden = (k_offset >= hi) | (k_offset + s <= lo)
         return k, v, biases, mask, structure, hidden
 
-    def layouts_of(q, k, biases, mask):
-        t, s = q.shape[-3], k.shape[-3]
+    def layouts_of(self, q, k, biases, mask):
+        t, s, devices = q.shape[-3], k.shape[-3], self.devices
         return tuple(_layout(b, t, s, devices) for b in biases), _layout(mask, t, s, devices)
 
-    def travelling(k, v, biases, mask, layouts):
+    def travelling(self, k, v, biases, mask, layouts):
         moving = [b for b, lay in zip(biases, layouts[0], strict=True) if lay.travels]
         return k, v, moving, mask if layouts[1].travels else None
 
-    def forward(q, k, v, biases, mask, lengths):
-        d = jax.lax.axis_index(axes)
+    def forward(self, q, k, v, biases, mask, lengths):
+        """(out, lse, (max, sum)): each block's attention merged into the running statistics
+        by log-sum-exp (_forward_step), P steps."""
+        d = jax.lax.axis_index(self.axes)
         acc = jnp.promote_types(q.dtype, jnp.float32)
-        layouts = layouts_of(q, k, biases, mask)
-
-        def step(i, state, last=False):
-            carry, (m, num, den) = state
-            following = carry if last else send(carry)  # in flight during this step's attention
-            k_c, v_c, b_c, mask_c, structure, hidden = block(
-                (d + i) % devices, q, carry, biases, mask, lengths, layouts
-            )
-            out_c, lse_c = _unless(hidden, attend_block, q, k_c, v_c, b_c, mask_c, structure)
-            # (a hidden block gives what a block without keys gives: _keyless)
-            out_c, lse_c = out_c.astype(acc), lse_c.astype(acc)
-            new = jnp.maximum(m, lse_c)
-            old_w, w = jnp.exp(m - new), jnp.exp(lse_c - new)
-            num = num * old_w[..., None] + out_c * w[..., None]
-            return following, (new, num, den * old_w + w)
-
+        layouts = self.layouts_of(q, k, biases, mask)
+        step = functools.partial(self._forward_step, d, q, biases, mask, lengths, layouts)
         # A loop, not unrolled steps: XLA would run the chain of sends ahead of the attention and
         # hold every block at once.
         shape = (*q.shape[:-1], v.shape[-1])
@@ -266,68 +277,51 @@ def _ring(attend_block, axes, devices: int, static):
             jnp.zeros(shape, acc),
             jnp.zeros(q.shape[:-1], acc),
         )
-        carry = travelling(k, v, biases, mask, layouts)
-        state = jax.lax.fori_loop(0, devices - 1, step, (carry, stats))
-        _, (m, num, den) = step(devices - 1, state, last=True)
+        carry = self.travelling(k, v, biases, mask, layouts)
+        state = jax.lax.fori_loop(0, self.devices - 1, step, (carry, stats))
+        _, (m, num, den) = step(self.devices - 1, state, last=True)
         return (num / den[..., None]).astype(q.dtype), m + jnp.log(den), (m, den)
 
-    @jax.custom_vjp
-    def ring(q, k, v, biases, mask, lengths):
-        return forward(q, k, v, biases, mask, lengths)[:2]
+    def _forward_step(self, d, q, biases, mask, lengths, layouts, i, state, last=False):
+        """Step i: block d + i's attention merged into (max, numerator, denominator), the next
+        block in flight meanwhile."""
+        carry, (m, num, den) = state
+        following = carry if last else self.send(carry)  # in flight during this step's attention
+        k_c, v_c, b_c, mask_c, structure, hidden = self.block(
+            (d + i) % self.devices, q, carry, biases, mask, lengths, layouts
+        )
+        out_c, lse_c = _unless(hidden, self.attend_block, q, k_c, v_c, b_c, mask_c, structure)
+        # (a hidden block gives what a block without keys gives: _keyless)
+        out_c, lse_c = out_c.astype(num.dtype), lse_c.astype(num.dtype)
+        new = jnp.maximum(m, lse_c)
+        old_w, w = jnp.exp(m - new), jnp.exp(lse_c - new)
+        num = num * old_w[..., None] + out_c * w[..., None]
+        return following, (new, num, den * old_w + w)
 
-    def ring_fwd(q, k, v, biases, mask, lengths):
-        out, lse, stats = forward(q, k, v, biases, mask, lengths)
+    def ring_fwd(self, q, k, v, biases, mask, lengths):
+        """The custom VJP's forward pass: (out, lse), and what the backward pass reads."""
+        out, lse, stats = self.forward(q, k, v, biases, mask, lengths)
         return (out, lse), (q, k, v, biases, mask, lengths, out, stats)
 
-    def ring_bwd(res, cotangents):
+    def ring_bwd(self, res, cotangents):
+        """The custom VJP's backward pass: the ring run again (_backward_step), dK, dV and the
+        travelling biases' gradients travelling with their blocks, home after P steps."""
         q, k, v, biases, mask, lengths, out, (m, den) = res
         g, g_lse = cotangents
-        d = jax.lax.axis_index(axes)
+        d = jax.lax.axis_index(self.axes)
         acc = m.dtype
-        g32, out32 = g.astype(acc), out.astype(acc)
-        layouts = layouts_of(q, k, biases, mask)
-        t, s = q.shape[-3], k.shape[-3]
+        merged = (m, den, g.astype(acc), out.astype(acc), g_lse)  # what a block's share reads
+        layouts = self.layouts_of(q, k, biases, mask)
         zeros = lambda x: jnp.zeros(x.shape, acc)
-        carry = travelling(k, v, biases, mask, layouts)
+        carry = self.travelling(k, v, biases, mask, layouts)
         grads = (zeros(k), zeros(v), [zeros(b) for b in carry[2]])
         d_stay = [
             None if lay.travels else zeros(b) for b, lay in zip(biases, layouts[0], strict=True)
         ]
-
-        def block_grads(q, k, v, b, mask_c, structure, block=attend_block):
-            f = lambda q, k, v, b: block(q, k, v, b, mask_c, structure)
-            (out_c, lse_c), vjp = jax.vjp(f, q, k, v, b)
-            # This block's share of each row, from the forward's max and sum: exp(lse_c - lse)
-            # would round to 1 in rows without a key (lse = -1e9 + log(P s) is -1e9 in float32).
-            w = jnp.exp(lse_c.astype(acc) - m) / den
-            g_out = (g32 * w[..., None]).astype(out_c.dtype)
-            g_res = w * (jnp.sum(g32 * (out_c.astype(acc) - out32), axis=-1) + g_lse)
-            return jax.tree.map(lambda x: x.astype(acc), vjp((g_out, g_res.astype(lse_c.dtype))))
-
-        def step(i, state, last=False):
-            carry, grads, dq, d_stay = state
-            following = carry if last else send(carry)
-            c = (d + i) % devices
-            k_c, v_c, b_c, mask_c, structure, hidden = block(
-                c, q, carry, biases, mask, lengths, layouts
-            )
-            keyless = functools.partial(block_grads, block=_keyless)
-            dq_c, dk_c, dv_c, db_c = _unless(
-                hidden, block_grads, q, k_c, v_c, b_c, mask_c, structure, instead=keyless
-            )
-            dk, dv, d_moving = grads
-            d_moving, moved, d_stay = iter(d_moving), [], list(d_stay)
-            for j, (db, lay) in enumerate(zip(db_c, layouts[0], strict=True)):
-                if lay.travels:
-                    moved.append(add_cut(next(d_moving), db, lay, c, t, s))
-                else:
-                    d_stay[j] = add_cut(d_stay[j], db, lay, c, t, s)
-            grads = send((dk + dk_c, dv + dv_c, moved))  # after P sends, each block is home
-            return following, grads, dq + dq_c, d_stay
-
+        step = functools.partial(self._backward_step, d, q, biases, mask, lengths, layouts, merged)
         state = (carry, grads, zeros(q), d_stay)
-        state = jax.lax.fori_loop(0, devices - 1, step, state)
-        _, grads, dq, d_stay = step(devices - 1, state, last=True)
+        state = jax.lax.fori_loop(0, self.devices - 1, step, state)
+        _, grads, dq, d_stay = step(self.devices - 1, state, last=True)
         dk, dv, d_moving = grads
         d_moving = iter(d_moving)
         d_biases = tuple(
@@ -336,8 +330,45 @@ def _ring(attend_block, axes, devices: int, static):
         )
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_biases, None, None
 
-    ring.defvjp(ring_fwd, ring_bwd)
-    return ring
+    def _backward_step(self, d, q, biases, mask, lengths, layouts, merged, i, state, last=False):
+        """Step i: block c = d + i's gradients (_block_grads); dq's summed here, dK's, dV's and
+        the travelling biases' sent on with the block, the staying biases' added in place."""
+        carry, grads, dq, d_stay = state
+        following = carry if last else self.send(carry)
+        c = (d + i) % self.devices
+        k_c, v_c, b_c, mask_c, structure, hidden = self.block(
+            c, q, carry, biases, mask, lengths, layouts
+        )
+        block_grads = functools.partial(self._block_grads, self.attend_block, merged)
+        keyless = functools.partial(self._block_grads, _keyless, merged)
+        dq_c, dk_c, dv_c, db_c = _unless(
+            hidden, block_grads, q, k_c, v_c, b_c, mask_c, structure, instead=keyless
+        )
+        t, s = q.shape[-3], k_c.shape[-3]
+        dk, dv, d_moving = grads
+        d_moving, moved, d_stay = iter(d_moving), [], list(d_stay)
+        for j, (db, lay) in enumerate(zip(db_c, layouts[0], strict=True)):
+            if lay.travels:
+                moved.append(self.add_cut(next(d_moving), db, lay, c, t, s))
+            else:
+                d_stay[j] = self.add_cut(d_stay[j], db, lay, c, t, s)
+        grads = self.send((dk + dk_c, dv + dv_c, moved))  # after P sends, each block is home
+        return following, grads, dq + dq_c, d_stay
+
+    @staticmethod
+    def _block_grads(block, merged, q, k, v, b, mask_c, structure):
+        """(dq, dk, dv, dbiases) of one block, block recomputed and differentiated with the
+        merged output's cotangent weighted by the block's share, the rest by its lse's."""
+        m, den, g32, out32, g_lse = merged
+        acc = m.dtype
+        f = lambda q, k, v, b: block(q, k, v, b, mask_c, structure)
+        (out_c, lse_c), vjp = jax.vjp(f, q, k, v, b)
+        # This block's share of each row, from the forward's max and sum: exp(lse_c - lse)
+        # would round to 1 in rows without a key (lse = -1e9 + log(P s) is -1e9 in float32).
+        w = jnp.exp(lse_c.astype(acc) - m) / den
+        g_out = (g32 * w[..., None]).astype(out_c.dtype)
+        g_res = w * (jnp.sum(g32 * (out_c.astype(acc) - out32), axis=-1) + g_lse)
+        return jax.tree.map(lambda x: x.astype(acc), vjp((g_out, g_res.astype(lse_c.dtype))))
 
 
 def _unless(hidden, fn, q, k, v, biases, mask, structure, *, instead=None):

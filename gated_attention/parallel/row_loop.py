@@ -24,6 +24,7 @@ subbatch_size at a time, and no row crosses devices.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from numbers import Real
 from typing import Any
@@ -132,195 +133,236 @@ def tiled(fn, args, where: dict[int, int], size: int, out_axis, remat=None) -> A
     Evoformer training step compiled for an H100 held four pair-sized ones from the forward
     through its peak at N_res 1,024. Nothing here reads a sharding: buffers take the sharding
     of the values they hold (explicit mesh axes), as the rest of the program."""
-    first = next(iter(where))
-    length = np.shape(args[first])[where[first]]
-    num_full, remainder = divmod(length, size)
-    keep = remat is not jax.checkpoint_policies.nothing_saveable
+    loop = _Tiled(fn, args, where, size, out_axis, remat)
 
-    def piece_spec(i, x, rows: int):  # a tile's slice of arg i
-        if x is None or i not in where:
+    @jax.custom_vjp
+    def run(consts, args):
+        return loop.forward(consts, args, False)[0]
+
+    run.defvjp(loop.run_fwd, loop.run_bwd)
+    return run(loop.consts, list(args))
+
+
+class _Tiled:
+    """tiled's loop for one call (see tiled): fn converted for each tile size, the residual
+    layout of a tile, and the custom VJP's forward and backward passes, each a row loop.
+
+    A tile's residuals are laid out from a trace of their own (residual_layout, under
+    eval_shape) and kept from the forward pass's trace, in that layout's order: _check_layout
+    makes sure the two traces agree, as a different order would mix the residuals up."""
+
+    def __init__(self, fn, args, where: dict[int, int], size: int, out_axis, remat):
+        self.where, self.size, self.out_axis, self.remat = where, size, out_axis, remat
+        self.first = next(iter(where))
+        self.length = np.shape(args[self.first])[where[self.first]]
+        self.num_full, remainder = divmod(self.length, size)
+        self.keep = remat is not jax.checkpoint_policies.nothing_saveable
+        sizes = [r for r in (size, remainder) if r]  # the full tiles' rows, the remainder's
+        self.conversions, self.consts = self._converted(fn, args, sizes)
+        # Shapes are read from specs, never from the values: a trace given this trace's tracers
+        # would keep them (jax's caches) past it.
+        self.const_specs = [_spec(c) for c in self.consts]
+        self.arg_specs = [_spec(x) for x in args]
+        self.out_specs = jax.eval_shape(
+            lambda c, a: self.call(c, self.slices(a, 0, size)), self.const_specs, self.arg_specs
+        )
+        self.pullbacks = {}  # tile rows -> the VJP function, from the forward pass's trace
+        self.layouts = {}  # tile rows -> the residual layout, from the forward pass
+
+    def _converted(self, fn, args, sizes: list[int]):
+        """({rows: (fn converted for tiles of that many rows, the indices of its consts)},
+        consts): fn with its closed-over values (parameters) as explicit inputs, for each tile
+        size; a value both conversions close over is one const (its cotangents summed once), so
+        that every trace below sees the same distinct inputs."""
+        conversions, consts = {}, []
+        for n in sizes:
+            specs = [self._piece_spec(i, x, n) for i, x in enumerate(args)]
+            converted, found = jax.closure_convert(lambda *pieces: fn(*pieces), *specs)
+            where_found = []
+            for x in found:
+                k = next((k for k, c in enumerate(consts) if c is x), None)
+                if k is None:
+                    k, consts = len(consts), [*consts, x]
+                where_found.append(k)
+            conversions[n] = (converted, where_found)
+        return conversions, tuple(consts)
+
+    def _piece_spec(self, i, x, rows: int):  # a tile's slice of arg i
+        if x is None or i not in self.where:
             return x
         shape = list(np.shape(x))
-        shape[where[i]] = rows
+        shape[self.where[i]] = rows
         return _spec(x, tuple(shape))
 
-    # fn with its closed-over values (parameters) as explicit inputs, for each tile size; a
-    # value both conversions close over is one const (its cotangents summed once), so that every
-    # trace below sees the same distinct inputs.
-    conversions, consts = {}, []
-    for n in [r for r in (size, remainder) if r]:
-        specs = [piece_spec(i, x, n) for i, x in enumerate(args)]
-        converted, found = jax.closure_convert(lambda *pieces: fn(*pieces), *specs)
-        where_found = []
-        for x in found:
-            k = next((k for k, c in enumerate(consts) if c is x), None)
-            if k is None:
-                k, consts = len(consts), [*consts, x]
-            where_found.append(k)
-        conversions[n] = (converted, where_found)
-    consts = tuple(consts)
-
-    def slices(xs, start, n: int):
+    def slices(self, xs, start, n: int):
         return [
-            jax.lax.dynamic_slice_in_dim(x, start, n, axis=where[i]) if i in where else x
+            jax.lax.dynamic_slice_in_dim(x, start, n, axis=self.where[i]) if i in self.where else x
             for i, x in enumerate(xs)
         ]
 
-    def call(consts, pieces):
-        n = np.shape(pieces[first])[where[first]]
-        converted, where_found = conversions[n]
+    def call(self, consts, pieces):
+        n = np.shape(pieces[self.first])[self.where[self.first]]
+        converted, where_found = self.conversions[n]
         return converted(*pieces, *(consts[k] for k in where_found))
 
-    inexact = lambda x: x is not None and jnp.issubdtype(x.dtype, jnp.inexact)
-    diff = lambda xs: [x if inexact(x) else None for x in xs]
-    fixed = lambda xs, ds: [d if inexact(x) else x for x, d in zip(xs, ds, strict=True)]
-
-    def linearized(consts, pieces):
+    def linearized(self, consts, pieces):
         """(the tile's output, its VJP closure) with the policy's residuals."""
 
         def differentiable(c, p):  # of the inexact consts and pieces only
-            return call(fixed(consts, c), fixed(pieces, p))
+            return self.call(_fixed(consts, c), _fixed(pieces, p))
 
-        if remat is not None and keep:  # (a recomputed tile is differentiated once, whole)
-            differentiable = jax.checkpoint(differentiable, policy=remat)
-        return jax.vjp(differentiable, diff(consts), diff(pieces))
+        # (a recomputed tile is differentiated once, whole)
+        if self.remat is not None and self.keep:
+            differentiable = jax.checkpoint(differentiable, policy=self.remat)
+        return jax.vjp(differentiable, _diff(consts), _diff(pieces))
 
-    # Shapes are read from specs, never from the values: a trace given this trace's tracers
-    # would keep them (jax's caches) past it.
-    const_specs, arg_specs = [_spec(c) for c in consts], [_spec(x) for x in args]
-    out_specs = jax.eval_shape(lambda c, a: call(c, slices(a, 0, size)), const_specs, arg_specs)
-
-    def buffer(s, after):  # an output leaf for the whole batch, made when `after` is
-        shape = list(s.shape)
-        shape[out_axis(len(shape))] = length
-        return _fresh_zeros(shape, s.dtype, after, _sharding_of(s))
-
-    def put(out, start, piece):
-        update = lambda o, x: jax.lax.dynamic_update_slice_in_dim(o, x, start, out_axis(x.ndim))
-        return jax.tree.map(update, out, piece)
-
-    def pullback(consts, pieces):
+    def pullback(self, consts, pieces):
         """(the tile's output, its VJP as a function of (cotangent, *residuals), the
         residuals): the VJP's leaves, so that they can be kept in buffers and the function
         rebuilt in the backward pass's trace."""
-        y, vjp = linearized(consts, pieces)
+        y, vjp = self.linearized(consts, pieces)
         residuals, tree = jax.tree.flatten(vjp)
         return y, lambda g, *kept: jax.tree.unflatten(tree, kept)(g), residuals
 
-    def residual_layout(n: int):
+    def residual_layout(self, n: int):
         """Per residual of a tile of n rows: where it comes from when it is a const or the
         tile's slice of an arg as it is (kept once, or sliced again: never stacked), else its
         ShapeDtypeStruct (read from a trace of its own)."""
         index = []
 
         def traced(consts, args):
-            pieces = slices(args, 0, n)
-            _, _, residuals = pullback(consts, pieces)
+            pieces = self.slices(args, 0, n)
+            _, _, residuals = self.pullback(consts, pieces)
             index[:] = [_source(x, consts, pieces) for x in residuals]
             return [x for x, k in zip(residuals, index, strict=True) if k is None]
 
-        specs = iter(jax.eval_shape(traced, const_specs, arg_specs))
+        specs = iter(jax.eval_shape(traced, self.const_specs, self.arg_specs))
         return [k if k is not None else next(specs) for k in index]
 
-    pullbacks = {}  # tile rows -> the VJP function, from the forward pass's trace
+    def put(self, out, start, piece):
+        """The tile's output `piece` written into the whole batch's buffers `out` at start."""
+        axis = self.out_axis
+        update = lambda o, x: jax.lax.dynamic_update_slice_in_dim(o, x, start, axis(x.ndim))
+        return jax.tree.map(update, out, piece)
 
-    def forward(consts, args, with_residuals: bool):
+    def forward(self, consts, args, with_residuals: bool):
+        """(fn's output for the whole batch, the tiles' residuals (saved: stacked over the full
+        tiles; last: the remainder's), their layouts): no residuals unless with_residuals and
+        the policy keeps some."""
         layouts = {}
-        if with_residuals and keep:
-            layouts = {n: residual_layout(n) for n in conversions}
-
-        def stacked(layout):  # buffers of the full tiles' residuals
-            return [
-                None if isinstance(x, tuple) else _stacked_zeros(num_full, x, args[first])
-                for x in layout
+        if with_residuals and self.keep:
+            layouts = {n: self.residual_layout(n) for n in self.conversions}
+        after = args[self.first]
+        saved = []
+        if layouts and self.num_full:  # buffers of the full tiles' residuals
+            saved = [
+                None if isinstance(x, tuple) else _stacked_zeros(self.num_full, x, after)
+                for x in layouts[self.size]
             ]
-
-        saved = stacked(layouts[size]) if layouts and num_full else []
         last = []
-
-        def step(start, n: int, carry):
-            out, saved = carry
-            pieces = slices(args, start, n)
-            if not layouts:
-                return put(out, start, call(consts, pieces)), saved
-            y, pullbacks[n], residuals = pullback(consts, pieces)
-            kinds = layouts[n]
-            _check_layout(kinds, residuals, {"const": consts, "piece": pieces})
-            if n == size:
-                t = start // size
-                saved = [
-                    s if isinstance(k, tuple) else jax.lax.dynamic_update_index_in_dim(s, x, t, 0)
-                    for s, k, x in zip(saved, kinds, residuals, strict=True)
-                ]
-            else:  # the remainder's residuals, kept as they are
-                last[:] = [
-                    None if isinstance(k, tuple) else x
-                    for k, x in zip(kinds, residuals, strict=True)
-                ]
-            return put(out, start, y), saved
-
-        out = jax.tree.map(lambda s: buffer(s, args[first]), out_specs)
-        out, saved = rows(length, size, step, (out, saved))
+        step = functools.partial(self._forward_step, consts, args, layouts, last)
+        out = jax.tree.map(lambda s: self._buffer(s, after), self.out_specs)
+        out, saved = rows(self.length, self.size, step, (out, saved))
         return out, (saved, last), layouts
 
-    @jax.custom_vjp
-    def run(consts, args):
-        return forward(consts, args, False)[0]
+    def _buffer(self, s, after):  # an output leaf for the whole batch, made when `after` is
+        shape = list(s.shape)
+        shape[self.out_axis(len(shape))] = self.length
+        return _fresh_zeros(shape, s.dtype, after, _sharding_of(s))
 
-    layouts_seen = {}
+    def _forward_step(self, consts, args, layouts, last, start, n: int, carry):
+        """The tile of n rows at start: its output put in place and (with layouts) its residuals
+        kept, a full tile's in its entry of the stacked buffers, the remainder's in `last`."""
+        out, saved = carry
+        pieces = self.slices(args, start, n)
+        if not layouts:
+            return self.put(out, start, self.call(consts, pieces)), saved
+        y, self.pullbacks[n], residuals = self.pullback(consts, pieces)
+        kinds = layouts[n]
+        _check_layout(kinds, residuals, {"const": consts, "piece": pieces})
+        if n == self.size:
+            t = start // self.size
+            saved = [
+                s if isinstance(k, tuple) else jax.lax.dynamic_update_index_in_dim(s, x, t, 0)
+                for s, k, x in zip(saved, kinds, residuals, strict=True)
+            ]
+        else:  # the remainder's residuals, kept as they are
+            last[:] = [
+                None if isinstance(k, tuple) else x for k, x in zip(kinds, residuals, strict=True)
+            ]
+        return self.put(out, start, y), saved
 
-    def run_fwd(consts, args):
-        out, residuals, layouts = forward(consts, args, True)
-        layouts_seen.update(layouts)
+    def run_fwd(self, consts, args):
+        """The custom VJP's forward pass: the output, and what the backward pass reads. (Its
+        name and run_bwd's are the ones a jaxpr shows: the tests look for them.)"""
+        out, residuals, layouts = self.forward(consts, args, True)
+        self.layouts.update(layouts)
         return out, (consts, args, residuals)
 
-    def run_bwd(res, cotangent):
-        consts, args, (saved, last) = res
+    def run_bwd(self, res, cotangent):
+        """The custom VJP's backward pass: a row loop writing each tile's input cotangents into
+        (for shared args and consts, adding them to) fresh zeros made when it starts."""
+        consts, args, _ = res
         after = jax.tree.leaves(cotangent)[0]
-        zeros = lambda xs: [_fresh_zeros_like(x, after) if inexact(x) else None for x in xs]
-
-        def vjp_of(start, n: int):
-            if not layouts_seen:
-                return linearized(consts, slices(args, start, n))[1]
-            kinds = layouts_seen[n]
-            sources = {"const": consts, "piece": slices(args, start, n)}
-            if n == size:
-                t = start // size
-                own = [
-                    None if s is None else jax.lax.dynamic_index_in_dim(s, t, 0, keepdims=False)
-                    for s in saved
-                ]
-            else:
-                own = last
-            kept = [
-                sources[k[0]][k[1]] if isinstance(k, tuple) else x
-                for k, x in zip(kinds, own, strict=True)
-            ]
-            return lambda g: pullbacks[n](g, *kept)
-
-        def step(start, n: int, grads):
-            d_consts, d_args = grads
-            g = jax.tree.map(
-                lambda c: jax.lax.dynamic_slice_in_dim(c, start, n, out_axis(c.ndim)), cotangent
-            )
-            dc, dp = vjp_of(start, n)(g)
-            add = lambda a, b: None if a is None else a + b
-            d_consts = [add(a, b) for a, b in zip(d_consts, dc, strict=True)]
-            d_args = [
-                None
-                if a is None
-                else jax.lax.dynamic_update_slice_in_dim(a, b, start, where[i])
-                if i in where
-                else a + b
-                for i, (a, b) in enumerate(zip(d_args, dp, strict=True))
-            ]
-            return d_consts, d_args
-
-        d_consts, d_args = rows(length, size, step, (zeros(consts), zeros(args)))
+        zeros = lambda xs: [_fresh_zeros_like(x, after) if _inexact(x) else None for x in xs]
+        step = functools.partial(self._backward_step, res, cotangent)
+        d_consts, d_args = rows(self.length, self.size, step, (zeros(consts), zeros(args)))
         return tuple(d_consts), list(d_args)
 
-    run.defvjp(run_fwd, run_bwd)
-    return run(consts, list(args))
+    def _backward_step(self, res, cotangent, start, n: int, grads):
+        """The tile of n rows at start: its cotangents added to the consts' and shared args'
+        and written in place into the cut args'."""
+        d_consts, d_args = grads
+        g = jax.tree.map(
+            lambda c: jax.lax.dynamic_slice_in_dim(c, start, n, self.out_axis(c.ndim)), cotangent
+        )
+        dc, dp = self._tile_vjp(res, start, n)(g)
+        add = lambda a, b: None if a is None else a + b
+        d_consts = [add(a, b) for a, b in zip(d_consts, dc, strict=True)]
+        d_args = [
+            None
+            if a is None
+            else jax.lax.dynamic_update_slice_in_dim(a, b, start, self.where[i])
+            if i in self.where
+            else a + b
+            for i, (a, b) in enumerate(zip(d_args, dp, strict=True))
+        ]
+        return d_consts, d_args
+
+    def _tile_vjp(self, res, start, n: int):
+        """The VJP of the tile of n rows at start: the forward's pullback given the tile's kept
+        residuals (its entry of the stacked buffers, the remainder's, or the consts and slices
+        of args they are), or with nothing kept the tile recomputed and differentiated."""
+        consts, args, (saved, last) = res
+        if not self.layouts:
+            return self.linearized(consts, self.slices(args, start, n))[1]
+        kinds = self.layouts[n]
+        sources = {"const": consts, "piece": self.slices(args, start, n)}
+        if n == self.size:
+            t = start // self.size
+            own = [
+                None if s is None else jax.lax.dynamic_index_in_dim(s, t, 0, keepdims=False)
+                for s in saved
+            ]
+        else:
+            own = last
+        kept = [
+            sources[k[0]][k[1]] if isinstance(k, tuple) else x
+            for k, x in zip(kinds, own, strict=True)
+        ]
+        return lambda g: self.pullbacks[n](g, *kept)
+
+
+def _inexact(x) -> bool:
+    return x is not None and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _diff(xs):  # the values differentiated: the inexact ones
+    return [x if _inexact(x) else None for x in xs]
+
+
+def _fixed(xs, ds):  # xs with their inexact values replaced by ds's
+    return [d if _inexact(x) else x for x, d in zip(xs, ds, strict=True)]
 
 
 def _check_layout(kinds, residuals, sources) -> None:
@@ -370,6 +412,7 @@ def _sharding_of(x):
 def _fresh_zeros(shape, dtype, after: jax.Array, out_sharding) -> jax.Array:
     """Zeros of `shape` that XLA can neither merge with other zeros of that shape nor create
     before `after` exists (see tiled): a loop's buffer made when its input is."""
+    # Works around XLA's CSE, which merges zeros of one shape into one made for the earliest user.
     zero = jax.lax.optimization_barrier((jnp.zeros((), dtype), after))[0]
     zeros = jnp.broadcast_to(zero, shape)
     # reshard, not broadcast_to's out_sharding: jax 0.12 drops that outside a mesh context.

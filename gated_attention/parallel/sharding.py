@@ -184,45 +184,18 @@ def shard_attention(
     mesh, manual = _mesh_and_axes([query, key, value, *biases, mask, *lengths])
     if mesh is None:
         return None
-    rank = len(query.shape)
-    seq, head = rank - 3, rank - 2
-    _, q_axes = explicit_axes(query)
-    batch_axes = q_axes[: rank - 3]
-    t_axes, n_axes = q_axes[seq], q_axes[head]
-    kv_heads = key.shape[head]
-    head_shards = math.prod(mesh.shape[a] for a in n_axes)
-    if kv_heads > 1 and kv_heads % head_shards:
-        raise NotImplementedError(
-            f"query heads split over {head_shards} devices ({n_axes}) need a number of key/value "
-            f"heads they divide, got K={kv_heads}"
-        )
-
-    def qkv_axes(x, is_query):
-        axes = [*batch_axes, (), (), ()]
-        axes[head] = n_axes
-        if is_query:
-            axes[seq] = t_axes
-        return [a if x.shape[d] != 1 else () for d, a in enumerate(axes)]
-
-    def pair_axes(x):  # [*batch|1, N|1, T|1, S|1]
-        axes = [*batch_axes, n_axes, t_axes, ()]
-        return [a if x.shape[d] != 1 else () for d, a in enumerate(axes)]
-
-    def length_axes(x):  # [*batch] (or [1] for unbatched inputs)
-        return [a if x.shape[d] != 1 else () for d, a in enumerate(batch_axes[: len(x.shape)])]
-
+    axes = _QueryAxes.of(query, key, mesh)
     present = [x for x in (mask, *lengths) if x is not None]
-    wanted = [qkv_axes(query, True), qkv_axes(key, False), qkv_axes(value, False)]
-    wanted += [pair_axes(b) for b in biases]
-    wanted += [pair_axes(mask)] if mask is not None else []
-    wanted += [length_axes(x) for x in lengths if x is not None]
+    wanted = [axes.qkv(query, True), axes.qkv(key, False), axes.qkv(value, False)]
+    wanted += [axes.pair(b) for b in biases]
+    wanted += [axes.pair(mask)] if mask is not None else []
+    wanted += [axes.lengths(x) for x in lengths if x is not None]
     inputs = [
         conform(x, mesh, w)
         for x, w in zip([query, key, value, *biases, *present], wanted, strict=True)
     ]
-    specs = [spec(w) for w in wanted]
     num_biases = len(biases)
-    local_q_len = query.shape[seq] // math.prod(mesh.shape[a] for a in t_axes)
+    local_q_len = query.shape[-3] // math.prod(mesh.shape[a] for a in axes.t)
 
     def attend_local(query, key, value, *rest):
         biases, rest = rest[:num_biases], list(rest[num_biases:])
@@ -230,27 +203,70 @@ def shard_attention(
         local = structure
         if structure is not None:
             q_len, kv_len = (rest.pop(0) if x is not None else None for x in lengths)
-            offset = None
-            if t_axes and (structure.is_causal or structure.window or q_len is not None):
-                offset = jax.lax.axis_index(tuple(t_axes)) * local_q_len
-            local = dataclasses.replace(
-                structure, q_lengths=q_len, kv_lengths=kv_len, q_offset=offset
-            )
+            local = _local_structure(structure, q_len, kv_len, axes.t, local_q_len)
         return attend(query, key, value, tuple(biases), local_mask, local)
 
-    out_axes = [*batch_axes, (), (), ()]
-    out_axes[seq], out_axes[head] = t_axes, n_axes
-    out_specs = spec(out_axes)
+    out_specs = spec([*axes.batch, axes.t, axes.n, ()])
     if residual:
-        out_specs = (out_specs, spec([*batch_axes, t_axes, n_axes]))
+        out_specs = (out_specs, spec([*axes.batch, axes.t, axes.n]))
     return jax.shard_map(
         attend_local,
         mesh=mesh,
-        in_specs=tuple(specs),
+        in_specs=tuple(spec(w) for w in wanted),
         out_specs=out_specs,
         axis_names=manual,
         check_vma=False,  # the implementations (loops, custom_vjp) are not typed for varying axes
     )(*inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _QueryAxes:
+    """The mesh axes sharding query's batch dimensions, positions (T) and heads (N): those
+    shard_attention makes manual, and each input's layout over them (mesh axes per dimension,
+    none along a dimension of size 1)."""
+
+    batch: tuple[Axes, ...]
+    t: Axes
+    n: Axes
+
+    @classmethod
+    def of(cls, query: Any, key: Any, mesh: Any) -> _QueryAxes:
+        """query's axes; raises NotImplementedError when the key/value heads cannot follow the
+        query heads' split."""
+        rank = len(query.shape)
+        _, q_axes = explicit_axes(query)
+        n_axes = q_axes[rank - 2]
+        kv_heads = key.shape[rank - 2]
+        head_shards = math.prod(mesh.shape[a] for a in n_axes)
+        if kv_heads > 1 and kv_heads % head_shards:
+            raise NotImplementedError(
+                f"query heads split over {head_shards} devices ({n_axes}) need a number of "
+                f"key/value heads they divide, got K={kv_heads}"
+            )
+        return cls(batch=q_axes[: rank - 3], t=q_axes[rank - 3], n=n_axes)
+
+    def qkv(self, x: Any, is_query: bool) -> list[Axes]:  # [*batch, T|S, N|K, H]
+        return _skip_size_one(x, [*self.batch, self.t if is_query else (), self.n, ()])
+
+    def pair(self, x: Any) -> list[Axes]:  # [*batch|1, N|1, T|1, S|1]
+        return _skip_size_one(x, [*self.batch, self.n, self.t, ()])
+
+    def lengths(self, x: Any) -> list[Axes]:  # [*batch] (or [1] for unbatched inputs)
+        return _skip_size_one(x, self.batch[: len(x.shape)])
+
+
+def _skip_size_one(x: Any, axes: Sequence[Axes]) -> list[Axes]:
+    """axes per dimension of x, none along a dimension of size 1 (shared: replicated)."""
+    return [a if x.shape[d] != 1 else () for d, a in enumerate(axes)]
+
+
+def _local_structure(structure: Any, q_len, kv_len, t_axes: Axes, local_q_len: int) -> Any:
+    """A device's structure: its lengths and, with queries split along T and a mask that reads
+    positions, the position of its first query (q_offset)."""
+    offset = None
+    if t_axes and (structure.is_causal or structure.window or q_len is not None):
+        offset = jax.lax.axis_index(tuple(t_axes)) * local_q_len
+    return dataclasses.replace(structure, q_lengths=q_len, kv_lengths=kv_len, q_offset=offset)
 
 
 def map_rows(
