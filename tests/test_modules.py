@@ -575,3 +575,25 @@ def test_a_modules_own_memory_budget_reaches_its_tiles_and_its_pair_bias(monkeyp
     pair, mask = jnp.ones((6, 6, 8)), jnp.ones((6, 6))
     fn.apply(fn.init(jax.random.PRNGKey(0), pair, mask), None, pair, mask)
     assert seen == dict(tiles=3 * 2**20, pair=3)
+
+
+def test_a_placement_handed_down_is_not_derived_again():
+    """The module around Attention resolves the placement once and hands it down
+    (sharding.Placement): Attention then reads none of global_config's mesh axes again. Here
+    they name an axis of no mesh: resolved again, that raises."""
+    from gated_attention.parallel import sharding
+
+    config, global_config = dict(num_head=H), dict(GLOBAL, shard_rows_over="rows")
+    q, _ = rand(np.random.default_rng(0), (B, Q, A), "float32")
+
+    def attend(placement):
+        module = ga.Attention(config, global_config, O, placement=placement)
+        return module(q, q)
+
+    params = hk.transform(lambda: attend(None)).init(jax.random.key(1))  # init: outside meshes
+    out = hk.transform(lambda: attend(sharding.Placement())).apply(params, None)
+    assert out.shape == (B, Q, O) and bool(jnp.isfinite(out).all())
+    with pytest.raises(ValueError, match="no mesh is set"):
+        hk.transform(lambda: attend(None)).apply(params, None)
+    with pytest.raises(TypeError, match="placement must be a sharding.Placement"):
+        hk.transform(lambda: attend("rows")).init(jax.random.key(1))

@@ -319,7 +319,7 @@ def test_triangle_attention_training_step_with_pair_rows_over_devices():
     and a remainder: the fused pair-bias backward loops over each device's own rows (it sliced
     the sharded pair: a ShardingTypeError), gathers only the [1, h, r, r] bias, and matches one
     device (float32, relative to each leaf's largest entry)."""
-    rows_mesh = jax.make_mesh((8,), ("rows",), devices=jax.devices()[:8])
+    mesh_axes = jax.make_mesh((8,), ("rows",), devices=jax.devices()[:8])
     r, c, h = 24, 16, 4  # a bias tile row: 96 * r * c bytes; 0.075 MiB holds 2
     config = dict(num_head=h, orientation="per_row")
     module = lambda: ga.TriangleAttention(config, dict(zero_init=False, memory_budget_mib=0.075))
@@ -334,8 +334,8 @@ def test_triangle_attention_training_step_with_pair_rows_over_devices():
         return out, vjp(cot)
 
     alone = jax.jit(step)(params, pair, mask, cot)
-    args = [put(rows_mesh, x, P("rows")) for x in (pair, mask, cot)]
-    with jax.set_mesh(rows_mesh):  # as the README shards (the parameters replicated on it)
+    args = [put(mesh_axes, x, P("rows")) for x in (pair, mask, cot)]
+    with jax.set_mesh(mesh_axes):  # as the README shards (the parameters replicated on it)
         compiled = jax.jit(step).lower(params, *args).compile()  # once: called and read
         on_mesh = compiled(params, *args)
     text = compiled.as_text()

@@ -215,10 +215,10 @@ def alphafold_modules() -> ModuleType:
 
 
 def _placement(global_config: Any):
-    """sharding.rows_mesh of an AF2 global config's shard_rows_over (None when it has none, and
+    """sharding.mesh_axes of an AF2 global config's shard_rows_over (None when it has none, and
     while Haiku initializes: parameters need no layout)."""
     names = global_config.get("shard_rows_over") if hasattr(global_config, "get") else None
-    return None if hk.running_init() else sharding.rows_mesh(names)
+    return None if hk.running_init() else sharding.mesh_axes(names)
 
 
 @functools.cache  # the same classes each time: a swap's configuration keeps one key

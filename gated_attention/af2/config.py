@@ -130,7 +130,7 @@ class GlobalConfig:
         modules.remat_saveable.
       shard_rows_over: None, or the mesh axis (or axes) of the context mesh (jax.set_mesh) that
         the rows are split over: each device then computes the module for its own rows in a
-        shard_map (sharding.rows_mesh), under Auto axes as under Explicit ones; the column-wise
+        shard_map (sharding.mesh_axes), under Auto axes as under Explicit ones; the column-wise
         modules turn to columns and back with one all-to-all each way.
       shard_columns_over: None, or the mesh axis (axes) that the positions a module attends over
         are split over (context parallelism, ring.py): Attention's query and key positions;

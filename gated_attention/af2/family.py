@@ -49,7 +49,6 @@ pair representations keeps its [h, r, r] bias per example and never broadcast to
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -182,7 +181,7 @@ class _FamilyModule(hk.Module):
         Haiku initializes: parameters are created outside any shard_map."""
         if hk.running_init():
             return None
-        return sharding.rows_mesh(self.global_config.shard_rows_over)
+        return sharding.mesh_axes(self.global_config.shard_rows_over)
 
     @hk.transparent
     def _grid(self):
@@ -193,8 +192,8 @@ class _FamilyModule(hk.Module):
         if gc.shard_columns_over is None or hk.running_init():
             return None
         what = "global_config.shard_columns_over"
-        columns = sharding.rows_mesh(gc.shard_columns_over, what)
-        rows = sharding.rows_mesh(gc.shard_rows_over)
+        columns = sharding.mesh_axes(gc.shard_columns_over, what)
+        rows = sharding.mesh_axes(gc.shard_rows_over)
         if rows is None or columns is None:
             raise ValueError(
                 f"{what}={gc.shard_columns_over!r} tiles the inputs over a 2D grid with "
@@ -228,12 +227,11 @@ class _FamilyModule(hk.Module):
     def _attention(self, act, norm, mask, bias, is_training, keys_over=None) -> jax.Array:
         """The inner gated self-attention ('attention') of the layer-normed act: [..., b, q, c] ->
         [..., b, q, c]; keys_over: the mesh axes its positions are split over (a ring), if any."""
-        global_config = self.global_config
-        if keys_over is not None:  # inside the shard_map over the other axis: rows are local
-            global_config = dataclasses.replace(
-                global_config, shard_rows_over=None, shard_columns_over=keys_over
-            )
-        attention = modules.Attention(self.config, global_config, act.shape[-1], name="attention")
+        # This module placed the rows (_on_rows, _on_grid): the attention splits none again.
+        placement = sharding.Placement.resolve(None, keys_over, initializing=hk.running_init())
+        attention = modules.Attention(
+            self.config, self.global_config, act.shape[-1], name="attention", placement=placement
+        )
         return attention(
             act,
             act,
@@ -394,7 +392,11 @@ class MSAColumnGlobalAttention(_FamilyModule):
         def update(msa_act, msa_mask):
             norm = pair_bias.norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
             attention = modules.GlobalAttention(
-                self.config, self.global_config, msa_act.shape[-1], name="attention"
+                self.config,
+                self.global_config,
+                msa_act.shape[-1],
+                name="attention",
+                placement=sharding.Placement(),  # the rows placed here (_on_rows)
             )
             msa_act, msa_mask = _to_columns(placement, msa_act, msa_mask)
             # Each column (residue) attends over the sequences, the MSA as it lies: [s, r, c_m].

@@ -38,7 +38,15 @@ class _AttentionModule(hk.Module):
     """What Attention and GlobalAttention share: validated configs, the output width, and the
     steps around the op: parameters in the compute dtype, and the forward in row tiles."""
 
-    def __init__(self, config: Any, global_config: Any, output_dim: int, name: str = "attention"):
+    def __init__(
+        self,
+        config: Any,
+        global_config: Any,
+        output_dim: int,
+        name: str = "attention",
+        *,
+        placement: sharding.Placement | None = None,
+    ):
         """Constructs the module.
 
         Args:
@@ -49,14 +57,28 @@ class _AttentionModule(hk.Module):
             config.GlobalConfig.
           output_dim: o, channels of the output.
           name: Haiku module name.
+          placement: where it runs over the mesh, as the module around it resolved it (the
+            family modules); None: resolved from global_config at each call.
         """
         super().__init__(name=name)
         self.config = config_lib.module_config(config)
         self.global_config = config_lib.global_config(global_config)
         checks.check_int("output_dim", output_dim)
         self.output_dim = output_dim
+        if placement is not None and not isinstance(placement, sharding.Placement):
+            raise TypeError(f"placement must be a sharding.Placement or None, got {placement!r}")
+        self.placement = placement
 
-    def _run(self, make_forward, params, dtype, args, subbatch_size, axis=0, **row):
+    def _placement(self) -> sharding.Placement:
+        """The placement given, else global_config's, resolved once per call."""
+        if self.placement is not None:
+            return self.placement
+        gc = self.global_config
+        return sharding.Placement.resolve(
+            gc.shard_rows_over, gc.shard_columns_over, initializing=hk.running_init()
+        )
+
+    def _run(self, make_forward, params, dtype, args, subbatch_size, placement, axis=0, **row):
         """make_forward(implementation, compute dtype, params cast to it) -> forward,
         called on args in tiles of rows along `axis` (the batch rows) by rows_per_tile(**row).
 
@@ -89,9 +111,7 @@ class _AttentionModule(hk.Module):
 
             return run
 
-        placement = None
-        if not hk.running_init():  # parameters are created outside any shard_map
-            placement = sharding.rows_mesh(self.global_config.shard_rows_over)
+        placement = placement.rows
         if placement is not None:  # each device its own rows: the tiles' rule sees those
             batch //= math.prod(placement[0].shape[a] for a in placement[1])
 
@@ -230,14 +250,14 @@ class Attention(_AttentionModule):
         batch, (q_len, a), (k_len, m) = q_data.shape[:-2], q_data.shape[-2:], m_data.shape[-2:]
         h = self.config.num_head
         key_dim, value_dim = inputs.head_dims(self.config, a, m)
-        keys_over, ring = self._keys_over()
+        placement = self._placement()
         mask, biases = inputs.mask_and_biases(
-            mask, nonbatched_bias, bias, batch, h, q_len, k_len, ring
+            mask, nonbatched_bias, bias, batch, h, q_len, k_len, placement.ring
         )
         shapes = (a, h, key_dim), (m, h, key_dim), (m, h, value_dim)
         params = _create_params(self, *shapes, q_data.dtype)
         make_forward = functools.partial(
-            _attention_forward, input_transform, key_dim**-0.5, keys_over
+            _attention_forward, input_transform, key_dim**-0.5, placement.keys
         )
         # Per row: AF2's dense working set, and ours in a training step (memory.py).
         queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
@@ -253,21 +273,12 @@ class Attention(_AttentionModule):
             q_data.dtype,
             args,
             subbatch_size,
+            placement,
             row_bytes=row_bytes,
             tile_row_bytes=tile_row_bytes,
             row_queries=queries,
             row_logits=h * queries * k_len,
         )
-
-    def _keys_over(self):
-        """(the op's shard_keys_over, the ring's device count inside its shard_map, else 1)
-        from global_config.shard_columns_over; none at init, which runs outside any mesh."""
-        columns = self.global_config.shard_columns_over
-        if columns is None or hk.running_init():
-            return None, 1
-        mesh, axes = sharding.rows_mesh(columns, "global_config.shard_columns_over", manual=True)
-        ring = math.prod(mesh.shape[a] for a in axes) if sharding.manual_axes(mesh, axes) else 1
-        return columns, ring
 
 
 def _attention_forward(input_transform, scale, keys_over, implementation, compute, p):
@@ -419,6 +430,7 @@ class GlobalAttention(_AttentionModule):
             q_data.dtype,
             args,
             subbatch_size,
+            self._placement(),
             axis=1 if positions_first else 0,
             row_bytes=row_bytes,
             tile_row_bytes=tile_row_bytes,

@@ -231,7 +231,7 @@ def dot_product_attention(
       NotImplementedError: a named implementation that cannot take these inputs here.
     """
     checks.check_qkv(query, key, value)
-    keys_over = sharding.rows_mesh(shard_keys_over, "shard_keys_over", manual=True)
+    keys_over = sharding.mesh_axes(shard_keys_over, "shard_keys_over", manual=True)
     biases, mask = _validated_pair(query, key, bias, mask, _ring_blocks(keys_over))
     checks.check_one_of("compute_dtype", compute_dtype, numerics.POLICIES)
     options = _options(
@@ -261,7 +261,7 @@ def dot_product_attention(
                 "give one (split rows with the mesh's other axes by placing the inputs)"
             )
         return _over_key_blocks(call, keys_over, *args)
-    placement = sharding.rows_mesh(shard_rows_over)
+    placement = sharding.mesh_axes(shard_rows_over)
     if placement is not None:
         return _on_rows(call.attend, placement, *args[:-1], options)
     out = sharding.shard_attention(call.attend, *args, residual=options.return_residual)

@@ -307,7 +307,7 @@ def map_rows(
     )(*inputs)
 
 
-def rows_mesh(
+def mesh_axes(
     names: str | Sequence[str] | None,
     what: str = "global_config.shard_rows_over",
     *,
@@ -335,6 +335,39 @@ def rows_mesh(
     if not manual and manual_axes(mesh, axes):
         return None
     return mesh, axes
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a module's attention runs over the context mesh: resolved once, by the outermost
+    module, and passed down (an inner module never re-derives it).
+
+    Attributes:
+      rows: (mesh, axes) the module's rows are split over, each device on its own (a shard_map),
+        or None (not split, or split already by the module around it).
+      keys: the mesh axes the attended positions are split over (the op's shard_keys_over: a
+        ring of key blocks), or None.
+      ring: the ring's device count when the arrays are already its blocks (inside a shard_map
+        over `keys`), else 1.
+    """
+
+    rows: tuple[Any, Axes] | None = None
+    keys: str | tuple[str, ...] | None = None
+    ring: int = 1
+
+    @classmethod
+    def resolve(cls, rows_over, keys_over=None, *, initializing: bool = False) -> Placement:
+        """From global_config's shard_rows_over and shard_columns_over (as the op's
+        shard_keys_over). Nothing while Haiku initializes: parameters are created outside any
+        shard_map."""
+        if initializing:
+            return cls()
+        rows = mesh_axes(rows_over)
+        if keys_over is None:
+            return cls(rows)
+        mesh, axes = mesh_axes(keys_over, "global_config.shard_columns_over", manual=True)
+        ring = math.prod(mesh.shape[a] for a in axes) if manual_axes(mesh, axes) else 1
+        return cls(rows, keys_over, ring)
 
 
 def manual_axes(mesh: Any, axes: Axes) -> bool:
