@@ -1,7 +1,8 @@
-"""The rules both GPU kernel families follow (the Triton kernel, pallas*.py, and the Mosaic GPU
-kernel, mosaic*.py), owned by neither: either family can be removed without the other losing
-them. The float32 dots' precision, whether a call asks for the kernels' further arguments, and how
-many batch rows share one program of the shared bias's gradient.
+"""The rules both GPU kernel families follow (the Triton kernel, pallas_triton/, and the Mosaic GPU
+kernel, pallas_mosaic_gpu/), owned by neither: either family can be removed without the other losing
+them. The float32 dots' precision, whether a call asks for the kernels' further arguments, how
+many batch rows share one program of the shared bias's gradient, the backward's delta and the
+bias gradients' last sums.
 """
 
 from __future__ import annotations
@@ -60,3 +61,21 @@ def bias_grad_groups(batch: int, heads: int, q_blocks: int, biases, programs: in
         return batch
     programs_per_row = heads * q_blocks
     return min(batch, max(1, -(-programs // programs_per_row)))
+
+
+def softmax_delta(out, d_out, d_lse):
+    """[B, N, T] float32: rowsum(dO * O) - d_lse, the softmax backward's correction (d lse /
+    d logits = p, so ds = p * (dp - delta))."""
+    delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    return delta - d_lse.astype(jnp.float32)
+
+
+def sum_bias_partials(biases, partials) -> tuple:
+    """Each bias's gradient from its float32 partials (per batch row or row group, per query
+    block for a bias without a query axis): summed over the axes the bias broadcasts, in its
+    dtype."""
+    dbiases = []
+    for bias, partial in zip(biases, partials, strict=True):
+        axes = tuple(a for a in range(4) if bias.shape[a] == 1 and partial.shape[a] > 1)
+        dbiases.append(jnp.sum(partial, axis=axes, keepdims=True).astype(bias.dtype))
+    return tuple(dbiases)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gated_attention.attention.gpu_common import softmax_delta, sum_bias_partials
 from gated_attention.attention.pallas_mosaic_gpu.pipeline import (
     Stream,
     key_blocks,
@@ -501,8 +502,7 @@ def backward(plan: Plan, residuals, cotangents):
     q, k, v, biases, extras, out, lse = residuals
     d_out, d_lse = cotangents
     batch, heads, cdt = q.shape[0], plan.heads, jnp.dtype(plan.compute_dtype)
-    delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
-    delta = delta - d_lse.astype(jnp.float32)
+    delta = softmax_delta(out, d_out, d_lse)  # [B, N, T]
     d_out = d_out.astype(cdt)
     mask = extras[0] if plan.mask_shape is not None else None
     after_mask = extras[1:] if mask is not None else extras  # live vectors, then meta
@@ -540,8 +540,4 @@ def backward(plan: Plan, residuals, cotangents):
         (q, k, v, d_out, lse, delta, *tr(k), *biases, *extras),
         "gated_attention_mosaic_dq_dbias",
     )
-    dbiases = []
-    for bias, partial in zip(biases, partials, strict=True):
-        axes = tuple(a for a in range(4) if bias.shape[a] == 1 and partial.shape[a] > 1)
-        dbiases.append(jnp.sum(partial, axis=axes, keepdims=True).astype(bias.dtype))
-    return dq, dk, dv, tuple(dbiases), tuple(None for _ in extras)
+    return dq, dk, dv, sum_bias_partials(biases, partials), tuple(None for _ in extras)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gated_attention.attention.gpu_common import softmax_delta, sum_bias_partials
 from gated_attention.attention.pallas_triton.plan import Plan
 from gated_attention.attention.pallas_triton.plan import pallas_modules as _pallas
 from gated_attention.attention.pallas_triton.tile_table import _pow2_tile
@@ -353,10 +354,7 @@ def backward(plan, residuals, cotangents):
     batch, q_len, heads, _ = q.shape
     k_len = k.shape[1]
     tiles = _Tiles(plan, q_len, k_len, len(biases))
-    delta = jnp.einsum(
-        "btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
-    )  # [B, N, T]: rowsum(dO * O), the softmax backward's correction
-    delta = delta - d_lse.astype(jnp.float32)  # d lse / d logits = p: ds = p * (dp - delta + d_lse)
+    delta = softmax_delta(out, d_out, d_lse)  # [B, N, T]
     common = (q, k, v, d_out, lse, delta, *biases, *extras)
 
     dk, dv = plan.call(
@@ -394,8 +392,4 @@ def backward(plan, residuals, cotangents):
         "gated_attention_dq_dbias",
         aliases={first_buffer + t: 1 + t for t in range(len(buffers))},
     )
-    dbiases = []
-    for bias, partial in zip(biases, partials, strict=True):
-        axes = tuple(a for a in range(4) if bias.shape[a] == 1 and partial.shape[a] > 1)
-        dbiases.append(jnp.sum(partial, axis=axes, keepdims=True).astype(bias.dtype))
-    return dq, dk, dv, tuple(dbiases), tuple(None for _ in extras)
+    return dq, dk, dv, sum_bias_partials(biases, partials), tuple(None for _ in extras)
