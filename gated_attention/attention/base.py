@@ -181,6 +181,45 @@ def live_shapes(structure, mask, q_len: int, k_len: int):
     return jax.eval_shape(lambda s, m: s.live(m, q_len, k_len), structure, mask)
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """What every kernel family's Plan holds (each adds its tiles, shapes and launch): static
+    facts of one call, hashable (a custom VJP's static argument). `shared` fills these fields."""
+
+    scale: float
+    compute_dtype: str
+    heads: int
+    kv_heads: int
+    causal: bool
+    window: tuple | None  # (left, right)
+    structured: bool  # causal, window or lengths: the kernels read Structure.meta
+    soft_cap: float | None
+    interpret: Any
+
+    @staticmethod
+    def shared(impl, query, key, scale, compute_dtype, options) -> dict[str, Any]:
+        """The shared fields' values for a call (keywords for a family's Plan)."""
+        import jax.numpy as jnp
+
+        structure = options.structure
+        return dict(
+            scale=float(scale),
+            compute_dtype=jnp.dtype(compute_dtype).name,
+            heads=query.shape[2],
+            kv_heads=key.shape[2],
+            causal=structure.is_causal,
+            window=structure.window,
+            structured=not structure.trivial,
+            soft_cap=options.logits_soft_cap,
+            interpret=impl.interpret,
+        )
+
+    @property
+    def q_heads_per_kv_head(self) -> int:
+        """Query heads per key/value head: head n reads key/value head n // q_heads_per_kv_head."""
+        return self.heads // self.kv_heads
+
+
 def check_kernel(
     what: str,
     runs_on: str,

@@ -21,6 +21,7 @@ import inspect
 import jax.numpy as jnp
 from jax import lax
 
+from gated_attention.attention import base
 from gated_attention.attention.gpu_common import bias_grad_groups, extra_options
 from gated_attention.core import compat
 
@@ -68,11 +69,9 @@ def broadcast_form(shape) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(base.KernelPlan):
     """Static facts of one call, shared by the three kernels."""
 
-    scale: float
-    compute_dtype: str
     block_q: int
     block_k: int
     q_len: int  # before padding: keys at or past k_len are -inf, rows past q_len are sliced off
@@ -81,23 +80,12 @@ class Plan:
     k_pad: int
     head_dim: int  # padded (feature_pad)
     value_dim: int
-    interpret: bool
-    heads: int
-    kv_heads: int
     bias_shapes: tuple  # each bias's [B|1, N|1, T|1, S|1] after padding
     bias_dtypes: tuple  # their dtype names
     mask_shape: tuple | None
-    causal: bool
-    window: tuple | None
-    structured: bool  # causal, window or lengths: the [B, 3] meta ref
     live: bool  # int32 live-query and live-key vectors, dead rows zeroed in shared memory
-    soft_cap: float | None
     row_groups: int  # batch-row groups of the dq/bias-gradient kernel (attention/pallas_triton/implementation.py's scheme)
     warpgroups: int = 2  # 2: a producer and a consumer; 1: one does both (interpreter only)
-
-    @property
-    def q_heads_per_kv_head(self) -> int:
-        return self.heads // self.kv_heads
 
     @property
     def q_blocks(self) -> int:
@@ -171,10 +159,8 @@ class Plan:
             )
 
         groups = bias_grad_groups(batch, heads, q_pad // block_q, biases, impl.bias_grad_programs)
-        structure = options.structure
         return cls(
-            scale=float(scale),
-            compute_dtype=jnp.dtype(compute_dtype).name,
+            **base.KernelPlan.shared(impl, query, key, scale, compute_dtype, options),
             block_q=block_q,
             block_k=block_k,
             q_len=q_len,
@@ -183,17 +169,10 @@ class Plan:
             k_pad=k_pad,
             head_dim=feature_pad(head_dim, itemsize),
             value_dim=feature_pad(value.shape[-1], itemsize),
-            interpret=impl.interpret,
-            heads=heads,
-            kv_heads=key.shape[2],
             bias_shapes=tuple(padded(b.shape) for b in biases),
             bias_dtypes=tuple(jnp.dtype(b.dtype).name for b in biases),
             mask_shape=None if mask is None else padded(mask.shape),
-            causal=structure.is_causal,
-            window=structure.window,
-            structured=not structure.trivial,
             live=bool(live) and jnp.dtype(compute_dtype) != jnp.float32,
-            soft_cap=options.logits_soft_cap,
             row_groups=groups,
             warpgroups=INTERPRET_WARPGROUPS if impl.interpret else 2,
         )

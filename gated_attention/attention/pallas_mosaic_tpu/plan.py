@@ -9,8 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax.numpy as jnp
-
+from gated_attention.attention import base
 from gated_attention.core import memory
 
 
@@ -24,13 +23,10 @@ def pallas_modules():
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(base.KernelPlan):
     """Static facts of one call, shared by the kernels (hashable: a custom_vjp argument)."""
 
-    scale: float
-    compute_dtype: str
     batch: int
-    heads: int
     head_dim: int
     value_dim: int
     q_len: int
@@ -40,13 +36,7 @@ class Plan:
     bias_shapes: tuple
     mask_shape: tuple | None
     live_shapes: tuple | None  # (live queries, live keys) shapes
-    kv_heads: int
-    causal: bool
-    window: tuple | None  # (left, right)
-    structured: bool  # causal, window or lengths: the meta vector in SMEM
-    soft_cap: float | None
     precision: Any
-    interpret: bool | str
 
     @classmethod
     def make(
@@ -65,13 +55,10 @@ class Plan:
     ):
         batch, q_len, heads, head_dim = query.shape
         k_len = key.shape[1]
-        structure = options.structure
         live_shapes = None if live_q is None else (tuple(live_q.shape), tuple(live_k.shape))
         return cls(
-            scale=float(scale),
-            compute_dtype=jnp.dtype(compute_dtype).name,
+            **base.KernelPlan.shared(impl, query, key, scale, compute_dtype, options),
             batch=batch,
-            heads=heads,
             head_dim=head_dim,
             value_dim=value.shape[-1],
             q_len=q_len,
@@ -81,19 +68,8 @@ class Plan:
             bias_shapes=tuple(tuple(b.shape) for b in biases),
             mask_shape=None if mask is None else tuple(mask.shape),
             live_shapes=live_shapes,
-            kv_heads=key.shape[2],
-            causal=structure.is_causal,
-            window=structure.window,
-            structured=not structure.trivial,
-            soft_cap=options.logits_soft_cap,
             precision=options.precision,
-            interpret=impl.interpret,
         )
-
-    @property
-    def q_heads_per_kv_head(self) -> int:
-        """Query heads per key/value head: head n reads key/value head n // q_heads_per_kv_head."""
-        return self.heads // self.kv_heads
 
     @property
     def q_blocks(self) -> int:

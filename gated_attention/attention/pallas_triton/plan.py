@@ -11,7 +11,6 @@ import importlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from gated_attention.attention import base
 from gated_attention.attention.gpu_common import bias_grad_groups, extra_options
@@ -44,11 +43,9 @@ def triton_backend_missing() -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(base.KernelPlan):
     """Static facts of one call, shared by the three kernels (hashable: a custom_vjp argument)."""
 
-    scale: float
-    compute_dtype: str
     block_q: int
     block_k: int
     head_dim: int
@@ -57,20 +54,8 @@ class Plan:
     num_warps: int
     num_stages: int
     precision: Any
-    interpret: bool
-    heads: int
-    kv_heads: int
     has_mask: bool
     has_live: bool
-    causal: bool
-    window: tuple | None  # (left, right)
-    structured: bool  # causal, window or lengths: the [B, 3] meta ref (Structure.meta)
-    soft_cap: float | None
-
-    @property
-    def q_heads_per_kv_head(self) -> int:
-        """Query heads per key/value head: head n reads key/value head n // q_heads_per_kv_head."""
-        return self.heads // self.kv_heads
 
     @classmethod
     def make(
@@ -99,8 +84,7 @@ class Plan:
         q_blocks = -(-q_len // block_q)
         groups = bias_grad_groups(batch, heads, q_blocks, biases, impl.bias_grad_programs)
         return cls(
-            scale=float(scale),
-            compute_dtype=jnp.dtype(compute_dtype).name,
+            **base.KernelPlan.shared(impl, query, key, scale, compute_dtype, options),
             block_q=block_q,
             block_k=min(tile_k, _pow2_tile(k_len)),
             head_dim=head_dim,
@@ -109,15 +93,8 @@ class Plan:
             num_warps=num_warps,
             num_stages=num_stages,
             precision=precision,
-            interpret=impl.interpret,
-            heads=heads,
-            kv_heads=key.shape[2],
             has_mask=mask is not None,
             has_live=live_q is not None,
-            causal=options.structure.is_causal,
-            window=options.structure.window,
-            structured=not options.structure.trivial,
-            soft_cap=options.logits_soft_cap,
         )
 
     def call(self, kernel, grid, out_shape, args, name, aliases=None):
