@@ -487,7 +487,7 @@ def test_chunked_skips_the_tiles_the_structure_masks():
     whole (no mask built) and i in part; key tile j is met by query tiles j..3: forward and
     backward do 10 of 16 tiles. A window and key lengths cut more."""
     t = chunked_plan.Tiling(1.0, 2, 2, 8, 8, 1, jnp.float32)
-    causal = masking.Structure(is_causal=True)
+    causal = masking.StructuredMask(is_causal=True)
     assert _runs(lambda i: chunked_tiles._key_runs(causal, i, t), 4) == [
         (0, 0, 0, 1),
         (0, 0, 1, 2),
@@ -500,7 +500,7 @@ def test_chunked_skips_the_tiles_the_structure_masks():
         (2, 3, 4, 4),
         (3, 4, 4, 4),
     ]
-    window = masking.Structure(is_causal=True, window=(2, 0), kv_lengths=jnp.array([5, 3]))
+    window = masking.StructuredMask(is_causal=True, window=(2, 0), kv_lengths=jnp.array([5, 3]))
     # Query tile 3 (rows 6, 7) reaches keys 4..7, but no row has a key beyond 4: tile 2 only,
     # in part (row 1 has no key beyond 2).
     assert _runs(lambda i: chunked_tiles._key_runs(window, i, t), 4) == [
@@ -594,7 +594,7 @@ def _options(**kwargs):
     structure = {
         k: kwargs.pop(k) for k in ("is_causal", "window", "q_lengths", "kv_lengths") if k in kwargs
     }
-    return ga.attention.base.Options(masking.Structure(**structure), **kwargs)
+    return ga.attention.base.Options(masking.StructuredMask(**structure), **kwargs)
 
 
 REFUSALS = {

@@ -117,7 +117,7 @@ def test_key_loops_skip_exactly_the_tiles_the_structure_masks_whole():
     impl = ga.MosaicAttention(block_k=64, interpret=True)
     for kw in (dict(is_causal=True), dict(local_window_size=(150, 40)), harness.STRUCTURED):
         kw = {**lengths, **kw}
-        structure = masking.Structure(kw.get("is_causal", False), kw.get("local_window_size"))
+        structure = masking.StructuredMask(kw.get("is_causal", False), kw.get("local_window_size"))
         options = ga.attention.base.Options(structure)
         plan = mosaic.Plan.make(impl, q, kv, kv, (), None, 1.0, jnp.float32, options)
         allowed = harness.allowed_by(t, s, kw)[:, 0]

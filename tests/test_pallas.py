@@ -270,7 +270,7 @@ def test_loops_skip_exactly_the_tiles_the_structure_masks_whole():
     impl = ga.PallasAttention(block_q=64, block_k=32, interpret=True)
     for kw in (dict(is_causal=True), dict(local_window_size=(150, 40)), harness.STRUCTURED):
         kw = {**lengths, **kw}
-        structure = masking.Structure(kw.get("is_causal", False), kw.get("local_window_size"))
+        structure = masking.StructuredMask(kw.get("is_causal", False), kw.get("local_window_size"))
         options = ga.attention.base.Options(structure)
         plan = pallas_plan.Plan.make(impl, q, kv, kv, (), 1.0, jnp.float32, None, options=options)
         tiles = pallas_kernels._Tiles(plan, t, s, 0)

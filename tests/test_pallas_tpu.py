@@ -164,7 +164,7 @@ def test_skips_exactly_the_tiles_the_structure_masks_whole():
     }
     for kw in (dict(is_causal=True), dict(local_window_size=(150, 40)), harness.STRUCTURED):
         kw = {**lengths, **kw}
-        structure = masking.Structure(kw.get("is_causal", False), kw.get("local_window_size"))
+        structure = masking.StructuredMask(kw.get("is_causal", False), kw.get("local_window_size"))
         options = ga.attention.base.Options(structure)
         plan = pallas_tpu_plan.Plan.make(INTERPRETED, q, kv, kv, (), None, 1.0, jnp.float32,
                                          options, None, None)  # fmt: skip

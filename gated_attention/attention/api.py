@@ -117,7 +117,7 @@ def _options(
         None if x is None else jnp.reshape(jnp.asarray(x, jnp.int32), batch_dims)
         for x in (q_lengths, kv_lengths)
     )
-    structure = masking.Structure(is_causal, window, *lengths)
+    structure = masking.StructuredMask(is_causal, window, *lengths)
     return base.Options(
         structure, None if soft_cap is None else float(soft_cap), _precision(precision), residual
     )

@@ -7,7 +7,7 @@ batch dimensions flattened to one:
   biases: a tuple of float arrays [B|1, N|1, T|1, S|1]          (added; possibly empty)
   mask: None or bool [B|1, N|1, T|1, S|1]                       (True = attend)
   options: `Options`, what jax.nn's and tokamax's further arguments ask: the causal, window and
-    length masks as a masking.Structure (never an array of mask), the logits' soft cap, the
+    length masks as a masking.StructuredMask (never an array of mask), the logits' soft cap, the
     dots' precision, and whether to return the residual
 
 and returns [B, T, N, Hv] in query's dtype, or with options.return_residual the pair (that, the
@@ -52,7 +52,7 @@ class Options:
         ring.py, differentiates through it); else it is a constant.
     """
 
-    structure: masking.Structure = masking.NONE
+    structure: masking.StructuredMask = masking.NONE
     logits_soft_cap: float | None = None
     precision: Any = None
     return_residual: bool = False
@@ -175,7 +175,7 @@ class Implementation(abc.ABC):
 
 
 def live_shapes(structure, mask, q_len: int, k_len: int):
-    """The shapes (jax.ShapeDtypeStructs) of masking.Structure.live's live queries and keys for
+    """The shapes (jax.ShapeDtypeStructs) of masking.StructuredMask.live's live queries and keys for
     this mask (an array, a jax.ShapeDtypeStruct or None), or (None, None): what a plan needs of
     them, known before they are computed."""
     return jax.eval_shape(lambda s, m: s.live(m, q_len, k_len), structure, mask)
@@ -192,7 +192,7 @@ class KernelPlan:
     kv_heads: int
     causal: bool
     window: tuple | None  # (left, right)
-    structured: bool  # causal, window or lengths: the kernels read Structure.meta
+    structured: bool  # causal, window or lengths: the kernels read StructuredMask.meta
     soft_cap: float | None
     interpret: Any
 

@@ -1,7 +1,7 @@
 """Masks described, never materialized: causal, local window and sequence lengths.
 
 jax.nn.dot_product_attention's `is_causal`, `local_window_size`, `query_seq_lengths` and
-`key_value_seq_lengths` each mask a regular pattern of (query, key) pairs. A `Structure` describes
+`key_value_seq_lengths` each mask a regular pattern of (query, key) pairs. A `StructuredMask` describes
 them, and every implementation asks it, inside its own tiles:
 
 * `block(q_start, q_size, k_start, k_size)`: the boolean block of one tile, from iotas;
@@ -155,7 +155,7 @@ def tiles(lo, hi, size: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class Structure:
+class StructuredMask:
     """Causal, window and length masks of one call (a pytree: the lengths are its leaves).
 
     Attributes:
@@ -181,7 +181,7 @@ class Structure:
     def has_lengths(self) -> bool:
         return self.q_lengths is not None or self.kv_lengths is not None
 
-    def rows(self, take) -> Structure:
+    def rows(self, take) -> StructuredMask:
         """The structure of some batch rows: take(x) selects them from a [B] length array."""
         q, kv = (None if x is None else take(x) for x in (self.q_lengths, self.kv_lengths))
         return dataclasses.replace(self, q_lengths=q, kv_lengths=kv)
@@ -307,9 +307,9 @@ def _any_between(mask, axis: int, lo, hi):
 
 
 jax.tree_util.register_dataclass(
-    Structure,
+    StructuredMask,
     data_fields=["q_lengths", "kv_lengths", "q_offset"],
     meta_fields=["is_causal", "window"],
 )
 
-NONE = Structure()
+NONE = StructuredMask()

@@ -12,10 +12,10 @@ so computing in them is slower than float32 and less accurate. Policies:
 float32 and float64 inputs are always computed as given; outputs keep the input dtype.
 
 Masks. A boolean mask [B|1, N|1, T|1, S|1] (True = attend) and the structured masks
-(masking.Structure: causal, window, lengths) apply in three steps, each an implementation's to
+(masking.StructuredMask: causal, window, lengths) apply in three steps, each an implementation's to
 take inside its own tiles:
   1. `zero_dead_inputs`: queries with no key to attend to, and keys (and values) that no query of
-     their batch row and head attends to, are set to zero; masking.Structure.live says which,
+     their batch row and head attends to, are set to zero; masking.StructuredMask.live says which,
      exactly, from the mask's prefix counts. Whatever those positions held (NaN, inf, 1e12
      padding garbage) then reaches no unmasked output and no gradient of an unmasked input. This
      costs O(T·H + S·H), not a pass over the [.., T, S] logits.

@@ -11,7 +11,7 @@ issued before this block's attention so that XLA can overlap them.
 Biases and masks ([..., N|1, T|1, S|1]): one with a query axis is split with the queries and stays
 (each step slices its key block, as the logits it is added to are laid out); one with a key axis
 only travels with the keys; one with neither is replicated. Causal, window and length masks are
-shifted to each block's positions (masking.Structure's q_offset), and a block that the causal or
+shifted to each block's positions (masking.StructuredMask's q_offset), and a block that the causal or
 window mask hides from all of a device's queries is skipped (lax.cond): it gives what a block
 without keys gives (_keyless), so a query with no key anywhere gets the uniform average of all
 values, as on one device.
@@ -91,7 +91,7 @@ def attend(
     value: jax.Array,
     biases: tuple,
     mask: jax.Array | None,
-    structure: masking.Structure,
+    structure: masking.StructuredMask,
     *,
     residual: bool,
     manual: bool = False,
@@ -201,7 +201,7 @@ class _Ring:
     attend_block: Callable[..., tuple[jax.Array, jax.Array]]
     axes: Any
     devices: int
-    static: masking.Structure
+    static: masking.StructuredMask
 
     def send(self, carry):
         """carry passed on round the ring: block d + 1 -> device d."""

@@ -160,7 +160,7 @@ def shard_attention(
 
     The arrays are dot_product_attention's validated inputs: query [*batch, T, N, H], key/value
     [*batch, S, K, H]; each bias and the mask [*batch|1, N|1, T|1, S|1]; structure a
-    masking.Structure with lengths [*batch] (or None). The mesh axes sharding query's batch, head
+    masking.StructuredMask with lengths [*batch] (or None). The mesh axes sharding query's batch, head
     and position dimensions become manual: every input is brought to query's layout over them
     (keys and values replicated along S and the channels, and along heads when K == 1; biases and
     mask along their size-1 and S dimensions; lengths along the batch) and the output comes back

@@ -195,8 +195,8 @@ def _p_and_ds(plan: Plan, s, cap_grad, lse_ref, delta_ref, do_ref, v_ref, transp
     q_axis = 1 if transposed else 0
     lse = ops.load(lse_ref, axis=1 - q_axis)
     p = jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, (q_axis,)))
-    left, right = (v_ref, do_ref) if transposed else (do_ref, v_ref)
-    dp = ops.dot(left, right, trans_b=True)
+    lhs, rhs = (v_ref, do_ref) if transposed else (do_ref, v_ref)
+    dp = ops.dot(lhs, rhs, trans_b=True)
     delta = ops.load(delta_ref, axis=1 - q_axis)
     ds = p * (dp - lax.broadcast_in_dim(delta, s.shape, (q_axis,)))
     if cap_grad is not None:

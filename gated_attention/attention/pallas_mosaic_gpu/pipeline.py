@@ -200,7 +200,7 @@ class Meta(NamedTuple):
 
 
 def row_structure(meta_ref, b):
-    """Batch row b's structure scalars (masking.Structure.meta), or None."""
+    """Batch row b's structure scalars (masking.StructuredMask.meta), or None."""
     if meta_ref is None:
         return None
     return Meta(meta_ref[b, 0], meta_ref[b, 1], meta_ref[b, 2])

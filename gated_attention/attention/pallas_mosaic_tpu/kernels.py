@@ -41,7 +41,7 @@ class _Extras(NamedTuple):
     mask: Any  # int8 [N|1, bq|1, bk|1] tile
     live_q: Any  # float32 [N|1, bq|1] tile
     live_k: Any  # float32 [N|1, bk|1] tile
-    meta: Any  # int32 [3 * B] in SMEM (masking.Structure.meta, flat)
+    meta: Any  # int32 [3 * B] in SMEM (masking.StructuredMask.meta, flat)
 
 
 def any_allowed(plan: Plan, i, j, offset, q_length, kv_length):

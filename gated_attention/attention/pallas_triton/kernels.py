@@ -42,7 +42,7 @@ class _Extras(NamedTuple):
     mask: Any  # int8 [B|1, N|1, T|1, S|1]
     live_q: Any  # int8 [B|1, N|1, T|1]
     live_k: Any  # int8 [B|1, N|1, S|1]
-    meta: Any  # int32 [B, 3] (masking.Structure.meta)
+    meta: Any  # int32 [B, 3] (masking.StructuredMask.meta)
 
 
 class _Structure(NamedTuple):

@@ -17,7 +17,7 @@ D = rowsum(dO * O); per tile p = exp(s - lse), dv += p^T dO, dp = dO v^T, ds = p
 (times the soft cap's derivative; zero where masked), dq += ds k, dk += ds^T q, dbias += ds summed
 to the bias's own shape. The logsumexp is also returned (return_residual), without gradient.
 
-The causal, window and length masks (masking.Structure) are built per tile from iotas, and only
+The causal, window and length masks (masking.StructuredMask) are built per tile from iotas, and only
 where a tile is masked in part: forward and backward skip the tiles they mask whole and build no
 mask in the tiles they keep whole (_Runs), so a causal call does about half the work. Grouped-query
 attention (K key/value heads under N query heads) gives the query side a group axis,
@@ -184,7 +184,7 @@ class _Blocks:
     def inputs(self, query, key, value, i):
         """Block i's head-major q (grouped), k, v with dead positions zeroed and padded, its
         value as given (for the rows without a key), the structure of its rows and its live
-        queries and keys (masking.Structure.live, unpadded)."""
+        queries and keys (masking.StructuredMask.live, unpadded)."""
         t = self.t
         structure = self.structure.rows(lambda x: self.rows(x, i))
         live = structure.live(self.rows(self.mask, i), t.q_len, t.kv_len)
