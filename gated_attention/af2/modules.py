@@ -98,8 +98,8 @@ class _AttentionModule(hk.Module):
         remat = remat_saveable(self.global_config.remat_policy)
 
         @functools.cache
-        def branch(compute, rows):
-            def run(params, *args):
+        def branch(compute, rows):  # one per (compute dtype, tile rows): kinds alike share it
+            def in_tiles(params, *args):
                 forward = make_forward(
                     implementation, compute, numerics.cast_floats(params, compute)
                 )
@@ -109,13 +109,13 @@ class _AttentionModule(hk.Module):
                     forward, args, subbatch_size=rows, batched=batched, axis=axis, remat=remat
                 )
 
-            return run
+            return in_tiles
 
-        placement = placement.rows
-        if placement is not None:  # each device its own rows: the tiles' rule sees those
-            batch //= math.prod(placement[0].shape[a] for a in placement[1])
+        rows = placement.rows
+        if rows is not None:  # each device its own rows: the tiles' rule sees those
+            batch //= math.prod(rows[0].shape[a] for a in rows[1])
 
-        def run(params, *args):
+        def per_platform(params, *args):
             plans = {
                 kind: (
                     numerics.compute_dtype(dtype, policy, backend=kind),
@@ -126,13 +126,15 @@ class _AttentionModule(hk.Module):
             branches = {kind: branch(*plan) for kind, plan in plans.items()}
             return platforms.dispatch(branches, params, *args)
 
-        if placement is None:
-            return run(params, *args)
+        if rows is None:
+            return per_platform(params, *args)
         # The parameters enter as a (replicated) argument: a shard_map may not close over values
         # typed on Explicit mesh axes, as parameters placed on the mesh are.
         dims = [None, *(axis if flag else None for flag in batched)]
         out_dim = axis % args[0].ndim
-        return sharding.on_rows(run, (params, *args), placement, row_dims=dims, out_dims=out_dim)
+        return sharding.on_rows(
+            per_platform, (params, *args), rows, row_dims=dims, out_dims=out_dim
+        )
 
 
 # The module's own tiling for speed on CPU, where a tile whose logits stay near TILE_BYTES stays
