@@ -1,6 +1,6 @@
 """The Pallas kernels compiled for an A100 (sm_80) and an H100 (sm_90) by XLA's GPU compiler and
-ptxas, deviceless (gated_attention_tools/gpu_kernels.py): with the tiles of pallas_tiles' table
-(two cases here are forms whose tiles differ from the heaviest form's), every
+ptxas, deviceless (gated_attention_tools/kernel_matrix/pallas_triton.py): with the tiles of
+pallas_tiles' table (two cases here are forms whose tiles differ from the heaviest form's), every
 kernel of a case compiles with 0 spill bytes, within the target's shared memory, and with
 tensor-core MMA instructions wherever the precision allows them. A covering subset of the matrix
 (every dtype, every padded head dim, every bias and mask form, both targets, lengths that are not
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from gated_attention_tools import gpu_kernels, targets
+from gated_attention_tools import targets
+from gated_attention_tools.kernel_matrix import pallas_triton
 
 CASES = {
     "a100": [
@@ -46,8 +47,8 @@ def test_kernels_compile_without_spills_and_use_the_tensor_cores(target):
             "with 0.12.0.1); these checks run on jax 0.10.2"
         )
     for case, stats in zip(cases, results, strict=True):
-        assert set(stats["kernels"]) == set(gpu_kernels.KERNELS), (case, stats)
-        assert gpu_kernels.verdict(target, case, stats) == [], (case, stats["kernels"])
+        assert set(stats["kernels"]) == set(pallas_triton.KERNELS), (case, stats)
+        assert pallas_triton.verdict(target, case, stats) == [], (case, stats["kernels"])
         ieee = case["dtype"] == "float32" and case["precision"] == "highest"
         assert all(k["mma"] != ieee for k in stats["kernels"].values()), case  # IEEE: scalar FMA
 
@@ -62,16 +63,17 @@ MOSAIC_CASES = [
 
 def test_mosaic_kernels_compile_for_hopper_without_spills_on_wgmma():
     """The Mosaic GPU kernels compiled for an H100 (sm_90a): each of the three compiles with 0
-    spill bytes and wgmma instructions, within the H100's shared memory (mosaic_matrix)."""
-    from gated_attention_tools import mosaic_matrix
+    spill bytes and wgmma instructions, within the H100's shared memory
+    (kernel_matrix/pallas_mosaic_gpu.py)."""
+    from gated_attention_tools.kernel_matrix import pallas_mosaic_gpu
 
     reason = targets.missing("h100")
     if reason:
         pytest.skip(f"cannot compile for h100: {reason}")
     cases = [dict(case, precision="default") for case in MOSAIC_CASES]
-    rows = mosaic_matrix.run(cases, per_child=len(cases), log=lambda line: None)
+    rows = pallas_mosaic_gpu.run(cases, per_child=len(cases), log=lambda line: None)
     for row in rows:
         assert "refused" not in row and row["problems"] == [], row
-        assert set(row["kernels"]) == set(mosaic_matrix.KERNELS), row["kernels"]
+        assert set(row["kernels"]) == set(pallas_mosaic_gpu.KERNELS), row["kernels"]
         for kernel in row["kernels"].values():
             assert kernel["arch"] == "sm_90a" and kernel["wgmma"], kernel

@@ -1,5 +1,5 @@
 """The Pallas GPU kernels' tile table (gated_attention/attention/pallas_triton/tile_table.py and .json): the shipped
-table is what gated_attention_tools/gpu_tiles.py makes of the kernel matrices' results, it gives
+table is what gated_attention_tools/kernel_matrix/tile_table.py makes of the kernel matrices' results, it gives
 every key the tiles the hand tables it replaced gave, the fields a user gives still win, and a key
 it lacks gets the fallback."""
 
@@ -16,13 +16,13 @@ from jax import lax
 
 import gated_attention as ga
 from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
-from gated_attention_tools import gpu_kernels, gpu_tiles
+from gated_attention_tools.kernel_matrix import pallas_triton, tile_table
 
 # Every key's tiles as the hand tables and their precedence gave them before the generated table
-# (gpu_tiles.UNRECORDED_* are those tables, as the results were compiled with them), frozen as
+# (tile_table.UNRECORDED_* are those tables, as the results were compiled with them), frozen as
 # a digest of the sorted (key, tiles) pairs: a change to any key's tiles fails here, so it is
 # made on purpose, with the results regenerated. Changed on purpose once since: with the B200 among
-# gpu_tiles.TARGETS, 12 keys whose tiles spilled there took candidates clean on all three targets
+# tile_table.TARGETS, 12 keys whose tiles spilled there took candidates clean on all three targets
 # (benchmark_results/gpu_kernels/*_candidates.json; before: 9397f6b6...858355365f71).
 FROZEN_TABLE_DIGEST = "4c6ce1efaa603887b53472ae3d782a06101c05568875de01578867fb94602796"
 OLD_FALLBACK = (16, 16, 4, 1)
@@ -34,20 +34,20 @@ def old_keys():
     for kind in ("float32", "half"):
         for level in PRECISIONS if kind == "float32" else ("default",):
             yield from itertools.product(
-                [kind], [level], (16, 32, 64, 128), (False, True), gpu_kernels.BIASES,
-                gpu_kernels.MASKS,
+                [kind], [level], (16, 32, 64, 128), (False, True), pallas_triton.BIASES,
+                pallas_triton.MASKS,
             )  # fmt: skip
 
 
 def generated():
-    return gpu_tiles.generate(gpu_tiles.load_rows(gpu_tiles.RESULTS.glob("*.json")))
+    return tile_table.generate(tile_table.load_rows(tile_table.RESULTS.glob("*.json")))
 
 
 def test_the_shipped_table_is_what_the_generator_makes_of_the_results():
     """A hand edit of pallas_tiles.json, or results it was not regenerated from, fails here:
-    `python -m gated_attention_tools.gpu_tiles` regenerates it."""
-    assert gpu_tiles.render(generated()) == pallas_tiles.TABLE_FILE.read_text()
-    assert gpu_tiles.main(["--check"]) == 0
+    `python -m gated_attention_tools.kernel_matrix.tile_table` regenerates it."""
+    assert tile_table.render(generated()) == pallas_tiles.TABLE_FILE.read_text()
+    assert tile_table.main(["--check"]) == 0
 
 
 def _digest(table) -> str:
@@ -82,11 +82,11 @@ def test_given_fields_override_the_table_and_missing_keys_get_the_fallback():
     assert pallas_tiles.lookup(jnp.bfloat16, lax.Precision.HIGH, 64) == pallas_tiles.FALLBACK
 
 
-def _recorded(rows, key, tiles, spill=0, targets=gpu_tiles.TARGETS):
+def _recorded(rows, key, tiles, spill=0, targets=tile_table.TARGETS):
     """Rows compiling every case of `key` with `tiles` (recorded), from the results' rows."""
     out = []
     for row in rows:
-        if gpu_tiles.case_key(row["case"]) == key and row["target"] in targets:
+        if tile_table.case_key(row["case"]) == key and row["target"] in targets:
             row = copy.deepcopy(row)
             row["tiles"] = list(tiles)
             for kernel in row["kernels"].values():
@@ -98,7 +98,7 @@ def _recorded(rows, key, tiles, spill=0, targets=gpu_tiles.TARGETS):
 
 
 def test_the_rule_takes_the_largest_clean_tiles_then_the_nearest_clean_ones():
-    rows = gpu_tiles.load_rows(gpu_tiles.RESULTS.glob("*.json"))
+    rows = tile_table.load_rows(tile_table.RESULTS.glob("*.json"))
     heavy = ("float32", "default", 32, False, "both", "full")
     light = ("float32", "default", 32, False, "shared", "key")
     candidates = (
@@ -109,7 +109,7 @@ def test_the_rule_takes_the_largest_clean_tiles_then_the_nearest_clean_ones():
         + _recorded(rows, light, (64, 32, 4, 2))  # one halving away
         + _recorded(rows, light, (64, 64, 8, 2))  # one field away, larger: taken
     )
-    table = gpu_tiles.generate(rows + candidates)
+    table = tile_table.generate(rows + candidates)
     assert table[heavy] == (64, 64, 4, 2)
     assert table[light] == (64, 64, 8, 2)
     unchanged = {k: v for k, v in generated().items() if k[:3] != heavy[:3] or k[3]}
@@ -118,25 +118,25 @@ def test_the_rule_takes_the_largest_clean_tiles_then_the_nearest_clean_ones():
     options = ("half", "default", 64, True)
     assert {
         table[(*options, *form)]
-        for form in itertools.product(gpu_kernels.BIASES, gpu_kernels.MASKS)
-    } == {table[(*options, *gpu_tiles.HEAVIEST)]}
+        for form in itertools.product(pallas_triton.BIASES, pallas_triton.MASKS)
+    } == {table[(*options, *tile_table.HEAVIEST)]}
     with pytest.raises(ValueError, match="no tile compiled clean"):
-        gpu_tiles.generate([r for r in rows if gpu_tiles.case_key(r["case"]) != heavy])
+        tile_table.generate([r for r in rows if tile_table.case_key(r["case"]) != heavy])
     wrong = _recorded(rows, light, (64, 64, 8, 2))
     for row in wrong:
         row["tiles"][2] = 4
     with pytest.raises(ValueError, match="threads"):
-        gpu_tiles.generate(rows + wrong)
+        tile_table.generate(rows + wrong)
 
 
 def test_an_exempt_key_is_clean_on_the_other_targets_and_its_entry_errs_once_a_tile_is_clean():
-    """gpu_tiles.EXEMPT lets a key off a target no candidate compiled clean on; a tile clean on
+    """tile_table.EXEMPT lets a key off a target no candidate compiled clean on; a tile clean on
     every target makes the entry stale (an error), and without the entry the key has no tile."""
-    rows = gpu_tiles.load_rows(gpu_tiles.RESULTS.glob("*.json"))
+    rows = tile_table.load_rows(tile_table.RESULTS.glob("*.json"))
     table = generated()
-    for key, targets in gpu_tiles.EXEMPT.items():
-        assert set(targets) < set(gpu_tiles.TARGETS)
-        others = [t for t in gpu_tiles.TARGETS if t not in targets]
+    for key, targets in tile_table.EXEMPT.items():
+        assert set(targets) < set(tile_table.TARGETS)
+        others = [t for t in tile_table.TARGETS if t not in targets]
         assert _recorded(rows, key, table[key], targets=others)  # compiled on the others
         clean = _recorded(rows, key, (16, 16, 8, 5))  # a tile never compiled
         for row in clean:
@@ -144,12 +144,12 @@ def test_an_exempt_key_is_clean_on_the_other_targets_and_its_entry_errs_once_a_t
             for kernel in row["kernels"].values():
                 kernel["spill_load_bytes"] = 0
         with pytest.raises(ValueError, match="EXEMPT"):
-            gpu_tiles.generate(rows + clean)
-    if gpu_tiles.EXEMPT:
-        exempt = dict(gpu_tiles.EXEMPT)
+            tile_table.generate(rows + clean)
+    if tile_table.EXEMPT:
+        exempt = dict(tile_table.EXEMPT)
         try:
-            gpu_tiles.EXEMPT.clear()
+            tile_table.EXEMPT.clear()
             with pytest.raises(ValueError, match="no tile compiled clean"):
-                gpu_tiles.generate(rows)
+                tile_table.generate(rows)
         finally:
-            gpu_tiles.EXEMPT.update(exempt)
+            tile_table.EXEMPT.update(exempt)

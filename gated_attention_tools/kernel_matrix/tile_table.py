@@ -1,13 +1,14 @@
-"""The Pallas GPU kernels' tile table, gated_attention/attention/pallas_triton/tile_table.json, generated from the kernel
-matrices' ptxas results (benchmark_results/gpu_kernels/*.json, written by gpu_kernels.py).
+"""The Pallas Triton kernels' tile table, gated_attention/attention/pallas_triton/tile_table.json, generated from the
+kernel matrices' ptxas results (benchmark_results/gpu_kernels/*.json, written by
+kernel_matrix/pallas_triton.py).
 
-    python -m gated_attention_tools.gpu_tiles           # writes the table
-    python -m gated_attention_tools.gpu_tiles --check   # exit status 1 where the shipped one differs
+    python -m gated_attention_tools.kernel_matrix.tile_table           # writes the table
+    python -m gated_attention_tools.kernel_matrix.tile_table --check   # exit status 1 where the shipped one differs
 
 A results row is one case (dtype, head dim, bias and mask forms, precision, the op's further
 arguments or not) compiled for one target with one tile, (block_q, block_k, num_warps,
 num_stages). A key of the table (pallas_tiles.table_key) holds every case of the matrix
-(gpu_kernels.matrix) whose dtype kind, precision and padded head dim, further arguments and forms
+(pallas_triton.matrix) whose dtype kind, precision and padded head dim, further arguments and forms
 map to it. A tile is clean for a key when every case of the key compiled with it for every target
 of TARGETS (less the key's EXEMPT ones) with 0 spill bytes in all three kernels, shared memory
 within the A100's (the smallest) limit and MMA instructions in every non-IEEE kernel. Per key the
@@ -16,7 +17,7 @@ further arguments the largest; for any other key the one nearest that (fewest ch
 halved block counting once per halving; then the largest). The further arguments' matrix compiles
 the heaviest form only: every form takes its tile.
 
-Rows record the tile they compiled with (`tiles`, gpu_kernels.py); rows without one compiled with
+Rows record the tile they compiled with (`tiles`, pallas_triton.py); rows without one compiled with
 the tiles of UNRECORDED, checked against each kernel's thread count (num_warps x 32).
 """
 
@@ -32,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
-from gated_attention_tools import gpu_kernels
+from gated_attention_tools.kernel_matrix import pallas_triton
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmark_results" / "gpu_kernels"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmark_results" / "gpu_kernels"
 TARGETS = ("a100", "h100", "b200")  # a tile must compile clean for every one
 # Keys no compiled candidate made clean on every target, with the targets they are let off: a key
 # here must be clean on the others, and a tile clean on every target makes the entry an error.
@@ -44,10 +45,10 @@ TARGETS = ("a100", "h100", "b200")  # a tile must compile clean for every one
 EXEMPT = {("float32", "high", 128, False, "both", "full"): ("b200",)}
 KINDS = ("float32", "half")
 LEVELS = ("default", "high", "highest")
-HEAD_DIMS = (16, 32, 64, 128)  # gpu_kernels.HEAD_DIMS padded (pallas_tiles._pow2_tile)
+HEAD_DIMS = (16, 32, 64, 128)  # pallas_triton.HEAD_DIMS padded (pallas_tiles._pow2_tile)
 HEAVIEST = pallas_tiles.HEAVIEST_FORM
 
-# Rows without a `tiles` field (gpu_kernels recorded none when they were compiled) compiled with
+# Rows without a `tiles` field (pallas_triton recorded none when they were compiled) compiled with
 # these, the hand tables attention/pallas_triton/implementation.py had: a base by (dtype kind, level, padded head dim; a key not
 # listed: pallas_tiles.FALLBACK), replaced by UNRECORDED_FORMS' entry for a bias and mask form, and
 # with the op's further arguments by UNRECORDED_OPTIONS' or else the base with 8 warps (IEEE
@@ -151,13 +152,15 @@ def clean(row: dict[str, Any]) -> bool:
         and not kernels[name]["spill_load_bytes"]
         and kernels[name].get("shared_memory_bytes", 0) <= pallas_tiles.SHARED_MEMORY_LIMIT
         and (kernels[name]["mma"] or not wants_mma)
-        for name in gpu_kernels.KERNELS
+        for name in pallas_triton.KERNELS
     )
 
 
 def expected_cases() -> dict[tuple, set[tuple]]:
     """{table key: its matrix cases}: every form without the further arguments, the heaviest with."""
-    cases = gpu_kernels.matrix() + gpu_kernels.matrix([HEAVIEST[0]], [HEAVIEST[1]], options=True)
+    cases = pallas_triton.matrix() + pallas_triton.matrix(
+        [HEAVIEST[0]], [HEAVIEST[1]], options=True
+    )
     expected = defaultdict(set)
     for case in cases:
         expected[case_key(case)].add(_case_id(case))
@@ -222,8 +225,8 @@ def generate(rows: Iterable[dict[str, Any]]) -> dict[tuple, tuple[int, int, int,
         raise ValueError(f"no tile compiled clean for every target in every case of {missing}")
     for key in list(table):
         if key[3:] == (True, *HEAVIEST):
-            for bias in gpu_kernels.BIASES:
-                for mask in gpu_kernels.MASKS:
+            for bias in pallas_triton.BIASES:
+                for mask in pallas_triton.MASKS:
                     table.setdefault((*key[:4], bias, mask), table[key])
     return table
 
@@ -235,8 +238,8 @@ def _order(key) -> tuple:
         LEVELS.index(level),
         head_dim,
         options,
-        gpu_kernels.BIASES.index(bias),
-        gpu_kernels.MASKS.index(mask),
+        pallas_triton.BIASES.index(bias),
+        pallas_triton.MASKS.index(mask),
     )
 
 
@@ -245,7 +248,7 @@ def render(table: dict[tuple, tuple[int, int, int, int]]) -> str:
     rows = [json.dumps([*key, *table[key]]) for key in sorted(table, key=_order)]
     lines = [
         "{",
-        ' "generated_by": "python -m gated_attention_tools.gpu_tiles (do not edit by hand)",',
+        ' "generated_by": "python -m gated_attention_tools.kernel_matrix.tile_table (do not edit by hand)",',
         f' "columns": {json.dumps(list(pallas_tiles.COLUMNS))},',
         ' "tiles": [',
         ",\n".join(f"  {row}" for row in rows),

@@ -1,26 +1,24 @@
-"""The Pallas TPU kernels (attention/pallas_mosaic_tpu/implementation.py) compiled for TPU targets by libtpu, deviceless.
+"""The Mosaic TPU kernels (gated_attention/attention/pallas_mosaic_tpu/) compiled for TPU targets by libtpu, deviceless.
 
-For one case (dtype, head dim, bias and mask forms, lengths) `compile_case` asks
+For one case (common.FIELDS: dtype, head dim, bias and mask forms, lengths) `compile_case` asks
 PallasTpuAttention.check whether it takes the case on a TPU, then compiles the op's forward and
-its gradient (the cotangent an argument) for the target: which Mosaic kernels the program holds
-and its device memory. Mosaic fails a compile whose kernels exceed the scoped VMEM, so a compile
-is the proof that every kernel fits. Nothing runs on a TPU: these say what compiles, never how fast.
+its gradient (the cotangent an argument) for the target, and reads (`read`) which Mosaic kernels
+the program holds and its device memory. Mosaic fails a compile whose kernels exceed the scoped
+VMEM, so a compile is the proof that every kernel fits. Nothing runs on a TPU: these say what
+compiles, never how fast.
 
-  python -m gated_attention_tools.tpu_kernels --target v5e --out benchmark_results/tpu_kernels/v5e.json
+  python -m gated_attention_tools.kernel_matrix.pallas_mosaic_tpu --target v5e --out benchmark_results/tpu_kernels/v5e.json
 
 compiles the whole case matrix in a child process and writes a markdown summary beside it.
 """
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 from gated_attention_tools import targets
+from gated_attention_tools.kernel_matrix import common
 
 KERNELS = (
     "gated_attention_tpu_forward",
@@ -30,17 +28,14 @@ KERNELS = (
 )
 DTYPES = ("float32", "bfloat16")
 HEAD_DIMS = (8, 16, 32, 64, 128)
-# Bias forms over [B, N, T, S] ('1' broadcast) and mask forms; 'both' is AF2's row attention.
-BIASES = {"shared": ("1NTS",), "per_row": ("BNTS",), "both": ("1NTS", "B11S"), "none": ()}
-MASKS = {"key": "B11S", "full": "BNTS", "none": None}
+# The bias forms' operands over [B, N, T, S] ('1' broadcast): 'both' is AF2's row attention.
+BIAS_SHAPES = {"shared": ("1NTS",), "per_row": ("BNTS",), "both": ("1NTS", "B11S"), "none": ()}
+MASK_SHAPES = common.MASK_SHAPES
+SIZES = common.Sizes(batch=2, q_len=300, k_len=260, heads=4)  # lengths no tile (128) divides
 
 
 def case_name(case: dict[str, Any]) -> str:
-    name = (
-        f"{case['dtype']} H{case['head_dim']} bias={case['bias']} mask={case['mask']} "
-        f"B={case.get('batch', 2)} T={case.get('q_len', 300)} S={case.get('k_len', 260)}"
-    )
-    return name + (" +options" if case.get("options") else "")
+    return common.case_name(case, SIZES, batch=True)
 
 
 def compile_case(
@@ -49,10 +44,10 @@ def compile_case(
     head_dim: int,
     bias: str,
     mask: str,
-    batch: int = 2,
-    q_len: int = 300,
-    k_len: int = 260,
-    heads: int = 4,
+    batch: int = SIZES.batch,
+    q_len: int = SIZES.q_len,
+    k_len: int = SIZES.k_len,
+    heads: int = SIZES.heads,
     options: bool = False,
 ) -> dict[str, Any]:
     """Compiles one case's forward and gradient with PallasTpuAttention for `target` (call in a
@@ -67,21 +62,20 @@ def compile_case(
     from gated_attention.attention import base
     from gated_attention.core import masking
 
-    sizes = {"B": batch, "N": heads, "T": q_len, "S": k_len, "1": 1}
-    dims = lambda spec: tuple(sizes[c] for c in spec)
+    sizes = common.Sizes(batch, q_len, k_len, heads)
     dt = jnp.dtype(dtype)
     sd = jax.ShapeDtypeStruct
     q = sd((batch, q_len, heads, head_dim), dt)
     kv = sd((batch, k_len, heads // 2 if options else heads, head_dim), dt)
     lengths = sd((batch,), jnp.int32) if options else None
     opts = base.PLAIN
-    biases = [sd(dims(spec), dt) for spec in BIASES[bias]]
-    mask_spec = MASKS[mask]
-    mask_arg = None if mask_spec is None else sd(dims(mask_spec), jnp.bool_)
+    biases = [sd(sizes.shape(spec), dt) for spec in BIAS_SHAPES[bias]]
+    mask_spec = MASK_SHAPES[mask]
+    mask_arg = None if mask_spec is None else sd(sizes.shape(mask_spec), jnp.bool_)
     impl = PallasTpuAttention()
     result: dict[str, Any] = {}
     if options:
-        structure = masking.Structure(True, (200, 0), lengths, lengths)
+        structure = masking.StructuredMask(True, (200, 0), lengths, lengths)
         opts = base.Options(structure, logits_soft_cap=30.0, return_residual=True)
     try:
         impl.check(
@@ -95,7 +89,7 @@ def compile_case(
         call = opts
         if options:  # the lengths as traced arguments, as a model passes them
             call = base.Options(
-                masking.Structure(True, (200, 0), lengths, lengths),
+                masking.StructuredMask(True, (200, 0), lengths, lengths),
                 logits_soft_cap=30.0,
                 return_residual=True,
             )
@@ -112,18 +106,18 @@ def compile_case(
         compiled = targets.compile(step, q, kv, kv, biases, mask_arg, lengths, q, target=target)
     except Exception as e:  # noqa: BLE001 - the compiler's error is the result
         return dict(result, kernels=[], memory=None, error=f"{type(e).__name__}: {e}"[:300])
+    return dict(result, **read(compiled), seconds=round(time.perf_counter() - start, 1), error=None)
+
+
+def read(compiled) -> dict[str, Any]:
+    """What a compile says: the Mosaic kernels in the program (a compile is the proof each fits
+    the scoped VMEM) and its device memory (targets.memory)."""
     text = compiled.as_text()
-    return dict(
-        result,
-        kernels=[k for k in KERNELS if k in text],
-        memory=targets.memory(compiled),
-        seconds=round(time.perf_counter() - start, 1),
-        error=None,
-    )
+    return dict(kernels=[k for k in KERNELS if k in text], memory=targets.memory(compiled))
 
 
 def compile_cases(target: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """compile_case for several cases in one process (libtpu starts once)."""
+    """compile_case for several cases in one process (libtpu starts once; common.run)."""
     return [compile_case(target, **case) for case in cases]
 
 
@@ -131,15 +125,9 @@ def matrix() -> list[dict[str, Any]]:
     """Every dtype x head dim x bias form x mask form at lengths no tile divides (300 queries,
     260 keys in tiles of 128), and AF2's triangle (4 heads of 32, shared bias, key mask) at N_res
     2,048 in bfloat16 and 1,024 in float32."""
-    cases = [
-        dict(dtype=d, head_dim=h, bias=b, mask=m)
-        for d, h, b, m in itertools.product(DTYPES, HEAD_DIMS, BIASES, MASKS)
-    ]
+    cases = common.matrix(DTYPES, HEAD_DIMS)
     # every further argument of the op at once, each dtype and two head dims
-    cases += [
-        dict(dtype=d, head_dim=h, bias="both", mask="key", options=True)
-        for d, h in itertools.product(DTYPES, (32, 128))
-    ]
+    cases += common.matrix(DTYPES, (32, 128), ("both",), ("key",), options=True)
     for dtype, n_res in (("bfloat16", 2048), ("float32", 1024)):  # what fits a v5e's 16 GB
         cases.append(
             dict(
@@ -166,8 +154,21 @@ def verdict(result: dict[str, Any]) -> list[str]:
     return [f"kernel missing: {k}" for k in missing]
 
 
+def run(target: str, cases) -> list[dict[str, Any]]:
+    """Rows (the case's fields, name, problems, compile_case's result) for the cases, compiled
+    in one child process (a compiler crash raises a RuntimeError)."""
+
+    def row(case, result):
+        return dict(case, name=case_name(case), problems=verdict(result), **result)
+
+    return common.run(
+        "gated_attention_tools.kernel_matrix.pallas_mosaic_tpu:compile_cases",
+        target, cases, row, per_child=0,
+    )  # fmt: skip
+
+
 def markdown(result: dict[str, Any]) -> str:
-    rows = [
+    lines = [
         f"# Pallas TPU kernels compiled for {result['target']} (deviceless; no time measured)",
         "",
         f"jax {result['jax']}, libtpu {result['libtpu']}; forward and gradient of each case, the "
@@ -177,25 +178,23 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['compiled']} of {len(result['cases'])} cases compile; "
         f"{result['refused']} refused by check().",
         "",
-        "| case | kernels | peak MiB | temp MiB | seconds | problems |",
-        "| --- | --- | ---: | ---: | ---: | --- |",
     ]
-    for case in result["cases"]:
-        memory = case["memory"] or {}
-        mib = lambda k, memory=memory: f"{memory[k] / 2**20:.1f}" if k in memory else ""
-        kernels = ", ".join(k.removeprefix("gated_attention_tpu_") for k in case["kernels"])
-        problems = "; ".join(case["problems"]) or "none"
-        rows.append(
-            f"| {case['name']} | {kernels} | {mib('peak')} | {mib('temp')} | "
-            f"{case.get('seconds', '')} | {problems} |"
-        )
-    return "\n".join(rows) + "\n"
+    columns = ("case", "kernels", "peak MiB", "temp MiB", "seconds", "problems")
+    lines += common.table(columns, map(_table_row, result["cases"]), columns[2:5])
+    return "\n".join(lines) + "\n"
+
+
+def _table_row(case: dict[str, Any]) -> tuple:
+    memory = case["memory"] or {}
+    mib = lambda k: f"{memory[k] / 2**20:.1f}" if k in memory else ""
+    kernels = ", ".join(k.removeprefix("gated_attention_tpu_") for k in case["kernels"])
+    problems = "; ".join(case["problems"]) or "none"
+    return (case["name"], kernels, mib("peak"), mib("temp"), case.get("seconds", ""), problems)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = common.parser(__doc__, limit=False)
     parser.add_argument("--target", required=True, choices=[t for t in targets.TARGETS])
-    parser.add_argument("--out", required=True, help="the .json path (a .md is written beside)")
     args = parser.parse_args(argv)
     if targets.TARGETS[args.target].kind != "tpu":
         parser.error(f"--target must be a TPU target, got {args.target!r}")
@@ -206,14 +205,7 @@ def main(argv=None) -> None:
 
     import jax
 
-    cases = matrix()
-    results = targets.in_child(
-        "gated_attention_tools.tpu_kernels:compile_cases", dict(target=args.target, cases=cases)
-    )
-    rows = [
-        dict(case, name=case_name(case), problems=verdict(r), **r)
-        for case, r in zip(cases, results, strict=True)
-    ]
+    rows = run(args.target, matrix())
     result = dict(
         target=args.target,
         jax=jax.__version__,
@@ -222,10 +214,7 @@ def main(argv=None) -> None:
         refused=sum(1 for r in rows if not r["accepted"]),
         cases=rows,
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
+    out = common.write(args.out, result, markdown, newline=True)
     print(f"{result['compiled']} of {len(rows)} compile; {result['refused']} refused -> {out}")
 
 

@@ -1,34 +1,34 @@
-"""What ptxas makes of the Mosaic GPU kernels (gated_attention/attention/pallas_mosaic_gpu/implementation.py) for an H100, deviceless.
+"""What ptxas makes of the Mosaic GPU kernels (gated_attention/attention/pallas_mosaic_gpu/) for an H100, deviceless.
 
-For one case (dtype, head dim, bias and mask forms, the op's further arguments) `mosaic_stats`
-compiles the op's forward and gradient with MosaicAttention for the H100 target (targets.py) with
-Mosaic GPU's own dumps on (MOSAIC_GPU_DUMP_PTXAS, MOSAIC_GPU_DUMP_PTX: XLA's dump does not hold
-Mosaic kernels), and reads per kernel: registers, spill stores and loads, the wgmma instructions
-of its PTX, and the shared memory the kernel allocates (mosaic_kernels.shared_memory_bytes, the
-largest of the three). Nothing runs on a GPU: what compiles and how, never how fast.
+For one case (common.FIELDS: dtype, head dim, bias and mask forms, the op's further arguments)
+`compile_cases` compiles the op's forward and gradient with MosaicAttention for the H100 target
+(targets.py) with Mosaic GPU's own dumps on (MOSAIC_GPU_DUMP_PTXAS, MOSAIC_GPU_DUMP_PTX: XLA's
+dump does not hold Mosaic kernels), and reads per kernel (`parse`): registers, spill stores and
+loads, the wgmma instructions of its PTX, and the shared memory the kernel allocates
+(kernels_sm90.shared_memory_bytes, the largest of the three). Nothing runs on a GPU: what
+compiles and how, never how fast.
 
-  python -m gated_attention_tools.mosaic_matrix --out benchmark_results/mosaic_kernels/h100.json
+  python -m gated_attention_tools.kernel_matrix.pallas_mosaic_gpu --out benchmark_results/mosaic_kernels/h100.json
 
-compiles every case MosaicAttention.check accepts (gpu_kernels.matrix's dtypes, head dims, bias
+compiles every case MosaicAttention.check accepts (the Triton matrix's dtypes, head dims, bias
 and mask forms, float32 at JAX's default precision only, with and without the further arguments),
 several cases per child process.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-from pathlib import Path
 from typing import Any
 
-from gated_attention_tools import child, gpu_kernels, targets
+from gated_attention_tools import child, targets
+from gated_attention_tools.kernel_matrix import common
 
 KERNELS = (
     "gated_attention_mosaic_forward",
     "gated_attention_mosaic_dkdv",
     "gated_attention_mosaic_dq_dbias",
 )
+HEAD_DIMS = (8, 16, 32, 64, 128)  # the Triton matrix's
 DUMPS = {"MOSAIC_GPU_DUMP_PTXAS": "1", "MOSAIC_GPU_DUMP_PTX": "1"}
 _ENTRY = re.compile(r"Compiling entry function '(\w+?)_mosaic_gpu_kernel' for '(\w+)'")
 _REGISTERS = re.compile(r"Used (\d+) registers")
@@ -40,7 +40,7 @@ _WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+(?:\.\w+)+)"
 def matrix(options: bool) -> list[dict[str, Any]]:
     """The cases MosaicAttention takes: every dtype, head dim, bias and mask form (float32 at
     the default precision, the one it computes at)."""
-    return gpu_kernels.matrix(options=options, precisions=("default",))
+    return common.matrix(common.DTYPES, HEAD_DIMS, precisions=("default",), options=options)
 
 
 def parse(text: str) -> dict[str, dict[str, Any]]:
@@ -61,9 +61,9 @@ def parse(text: str) -> dict[str, dict[str, Any]]:
     return kernels
 
 
-def mosaic_stats(cases: list[dict[str, Any]], target: str = "h100") -> list[dict[str, Any]]:
-    """Compiles each case for the target in this process (a child's function: DUMPS set before
-    jax starts) and returns per case {kernels, shared_memory_bytes} or {error}."""
+def compile_cases(target: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Compiles each case for the target in this process (a child's function, DUMPS set before
+    jax starts: common.run) and returns per case {kernels, shared_memory_bytes} or {error}."""
     results = []
     for case in cases:
         refused = None
@@ -98,13 +98,13 @@ def _compile(
     del precision  # float32 at the default precision only: the one MosaicAttention takes
     dt = jnp.dtype(dtype)
     impl = mosaic.MosaicAttention()
-    step, args = gpu_kernels.case_program(
+    step, args = common.case_program(
         impl, dtype, head_dim, bias, mask, None, options, batch, q_len, k_len, heads
     )
     qkv, kv, _, biases, mask_spec, lengths, _ = args
     structure, further = masking.NONE, {}
     if options:
-        structure = masking.Structure(True, (96, 0), q_lengths=lengths, kv_lengths=lengths)
+        structure = masking.StructuredMask(True, (96, 0), q_lengths=lengths, kv_lengths=lengths)
         further = dict(logits_soft_cap=30.0, return_residual=True)
     settings = base.Options(structure=structure, **further)
     with targets.abstract_gpu(target):  # check() as the op's GPU branch runs it: its own reason
@@ -144,24 +144,19 @@ def verdict(case: dict[str, Any], stats: dict[str, Any]) -> list[str]:
 
 def run(cases, target: str = "h100", per_child: int = 8, log=print) -> list[dict[str, Any]]:
     """Rows {case, kernels, shared_memory_bytes, problems} for the cases, compiled in children of
-    `per_child` cases (DUMPS set in their environment)."""
-    rows = []
-    for start in range(0, len(cases), per_child):
-        batch = cases[start : start + per_child]
-        try:
-            results = targets.in_child(
-                "gated_attention_tools.mosaic_matrix:mosaic_stats",
-                dict(cases=batch, target=target),
-                env=DUMPS,
-            )
-        except RuntimeError as e:  # the child died: every case of it fails
-            results = [dict(kernels={}, shared_memory_bytes=0, error=str(e)[-200:])] * len(batch)
-        for case, stats in zip(batch, results, strict=True):
-            row = dict(case=case, **stats, problems=verdict(case, stats))
-            rows.append(row)
-            name = gpu_kernels.case_name(dict(case, q_len=200, k_len=136))
-            log(f"[{len(rows)}/{len(cases)}] {name}: {'; '.join(row['problems']) or 'ok'}")
-    return rows
+    `per_child` cases (DUMPS set in their environment); a child that dies fails each of its
+    cases."""
+
+    def row(case, stats):
+        return dict(case=case, **stats, problems=verdict(case, stats))
+
+    def failed(case, error):
+        return row(case, dict(kernels={}, shared_memory_bytes=0, error=str(error)[-200:]))
+
+    return common.run(
+        "gated_attention_tools.kernel_matrix.pallas_mosaic_gpu:compile_cases",
+        target, cases, row, failed, per_child=per_child, env=DUMPS, log=log,
+    )  # fmt: skip
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -176,40 +171,37 @@ def markdown(result: dict[str, Any]) -> str:
         "(0 spills, wgmma in every kernel, shared memory within the H100's 232,448 bytes per "
         f"block), {len(bad)} with a problem.",
         "",
-        "| case | kernel | registers | spill stores (B) | wgmma | shared memory (B) | problems |",
-        "| --- | --- | ---: | ---: | --- | ---: | --- |",
     ]
-    for r in rows:
-        name = gpu_kernels.case_name(dict(r["case"], q_len=200, k_len=136))
-        if "refused" in r:
-            lines.append(f"| {name} | (refused) | | | | | {r['refused']} |")
-            continue
-        for kernel in KERNELS:
-            k = r.get("kernels", {}).get(kernel, {})
-            lines.append(
-                f"| {name} | {kernel.removeprefix('gated_attention_mosaic_')} | "
-                f"{k.get('registers', '')} | {k.get('spill_store_bytes', '')} | "
-                f"{', '.join(k.get('wgmma', []))} | {r.get('shared_memory_bytes', '')} | "
-                f"{'; '.join(r['problems']) or r.get('refused', '')} |"
-            )
+    columns = ("case", "kernel", "registers", "spill stores (B)", "wgmma", "shared memory (B)")
+    right = ("registers", "spill stores (B)", "shared memory (B)")
+    lines += common.table((*columns, "problems"), _table_rows(rows), right)
     return "\n".join(lines) + "\n"
 
 
+def _table_rows(rows):
+    for r in rows:
+        name = common.case_name(r["case"])
+        if "refused" in r:
+            yield f"| {name} | (refused) | | | | | {r['refused']} |"
+            continue
+        for kernel in KERNELS:
+            k = r.get("kernels", {}).get(kernel, {})
+            yield (
+                name, kernel.removeprefix("gated_attention_mosaic_"), k.get("registers", ""),
+                k.get("spill_store_bytes", ""), ", ".join(k.get("wgmma", [])),
+                r.get("shared_memory_bytes", ""), "; ".join(r["problems"]) or r.get("refused", ""),
+            )  # fmt: skip
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--limit", type=int, default=0, help="first N cases only (0: all)")
+    parser = common.parser(__doc__)
     parser.add_argument("--per-child", type=int, default=8)
     args = parser.parse_args()
     cases = (matrix(False) + matrix(True))[: args.limit or None]
     rows = run(cases, per_child=args.per_child, log=lambda line: print(line, flush=True))
     import jax
 
-    result = dict(target="h100", jax=jax.__version__, rows=rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
+    common.write(args.out, dict(target="h100", jax=jax.__version__, rows=rows), markdown)
 
 
 if __name__ == "__main__":

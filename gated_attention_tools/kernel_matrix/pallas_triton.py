@@ -1,27 +1,25 @@
-"""What ptxas makes of the Pallas kernels for a GPU target, compiled deviceless (targets.py).
+"""What ptxas makes of the Pallas Triton kernels (PallasAttention) for a GPU target, deviceless.
 
-For one case (dtype, head dims, bias and mask forms, lengths, precision) `kernel_stats` compiles
-the op's forward and its gradient with PallasAttention for the target, dumps the PTX, runs
-`ptxas -v` on each kernel and reads back per kernel: registers per thread, spill stores and loads,
-the launch's dynamic shared memory, and whether its dots are tensor-core MMA instructions
-(`mma.sync` / `wgmma` / `tcgen05.mma`), with the tiles it compiled with (`tiles`: block_q,
-block_k, num_warps, num_stages). Nothing runs on a GPU: these say what compiles and how, never
-how fast.
+For one case (common.FIELDS: dtype, head dim, bias and mask forms, lengths, precision)
+`kernel_stats` compiles the op's forward and its gradient with PallasAttention for the target,
+dumps the PTX, runs `ptxas -v` on each kernel and reads back per kernel (`ptx_kernels`,
+`launches`): registers per thread, spill stores and loads, the launch's dynamic shared memory, and
+whether its dots are tensor-core MMA instructions (`mma.sync` / `wgmma` / `tcgen05.mma`), with the
+tiles it compiled with (`tiles`: block_q, block_k, num_warps, num_stages). Nothing runs on a GPU:
+these say what compiles and how, never how fast.
 
-  python -m gated_attention_tools.gpu_kernels --target h100 --out benchmark_results/gpu_kernels/h100.json
+  python -m gated_attention_tools.kernel_matrix.pallas_triton --target h100 --out benchmark_results/gpu_kernels/h100.json
 
 compiles the whole case matrix (each case in a child process) and writes the figures with a
 markdown summary beside them; `--tiles 32,32,8,1` compiles every case with those tiles instead of
-the table's (candidates for gpu_tiles.py, which makes the table from these results);
-`--dtypes`, `--head-dims`, `--precisions`, `--biases` and `--masks` narrow the matrix (to one table
-key's cases, say) and `--append` adds the rows to --out's instead of replacing them.
+the table's (candidates for kernel_matrix/tile_table.py, which makes the table from these
+results); `--dtypes`, `--head-dims`, `--precisions`, `--biases` and `--masks` narrow the matrix
+(to one table key's cases, say) and `--append` adds the rows to --out's instead of replacing them.
 """
 
 from __future__ import annotations
 
-import argparse
 import glob
-import itertools
 import json
 import os
 import re
@@ -32,75 +30,18 @@ from pathlib import Path
 from typing import Any
 
 from gated_attention_tools import targets
+from gated_attention_tools.kernel_matrix import common
 
 KERNELS = ("gated_attention_forward", "gated_attention_dkdv", "gated_attention_dq_dbias")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = common.DTYPES
 HEAD_DIMS = (8, 16, 32, 64, 128)
-BIASES = ("shared", "per_row", "both", "none")
-MASKS = ("key", "full", "none")
-PRECISIONS = ("default", "high", "highest")  # float32 only; half precision ignores it
+BIASES = common.BIASES
+MASKS = common.MASKS
+PRECISIONS = common.PRECISIONS
 # Tensor-core MMA in the PTX: mma.sync (sm_80 on), wgmma (Hopper), tcgen05.mma (Blackwell, sm_100a:
 # Triton's dots there take the fifth-generation tensor cores and their tensor memory).
 _MMA = re.compile(r"\b(mma\.sync|wgmma\.mma_async|tcgen05\.mma)\b")
-
-
-def case_name(case: dict[str, Any]) -> str:
-    precision = f" {case['precision']}" if case["dtype"] == "float32" else ""
-    return (
-        f"{case['dtype']}{precision} H{case['head_dim']} bias={case['bias']} "
-        f"mask={case['mask']} T={case['q_len']} S={case['k_len']}"
-    ) + (" +options" if case.get("options") else "")
-
-
-def case_program(
-    impl, dtype, head_dim, bias, mask, precision=None, options=False, batch=2, q_len=200,
-    k_len=136, heads=2,
-):  # fmt: skip
-    """(step, abstract args) of one case: the op's forward and vjp with `impl`. `bias` a
-    BIASES form, `mask` a MASKS form; with `options`, the op's further arguments too: one
-    key/value head under the query heads, causal, a (96, 0) window, both sequence lengths
-    (traced), a soft cap and the residual."""
-    import jax
-    import jax.numpy as jnp
-
-    import gated_attention as ga
-
-    dt = jnp.dtype(dtype)
-    qkv = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dt)
-    kv = jax.ShapeDtypeStruct((batch, k_len, 1 if options else heads, head_dim), dt)
-    lengths = jax.ShapeDtypeStruct((batch,), jnp.int32) if options else None
-    shapes = dict(
-        shared=[(1, heads, q_len, k_len)],
-        per_row=[(batch, heads, q_len, k_len)],
-        both=[(1, heads, q_len, k_len), (batch, heads, q_len, k_len)],
-        none=[],
-    )[bias]
-    biases = tuple(jax.ShapeDtypeStruct(s, dt) for s in shapes)
-    mask_shape = dict(key=(batch, 1, 1, k_len), full=(batch, heads, q_len, k_len), none=None)[mask]
-    mask_spec = None if mask_shape is None else jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
-
-    def step(q, k, v, biases, mask, lengths, cotangent):
-        extra = {}
-        if options:
-            extra = dict(
-                is_causal=True,
-                local_window_size=(96, 0),
-                query_seq_lengths=lengths,
-                key_value_seq_lengths=lengths,
-                logits_soft_cap=30.0,
-            )
-
-        def attend(q, k, v, biases):  # -> (out, residual or None)
-            result = ga.dot_product_attention(
-                q, k, v, list(biases) or None, mask, implementation=impl, compute_dtype="input",
-                precision=precision, return_residual=options, **extra,
-            )  # fmt: skip
-            return result if options else (result, None)
-
-        out, vjp, residual = jax.vjp(attend, q, k, v, tuple(biases), has_aux=True)
-        return out, residual, vjp(cotangent)
-
-    return step, (qkv, kv, kv, biases, mask_spec, lengths, qkv)
+TILE_FIELDS = ("block_q", "block_k", "num_warps", "num_stages")
 
 
 def kernel_stats(
@@ -130,7 +71,7 @@ def kernel_stats(
     lax_precision = dict(default=None, high="high", highest="highest")[precision]
     dots = gpu_common.dot_precision(lax_precision, dt, impl.interpret)
     tiles = impl.tiles(dt, dots, head_dim, options, (bias, mask))
-    step, args = case_program(
+    step, args = common.case_program(
         impl, dtype, head_dim, bias, mask, lax_precision, options, batch, q_len, k_len, heads
     )
     spec = targets.target(target)
@@ -138,10 +79,10 @@ def kernel_stats(
         start = time.perf_counter()
         targets.compile(step, *args, target=target, dump_to=dump)
         compile_s = time.perf_counter() - start
-        kernels = _ptx_kernels(dump, spec.arch)
-        launches = _launches(dump)
+        kernels = ptx_kernels(dump, spec.arch)
+        found = launches(dump)
         ptx_files = len(glob.glob(os.path.join(dump, "*.ptx")))
-    for name, launch in launches.items():
+    for name, launch in found.items():
         if name in kernels:
             kernels[name].update(launch)
     # jax 0.12.0.1's deviceless compile dumps no .ptx files (why not is unexamined): no kernels
@@ -151,7 +92,14 @@ def kernel_stats(
     )
 
 
-def _ptx_kernels(dump: str, arch: str) -> dict[str, dict[str, Any]]:
+def compile_cases(
+    target: str, cases: list[dict[str, Any]], tuning: dict | None = None
+) -> list[dict[str, Any]]:
+    """kernel_stats for each case, in this process (a child's function: common.run)."""
+    return [kernel_stats(target, tuning=tuning, **case) for case in cases]
+
+
+def ptx_kernels(dump: str, arch: str) -> dict[str, dict[str, Any]]:
     """{kernel: registers, spill bytes, MMA} from ptxas -v on every dumped .ptx of ours."""
     kernels = {}
     for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
@@ -178,7 +126,7 @@ def _ptx_kernels(dump: str, arch: str) -> dict[str, dict[str, Any]]:
     return kernels
 
 
-def _launches(dump: str) -> dict[str, dict[str, Any]]:
+def launches(dump: str) -> dict[str, dict[str, Any]]:
     """{kernel: dynamic shared memory, threads} from XLA's thunk sequence."""
     found = {}
     for path in glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt")):
@@ -204,12 +152,7 @@ def matrix(
     """Every case PallasAttention.check accepts, by dtype x head dim x bias x mask (float32 at
     each precision; half precision ignores `precisions`), at lengths that are not multiples of
     the tiles (with `options`: the op's further arguments too, kernel_stats)."""
-    cases = []
-    for dtype, head_dim, bias, mask in itertools.product(dtypes, head_dims, biases, masks):
-        for precision in precisions if dtype == "float32" else ("default",):
-            case = dict(dtype=dtype, head_dim=head_dim, bias=bias, mask=mask, precision=precision)
-            cases.append(dict(case, options=True) if options else case)
-    return cases
+    return common.matrix(dtypes, head_dims, biases, masks, tuple(precisions), options)
 
 
 def verdict(target: str, case: dict[str, Any], stats: dict[str, Any]) -> list[str]:
@@ -232,15 +175,31 @@ def verdict(target: str, case: dict[str, Any], stats: dict[str, Any]) -> list[st
     return problems
 
 
+def run(target: str, cases, tuning: dict | None = None, log=print) -> list[dict[str, Any]]:
+    """Rows {case, kernels, tiles, compile_s, ptx_files, problems} for the cases, each compiled
+    in a child of its own; a case whose compile fails (its child dies) is a row of that problem
+    (with the tiles it was given)."""
+
+    def row(case, stats):
+        return dict(case=case, **stats, problems=verdict(target, case, stats))
+
+    def failed(case, error):
+        stats = dict(tiles=list(tuning.values())) if tuning else {}  # a failed candidate's
+        return dict(case=case, **stats, problems=[common.failure(error)])
+
+    return common.run(
+        "gated_attention_tools.kernel_matrix.pallas_triton:compile_cases",
+        target, cases, row, failed, log=log, tuning=tuning,
+    )  # fmt: skip
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = common.parser(__doc__)
     parser.add_argument(
         "--target",
         default="h100",
         choices=[t for t, s in targets.TARGETS.items() if s.kind == "gpu"],
     )
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--limit", type=int, default=0, help="first N cases only (0: all)")
     parser.add_argument("--biases", default=",".join(BIASES), help="bias forms, comma-separated")
     parser.add_argument("--masks", default=",".join(MASKS), help="mask forms, comma-separated")
     parser.add_argument(
@@ -260,8 +219,9 @@ def main() -> None:
         "--append", action="store_true", help="add the rows to --out's (the same target's)"
     )
     args = parser.parse_args()
-    fields = ("block_q", "block_k", "num_warps", "num_stages")
-    tuning = dict(zip(fields, map(int, args.tiles.split(",")), strict=True)) if args.tiles else None
+    tuning = None
+    if args.tiles:
+        tuning = dict(zip(TILE_FIELDS, map(int, args.tiles.split(",")), strict=True))
     cases = matrix(
         args.biases.split(","),
         args.masks.split(","),
@@ -278,31 +238,13 @@ def main() -> None:
             parser.error(f"{out} holds {previous['target']}'s rows, not {args.target}'s")
         earlier = previous["rows"]
     cases = cases[: args.limit or None]
-    rows = []
-    for i, case in enumerate(cases):
-        try:
-            stats = targets.in_child(
-                "gated_attention_tools.gpu_kernels:kernel_stats",
-                dict(target=args.target, tuning=tuning, **case),
-            )
-            problems = verdict(args.target, case, stats)
-        except RuntimeError as e:
-            stats = dict(tiles=list(tuning.values())) if tuning else {}  # a failed candidate's
-            problems = [f"compile failed: {str(e).strip().splitlines()[-1][:200]}"]
-        rows.append(dict(case=case, **stats, problems=problems))
-        print(
-            f"[{i + 1}/{len(cases)}] {case_name(dict(case, q_len=200, k_len=136))}: "
-            f"{'; '.join(problems) or 'ok'}",
-            flush=True,
-        )
+    rows = run(args.target, cases, tuning, log=lambda line: print(line, flush=True))
     import jax
 
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = dict(
         target=args.target, jax=jax.__version__, ptxas=_ptxas_version(), rows=earlier + rows
     )
-    out.write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
+    common.write(out, result, markdown)
 
 
 def _ptxas_version() -> str:
@@ -319,20 +261,23 @@ def markdown(result: dict[str, Any]) -> str:
         f"{len(rows)} cases, {len(rows) - len(bad)} with no problem (0 spills, shared memory in "
         "the limit, MMA in every non-IEEE kernel).",
         "",
-        "| case | tiles | kernel | registers | spill stores (B) | shared memory (B) | MMA | problems |",
-        "| --- | --- | --- | ---: | ---: | ---: | --- | --- |",
     ]
+    columns = ("case", "tiles", "kernel", "registers", "spill stores (B)", "shared memory (B)")
+    lines += common.table((*columns, "MMA", "problems"), _table_rows(rows), right=columns[3:])
+    return "\n".join(lines) + "\n"
+
+
+def _table_rows(rows):
     for r in rows:
-        name = case_name(dict(r["case"], q_len=200, k_len=136))
+        name = common.case_name(r["case"])
         tiles = ", ".join(map(str, r.get("tiles", [])))
         for kernel in KERNELS:
             k = r.get("kernels", {}).get(kernel, {})
-            lines.append(
-                f"| {name} | {tiles} | {kernel} | {k.get('registers', '')} | {k.get('spill_store_bytes', '')} "
-                f"| {k.get('shared_memory_bytes', '')} | {k.get('mma', '')} | "
-                f"{'; '.join(p for p in r['problems'] if p.startswith(kernel) or 'compile' in p)} |"
-            )
-    return "\n".join(lines) + "\n"
+            problems = [p for p in r["problems"] if p.startswith(kernel) or "compile" in p]
+            yield (
+                name, tiles, kernel, k.get("registers", ""), k.get("spill_store_bytes", ""),
+                k.get("shared_memory_bytes", ""), k.get("mma", ""), "; ".join(problems),
+            )  # fmt: skip
 
 
 if __name__ == "__main__":
