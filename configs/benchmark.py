@@ -10,6 +10,8 @@
   python scripts/benchmark.py --config=configs/benchmark.py:family  # AF2's modules and Evoformer
   python scripts/benchmark.py --config=configs/benchmark.py:family_remat  # training: save or recompute
   python scripts/benchmark.py --config=configs/benchmark.py:device_memory  # compiled for H100/v5e
+  python scripts/benchmark.py --config=configs/benchmark.py:mesh_memory    # rows over 8 devices
+  python scripts/benchmark.py --config=configs/benchmark.py:context_memory # keys over 8 devices
   python scripts/benchmark.py --config=configs/benchmark.py:options # causal time, GQA memory
 
 Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask[, module]).
@@ -168,14 +170,10 @@ def get_config(preset="full"):
         return _device_config(preset)
     if preset in ("family", "family_smoke", "family_remat", "family_gpu"):
         return _family_config(preset)
-    if preset in ("device_memory", "device_memory_smoke"):
-        return _device_memory_config(preset)
+    if preset.removesuffix("_smoke") in COMPILE_MEMORY:
+        return _compile_memory_config(preset)
     if preset in ("options", "options_smoke"):
         return _options_config(preset)
-    if preset in ("mesh_memory", "mesh_memory_smoke"):
-        return _mesh_memory_config(preset)
-    if preset in ("context_memory", "context_memory_smoke"):
-        return _context_memory_config(preset)
     if preset == "smoke":  # seconds: tiny shapes, for the tests of the script itself
         cfg = get_config("full")
         cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
@@ -309,32 +307,6 @@ def _family_config(preset):
     return cfg
 
 
-def _device_memory_config(preset):
-    """Device memory per target (device_memory.py): compiles for an H100 and a TPU v5e, runs
-    nothing; needs the targets extra (pip install -e '.[targets,bench]')."""
-    cfg = ml_collections.ConfigDict()
-    cfg.suite = "device_memory"
-    cfg.targets = ("h100", "v5e")
-    cfg.whats = ("triangle_start", "msa_row", "msa_column", "msa_column_global", "evoformer")
-    cfg.crops = (256, 512, 1024, 2048, 3072, 4096, 6144, 8192)
-    cfg.msa_rows = 512
-    cfg.extra_msa_rows = 1024
-    cfg.dtypes = ("bfloat16", "float32")
-    cfg.modes = ("training", "inference")
-    # Our implementations compiled by name as well as 'auto', per platform kind.
-    cfg.implementations = ml_collections.ConfigDict(dict(gpu=("chunked",), tpu=("chunked",)))
-    cfg.output_dir = "benchmark_results/device_memory"
-    if preset == "device_memory_smoke":  # seconds: checks the suite runs
-        cfg.targets = ("v5e",)
-        cfg.whats = ("triangle_start",)
-        cfg.crops = (16, 32)
-        cfg.msa_rows, cfg.extra_msa_rows = 4, 8
-        cfg.dtypes, cfg.modes = ("bfloat16",), ("training",)
-        cfg.implementations = ml_collections.ConfigDict(dict(gpu=(), tpu=()))
-        cfg.output_dir = "/tmp/gated_attention_device_memory_smoke"
-    return cfg
-
-
 def _options_config(preset):
     """What jax.nn's arguments cost (options_benchmark.py): causal against full forward time at
     1 x 4,096 tokens (8 heads of 32), and grouped-query attention's memory, 8 query heads over 1."""
@@ -361,12 +333,58 @@ def _options_config(preset):
     return cfg
 
 
-def _mesh_memory_config(preset):
-    """Rows over a mesh (mesh_memory.py): the family modules compiled deviceless for 8 H100s and a
-    TPU v5p slice of 8 chips, per-device memory and collectives against one device's peak / 8;
-    needs the targets extra."""
+# The compile_memory suite's presets (compile_memory.py): preset -> (placement, results folder).
+COMPILE_MEMORY = {
+    "device_memory": ("one_device", "device_memory"),
+    "mesh_memory": ("rows", "mesh_memory"),
+    "context_memory": ("keys", "context_memory"),
+}
+
+
+def _compile_memory_config(preset):
+    """Device memory compiled deviceless for GPU and TPU targets (compile_memory.py), nothing run;
+    needs the targets extra (pip install -e '.[targets,bench]'). A preset measures one placement
+    (COMPILE_MEMORY), configured by cfg.<placement>_cells; --config.placements may name several
+    (a _smoke preset's cells are all small)."""
+    smoke = preset.endswith("_smoke")
+    placement, folder = COMPILE_MEMORY[preset.removesuffix("_smoke")]
     cfg = ml_collections.ConfigDict()
-    cfg.suite = "mesh_memory"
+    cfg.suite = "compile_memory"
+    cfg.placements = (placement,)
+    cfg.one_device_cells = _one_device_cells(smoke)
+    cfg.rows_cells = _rows_cells(smoke)
+    cfg.keys_cells = _keys_cells(smoke)
+    cfg.output_dir = f"/tmp/gated_attention_{preset}" if smoke else f"benchmark_results/{folder}"
+    return cfg
+
+
+def _one_device_cells(smoke):
+    """One device: AF2's family compiled for an H100 and a TPU v5e, crops growing until a program
+    no longer fits."""
+    cfg = ml_collections.ConfigDict()
+    cfg.targets = ("h100", "v5e")
+    cfg.whats = ("triangle_start", "msa_row", "msa_column", "msa_column_global", "evoformer")
+    cfg.crops = (256, 512, 1024, 2048, 3072, 4096, 6144, 8192)
+    cfg.msa_rows = 512
+    cfg.extra_msa_rows = 1024
+    cfg.dtypes = ("bfloat16", "float32")
+    cfg.modes = ("training", "inference")
+    # Our implementations compiled by name as well as 'auto', per platform kind.
+    cfg.implementations = ml_collections.ConfigDict(dict(gpu=("chunked",), tpu=("chunked",)))
+    if smoke:  # seconds: checks the suite runs
+        cfg.targets = ("v5e",)
+        cfg.whats = ("triangle_start",)
+        cfg.crops = (16, 32)
+        cfg.msa_rows, cfg.extra_msa_rows = 4, 8
+        cfg.dtypes, cfg.modes = ("bfloat16",), ("training",)
+        cfg.implementations = ml_collections.ConfigDict(dict(gpu=(), tpu=()))
+    return cfg
+
+
+def _rows_cells(smoke):
+    """Rows over a mesh: the family modules compiled for 8 H100s and a TPU v5p slice of 8 chips,
+    per-device memory and collectives against one device's peak / 8."""
+    cfg = ml_collections.ConfigDict()
     cfg.targets = ("h100", "v5p")
     cfg.devices = 8
     cfg.whats = ("triangle_start", "triangle_end", "msa_row", "msa_column", "msa_column_global")
@@ -385,21 +403,18 @@ def _mesh_memory_config(preset):
     # Ours' global_config.memory_budget_mib (None: the default): each device keeps a working set
     # of that order whatever its share of the rows, so small shares are measured at 64 too.
     cfg.memory_budget_mib = ml_collections.config_dict.placeholder(float)
-    cfg.output_dir = "benchmark_results/mesh_memory"
-    if preset == "mesh_memory_smoke":  # seconds: checks the suite runs
+    if smoke:  # seconds: checks the suite runs
         cfg.targets, cfg.whats = ("h100",), ("triangle_end",)
         cfg.crops = (("triangle_end", (1, 64)),)
         cfg.modes, cfg.variants, cfg.styles = ("training",), ("ours",), ("auto",)
-        cfg.output_dir = "/tmp/gated_attention_mesh_memory_smoke"
     return cfg
 
 
-def _context_memory_config(preset):
-    """Keys over a mesh (context_memory.py): the op with its query and key positions split over 8
-    H100s and a TPU v5p slice of 8 chips, compiled deviceless, per-device memory and collectives
-    against one device's peak / 8; needs the targets extra."""
+def _keys_cells(smoke):
+    """Keys over a mesh (context parallelism): the op with its query and key positions split over
+    8 H100s and a TPU v5p slice of 8 chips, per-device memory and collectives against one
+    device's peak / 8; TriangleAttention with the pair tiled over a grid of 64 devices."""
     cfg = ml_collections.ConfigDict()
-    cfg.suite = "context_memory"
     cfg.targets = ("h100", "v5p")
     cfg.devices = 8
     cfg.tokens = 16384
@@ -425,11 +440,9 @@ def _context_memory_config(preset):
         ("triangle_start", ("training", 16384), "plain"),
         ("triangle_end", ("inference", 32768), "plain"),
     )
-    cfg.output_dir = "benchmark_results/context_memory"
-    if preset == "context_memory_smoke":  # seconds: checks the suite runs
+    if smoke:  # seconds: checks the suite runs
         cfg.targets, cfg.tokens, cfg.modes, cfg.causal = ("h100",), 256, ("training",), (True,)
         cfg.variants = ("ring",)
         cfg.grid_targets, cfg.grid_whats = ("h100",), ("triangle_end",)
         cfg.grid_crops, cfg.grid_plain = (("training", 64),), ()
-        cfg.output_dir = "/tmp/gated_attention_context_memory_smoke"
     return cfg

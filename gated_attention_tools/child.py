@@ -1,4 +1,6 @@
-"""Run a function in a fresh Python process: `child.call('module:function', kwargs, log)`.
+"""Run a function in a fresh Python process: `child.call('module:function', kwargs, log)`, the one
+runner of the tools (the benchmarks' cells, measure's memory probes, targets.in_child's deviceless
+compiles: an environment of their own through `env`, a time limit through `timeout_s`).
 
 The benchmarks time every cell in a process of its own, under one malloc policy for all its
 variants (measure.ALLOCATOR_POLICIES): a process's history moves glibc's mmap threshold, and with it

@@ -358,13 +358,10 @@ def _reason(e: BaseException) -> str:
 
 
 def _memory_analysis(compiled) -> dict[str, float | None]:
-    stats = compiled.memory_analysis()
-    if stats is None:
-        return dict(xla_temp_mib=None, xla_peak_mib=None)
-    mib = lambda *keys: sum(int(getattr(stats, k, 0) or 0) for k in keys) / 2**20
-    alias = mib("alias_size_in_bytes")
-    peak = mib("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes") - alias
-    return dict(xla_temp_mib=mib("temp_size_in_bytes"), xla_peak_mib=peak)
+    """measure.compiled_memory's temp and peak in MiB (None: the backend gives no analysis)."""
+    memory = measure.compiled_memory(compiled)
+    mib = lambda key: None if memory is None else memory[key] / 2**20
+    return dict(xla_temp_mib=mib("temp"), xla_peak_mib=mib("peak"))
 
 
 def _tree_mib(tree) -> float:

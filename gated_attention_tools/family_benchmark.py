@@ -300,8 +300,8 @@ def run_cell(
             unavailable[v] = _reason(e)
             continue
         compile_s[v] = time.perf_counter() - start
-        stats = jitted[v].memory_analysis()
-        temp[v] = None if stats is None else int(stats.temp_size_in_bytes)
+        memory = measure.compiled_memory(jitted[v])
+        temp[v] = None if memory is None else memory["temp"]
     peaks = {}
     for v in sorted(jitted, key=lambda v: temp[v] or 0):  # rising: the device's peak reads exact
         peaks[v], outputs[v] = measure.call_peak(lambda v=v: jitted[v](*args))

@@ -1,18 +1,14 @@
-"""Measurements shared by run.py and the benchmarks: time, XLA temp bytes, FLOPs, CPU steal, and
-resident or device memory measured in a fresh process.
-
-`python -m gated_attention_tools.measure [--device] '<json>'` is the memory probes' child process
-(see `resident_memory` and `device_memory`).
+"""Measurements shared by run.py and the benchmarks: time, XLA's memory analysis (the one reader of
+it: `compiled_memory`), FLOPs, CPU steal, and resident or device memory measured in a fresh process
+(child.call runs the probes: `resident_memory` and `device_memory`).
 """
 
 from __future__ import annotations
 
 import gc
 import importlib
-import json
 import os
 import pathlib
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -38,15 +34,26 @@ def time_calls(fn: Callable, args: tuple, calls: int) -> tuple[list[float], Any]
     return seconds, out
 
 
-def xla_memory(jitted: Callable, args: tuple) -> dict[str, int | None]:
-    """XLA's compiled memory analysis of jitted(*args): temp, argument and output bytes.
+def compiled_memory(compiled) -> dict[str, int] | None:
+    """XLA's memory analysis of a compiled program, bytes: argument, output, temp, alias, and peak
+    (arguments + outputs + temporaries - aliased: what must fit at once); None where the backend
+    gives none. On CPU the temp bytes miss the scratch of fused kernels (see `resident_memory`)."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        return None
+    read = lambda key: int(getattr(stats, f"{key}_size_in_bytes", 0) or 0)
+    out = {key: read(key) for key in ("argument", "output", "temp", "alias")}
+    return out | dict(peak=out["argument"] + out["output"] + out["temp"] - out["alias"])
 
-    Args may be arrays or jax.ShapeDtypeStructs (nothing is then allocated or run). On CPU the temp
-    bytes miss the scratch of fused kernels (see `resident_memory`).
+
+def xla_memory(jitted: Callable, args: tuple) -> dict[str, int | None]:
+    """compiled_memory of jitted(*args), compiled: temp, argument and output bytes, by XLA's names.
+
+    Args may be arrays or jax.ShapeDtypeStructs (nothing is then allocated or run).
     """
-    stats = jitted.lower(*args).compile().memory_analysis()
-    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
-    return {key: (None if stats is None else int(getattr(stats, key))) for key in keys}
+    memory = compiled_memory(jitted.lower(*args).compile())
+    keys = ("temp", "argument", "output")
+    return {f"{key}_size_in_bytes": (None if memory is None else memory[key]) for key in keys}
 
 
 def attention_flops(
@@ -224,32 +231,27 @@ def resident_memory(builder: str, kwargs: dict[str, Any], timeout_s: float = 180
     """
     if not sys.platform.startswith("linux"):
         return dict.fromkeys(_RESIDENT_KEYS) | dict(peak_reset=False, note="needs Linux's /proc")
-    env = child_env(
+    env = dict(
         JAX_PLATFORMS="cpu",
         # Buffers of 128 KiB and more are mapped on allocation and unmapped on free, so a call's
         # buffers are not served from memory that the warm-up call left in malloc's free lists.
         MALLOC_MMAP_THRESHOLD_="131072",
     )
-    return _child("resident-memory", [], builder, kwargs, env, timeout_s)
+    return _probe("resident-memory", "_resident_child", builder, kwargs, env, timeout_s)
 
 
-def _child(probe: str, flags: list[str], builder, kwargs, env, timeout_s) -> dict[str, Any]:
-    """Runs this module's child process for a probe; its last JSON line, or RuntimeError."""
-    spec = json.dumps(dict(builder=builder, kwargs=kwargs))
-    result = subprocess.run(
-        [sys.executable, "-m", "gated_attention_tools.measure", *flags, spec],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout_s,
-    )
-    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
-    if result.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"{probe} probe of {builder}({kwargs}) failed with exit code "
-            f"{result.returncode}:\n{result.stderr[-3000:]}"
-        )
-    return json.loads(lines[-1])
+def _probe(probe: str, function: str, builder, kwargs, env, timeout_s) -> dict[str, Any]:
+    """function(builder, kwargs) of this module in a child process (child.call, this process's
+    environment and `env`, its printed lines dropped); RuntimeError names the probe and builder."""
+    from gated_attention_tools import child  # here: child.py imports this module (child_env)
+
+    try:
+        return child.call(
+            f"{__name__}:{function}", dict(builder=builder, kwargs=kwargs), lambda line: None,
+            timeout_s=timeout_s, env=env,
+        )  # fmt: skip
+    except RuntimeError as e:
+        raise RuntimeError(f"{probe} probe of {builder}({kwargs}) failed: {e}") from None
 
 
 def _proc_status_bytes() -> dict[str, int]:
@@ -263,10 +265,13 @@ def _proc_status_bytes() -> dict[str, int]:
     return out
 
 
-def _resident_child(spec_json: str) -> dict[str, Any]:
-    spec = json.loads(spec_json)
-    module, _, name = spec["builder"].partition(":")
-    fn, specs = getattr(importlib.import_module(module), name)(**spec["kwargs"])
+def _built(builder: str, kwargs: dict[str, Any]):
+    module, _, name = builder.partition(":")
+    return getattr(importlib.import_module(module), name)(**kwargs)
+
+
+def _resident_child(builder: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    fn, specs = _built(builder, kwargs)
     compiled = jax.jit(fn).lower(*specs).compile()
     inputs = jax.block_until_ready(
         tuple(None if s is None else jnp.ones(s.shape, s.dtype) for s in specs)
@@ -353,13 +358,11 @@ def device_memory(builder: str, kwargs: dict[str, Any], timeout_s: float = 1800)
         return dict(
             peak_mib=resident["resident_mib"], note="resident memory (VmHWM): " + resident["note"]
         )
-    return _child("device-memory", ["--device"], builder, kwargs, child_env(), timeout_s)
+    return _probe("device-memory", "_device_child", builder, kwargs, None, timeout_s)
 
 
-def _device_child(spec_json: str) -> dict[str, Any]:
-    spec = json.loads(spec_json)
-    module, _, name = spec["builder"].partition(":")
-    fn, specs = getattr(importlib.import_module(module), name)(**spec["kwargs"])
+def _device_child(builder: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    fn, specs = _built(builder, kwargs)
     inputs = jax.block_until_ready(
         tuple(None if s is None else jnp.ones(s.shape, s.dtype) for s in specs)
     )
@@ -372,10 +375,3 @@ def _device_child(spec_json: str) -> dict[str, Any]:
         peak_mib=max(0, peak - before - output) / 2**20,
         note="device peak_bytes_in_use over inputs and output (compilation included)",
     )
-
-
-if __name__ == "__main__":
-    if sys.argv[1] == "--device":
-        print(json.dumps(_device_child(sys.argv[2])), flush=True)
-    else:
-        print(json.dumps(_resident_child(sys.argv[1])), flush=True)

@@ -49,9 +49,7 @@ SUITES = {
     ),
     "family": Suite("family_benchmark", _markdown, _family_plots),
     "device": Suite("device_benchmark", _markdown),
-    "device_memory": Suite("device_memory", _markdown),
-    "mesh_memory": Suite("mesh_memory", _markdown),
-    "context_memory": Suite("context_memory", _markdown),
+    "compile_memory": Suite("compile_memory", _markdown),
     "options": Suite("options_benchmark", _markdown),
 }
 

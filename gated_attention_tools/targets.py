@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gated_attention_tools import child
+from gated_attention_tools import child, measure
 
 CONFIG_DIR = Path(__file__).with_name("target_configs")
 # Set in every child: the CUDA plugin then skips its driver check, libtpu its metadata queries.
@@ -286,33 +286,15 @@ def compile(fn, *args, target: str, dump_to: str | None = None, static: dict | N
     return lowered.compile(options) if options else lowered.compile()
 
 
-def memory(compiled) -> dict[str, int]:
-    """Device memory of a compiled program, bytes: arguments, outputs, temporaries, aliased, and
-    peak (arguments + outputs + temporaries - aliased: what must fit at once)."""
-    m = compiled.memory_analysis()
-    out = dict(
-        argument=int(m.argument_size_in_bytes),
-        output=int(m.output_size_in_bytes),
-        temp=int(m.temp_size_in_bytes),
-        alias=int(m.alias_size_in_bytes),
-    )
-    out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
-    return out
+# Device memory of a compiled program, bytes: argument, output, temp, alias and peak (arguments +
+# outputs + temporaries - aliased: what must fit at once). measure.py's reader, named here too.
+memory = measure.compiled_memory
 
 
 def in_child(
     function: str, kwargs: dict[str, Any], log=lambda line: None, env: dict | None = None
 ) -> Any:
     """function(**kwargs) ('module:function') in a fresh process set up for deviceless compiles
-    (CHILD_ENV, and `env`), so that a compiler crash fails only this call (RuntimeError)."""
-    settings = {**CHILD_ENV, **(env or {})}
-    saved = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)  # child.call passes this process's environment on
-    try:
-        return child.call(function, kwargs, log)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    (child.call with CHILD_ENV, and `env`, over this process's environment), so that a compiler
+    crash fails only this call (RuntimeError)."""
+    return child.call(function, kwargs, log, env={**CHILD_ENV, **(env or {})})

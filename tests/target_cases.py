@@ -98,14 +98,14 @@ def triangle_op_memory(target: str, n_res: int) -> dict:
 
 
 def kernel_cases(target: str, cases: list[dict]) -> list[dict]:
-    """gpu_kernels.kernel_stats for several cases in one process (the compilers start once);
+    """pallas_triton.kernel_stats for several cases in one process (the compilers start once);
     only the first where its compile dumps no PTX to read (jax 0.12: the rest would say nothing)."""
-    from gated_attention_tools import gpu_kernels
+    from gated_attention_tools.kernel_matrix import pallas_triton
 
-    first = gpu_kernels.kernel_stats(target, **cases[0])
+    first = pallas_triton.kernel_stats(target, **cases[0])
     if not first["ptx_files"]:
         return [first]
-    return [first, *(gpu_kernels.kernel_stats(target, **case) for case in cases[1:])]
+    return [first, *(pallas_triton.kernel_stats(target, **case) for case in cases[1:])]
 
 
 def transposed_on_a_mesh(target: str) -> dict:
@@ -131,14 +131,14 @@ def auto_kernels(
     """The op under 'auto' (no implementation named) compiled for a GPU `target`: its forward, and
     a training step (a loss's value and gradient in q, k, v and the bias). Per program: what
     'auto' chose for the GPU and the host and why, whether a Triton kernel is in the compiled
-    program, and ptxas's figures for each of its kernels (gpu_kernels._ptx_kernels: registers,
+    program, and ptxas's figures for each of its kernels (pallas_triton.ptx_kernels: registers,
     spills, MMA). `bias`: 'shared' ([1, N, T, S]), 'per_row' ([B, N, T, S]) or 'none'; `mask`:
     'key' ([B, 1, 1, S]) or 'none'."""
     import glob
     import os
     import tempfile
 
-    from gated_attention_tools import gpu_kernels
+    from gated_attention_tools.kernel_matrix import pallas_triton
 
     dt = jnp.dtype(dtype)
     heads = 4
@@ -161,7 +161,7 @@ def auto_kernels(
             compiled = targets.compile(
                 fn, qkv, qkv, qkv, tuple(biases), mask_spec, target=target, dump_to=dump
             )
-            kernels = gpu_kernels._ptx_kernels(dump, arch)
+            kernels = pallas_triton.ptx_kernels(dump, arch)
             ptx_files = len(glob.glob(os.path.join(dump, "*.ptx")))
         found[name] = dict(
             by_platform=record[0]["by_platform"],

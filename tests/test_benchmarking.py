@@ -17,8 +17,8 @@ import pytest
 from gated_attention.af2 import config
 from gated_attention_tools import (
     benchmark,
+    compile_memory,
     device_benchmark,
-    device_memory,
     family_benchmark,
     measure,
     options_benchmark,
@@ -275,15 +275,7 @@ def test_benchmark_presets_share_one_schema():
     for preset in module.PRESETS:  # one schema per suite
         cfg = module.get_config(preset)
         keys.setdefault(cfg.suite, set()).add(frozenset(cfg.keys()))
-    assert sorted(keys) == [
-        "context_memory",
-        "device",
-        "device_memory",
-        "family",
-        "mesh_memory",
-        "modules",
-        "options",
-    ], keys
+    assert sorted(keys) == ["compile_memory", "device", "family", "modules", "options"], keys
     assert all(len(k) == 1 for k in keys.values()), keys
     for preset in module.PRESETS:
         cfg = module.get_config(preset)
@@ -297,25 +289,23 @@ def test_benchmark_presets_share_one_schema():
             }
             assert {g[1] for g in cfg.goals} <= whats | {m[0] for m in cfg.memory_scaling}
             continue
-        if cfg.suite == "device_memory":
-            assert set(cfg.whats) <= set(device_memory.WHATS)
-            assert all(targets.target(t) for t in cfg.targets)
+        if cfg.suite == "compile_memory":  # each placement's cells (device, rows, keys)
+            one, rows, keys_ = cfg.one_device_cells, cfg.rows_cells, cfg.keys_cells
+            assert len(cfg.placements) == 1 and cfg.placements[0] in compile_memory.PLACEMENTS
+            assert set(one.whats) <= set(compile_memory.WHATS)
+            assert all(targets.target(t) for t in one.targets)
+            assert all(targets.target(t) for t in keys_.targets) and set(keys_.variants) <= {
+                "ring",
+                "plain",
+            }
+            assert set(rows.whats) <= set(compile_memory.WHATS) and set(rows.whats) == {
+                w for w, _ in rows.crops
+            }
+            assert all(targets.target(t) for t in rows.targets)
             continue
         if cfg.suite == "options":
             assert cfg.goal_implementation in cfg.implementations
             assert cfg.goal_implementation in cfg.gqa_implementations
-            continue
-        if cfg.suite == "context_memory":
-            assert all(targets.target(t) for t in cfg.targets) and set(cfg.variants) <= {
-                "ring",
-                "plain",
-            }
-            continue
-        if cfg.suite == "mesh_memory":
-            assert set(cfg.whats) <= set(device_memory.WHATS) and set(cfg.whats) == {
-                w for w, _ in cfg.crops
-            }
-            assert all(targets.target(t) for t in cfg.targets)
             continue
         if cfg.suite == "device":
             device_benchmark.check_config(cfg)
@@ -637,6 +627,7 @@ def test_device_memory_tables_say_the_longest_crop_that_fits():
         cell = dict(target="h100", what="triangle_start", dtype="bfloat16", mode="training")
         return dict(
             cell,
+            placement="one_device",
             variant=variant,
             n_res=n_res,
             n_seq=1,
@@ -648,10 +639,11 @@ def test_device_memory_tables_say_the_longest_crop_that_fits():
 
     rows = [row("af2", 256, True), row("af2", 512, True), row("af2", 1024, False)]
     rows += [row("ours", 256, True), row("ours", 512, True)]
-    assert device_memory.longest(rows, variant="af2") == 512
-    assert device_memory.longest(rows, variant="ours", target="v5e") is None
-    results = dict(versions=dict(jax="x"), msa_rows=512, extra_msa_rows=1024, rows=rows)
-    table = device_memory.markdown(results)
+    assert compile_memory.longest(rows, variant="af2") == 512
+    assert compile_memory.longest(rows, variant="ours", target="v5e") is None
+    config = dict(one_device=dict(msa_rows=512, extra_msa_rows=1024))
+    results = dict(placements=["one_device"], versions=dict(jax="x"), config=config, rows=rows)
+    table = compile_memory.markdown(results)
     # AF2 ran out of memory at 1,024; ours never did, so its longest is a lower bound.
     assert "| h100 | triangle_start | bfloat16 | training | 512 | >= 512 |" in table
     assert (

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gated_attention_tools import context_memory, mesh_memory, targets
+from gated_attention_tools import compile_memory, targets
 
 
 def _need(name: str) -> None:
@@ -76,7 +76,7 @@ def test_auto_on_a_b200_compiles_the_pallas_kernels_without_spills(case):
     Pallas (Triton) kernel for the GPU, and every kernel compiles with 0 spill bytes and dots on
     the tensor cores (tcgen05.mma there). The whole kernel matrix: benchmark_results/gpu_kernels/
     b200.md."""
-    from gated_attention_tools import gpu_kernels
+    from gated_attention_tools.kernel_matrix import pallas_triton
 
     _need("b200")
     b200 = targets.target("b200")
@@ -88,7 +88,7 @@ def test_auto_on_a_b200_compiles_the_pallas_kernels_without_spills(case):
         import jax
 
         pytest.skip(f"jax {jax.__version__}'s deviceless GPU compile dumps no PTX files to read")
-    expected = dict(forward={"gated_attention_forward"}, training=set(gpu_kernels.KERNELS))
+    expected = dict(forward={"gated_attention_forward"}, training=set(pallas_triton.KERNELS))
     for program, kernels in expected.items():
         result = got[program]
         assert result["calls"] == 1 and result["triton"], (program, result)
@@ -108,7 +108,7 @@ def test_triangle_gradient_memory_on_the_target(target="v5e"):
     """The op's gradient at a 256^2 triangle (bfloat16, shared bias, cotangent an argument)
     compiled for a TPU v5e: its temporaries stay a small fraction of the float32 logits of one
     dense pass ([N, 4, N, N], what AF2 and jax.nn's XLA path hold), which are never built. (Per
-    module, target and crop, against AF2's: the device_memory preset.)"""
+    module, target and crop, against AF2's: the device_memory preset of compile_memory.)"""
     _need(target)
     got = targets.in_child(
         "tests.target_cases:triangle_op_memory", dict(target=target, n_res=N_RES)
@@ -120,7 +120,8 @@ def test_triangle_gradient_memory_on_the_target(target="v5e"):
     assert memory["temp"] <= logits // 8, (memory, logits)
 
 
-TPU_KERNEL_CASES = {  # a covering subset of tpu_kernels.matrix(): every dtype, bias and mask form
+# A covering subset of kernel_matrix.pallas_mosaic_tpu.matrix(): every dtype, bias and mask form.
+TPU_KERNEL_CASES = {
     "v5e": [
         dict(dtype="bfloat16", head_dim=32, bias="both", mask="key"),
         dict(dtype="float32", head_dim=128, bias="per_row", mask="full"),
@@ -142,16 +143,17 @@ def test_tpu_kernels_compile_within_vmem(target):
     """The Pallas TPU kernels' forward and gradient compile for each TPU generation (300 queries
     and 260 keys: partial tiles); Mosaic refuses a kernel over the scoped VMEM, so a compile says
     every kernel fits. The whole matrix: benchmark_results/tpu_kernels/."""
-    from gated_attention_tools import tpu_kernels
+    from gated_attention_tools.kernel_matrix import pallas_mosaic_tpu
 
     _need(target)
     cases = TPU_KERNEL_CASES[target]
     results = targets.in_child(
-        "gated_attention_tools.tpu_kernels:compile_cases", dict(target=target, cases=cases)
+        "gated_attention_tools.kernel_matrix.pallas_mosaic_tpu:compile_cases",
+        dict(target=target, cases=cases),
     )
     for case, result in zip(cases, results, strict=True):
-        assert tpu_kernels.verdict(result) == [], (case, result)
-        expected = set(tpu_kernels.KERNELS) - (
+        assert pallas_mosaic_tpu.verdict(result) == [], (case, result)
+        expected = set(pallas_mosaic_tpu.KERNELS) - (
             {"gated_attention_tpu_dbias"} if case["bias"] == "none" else set()
         )
         assert set(result["kernels"]) == expected, (case, result["kernels"])
@@ -159,34 +161,37 @@ def test_tpu_kernels_compile_within_vmem(target):
 
 def test_a_mesh_of_eight_h100s_and_its_collectives():
     """targets.mesh: 8 H100s (topology 1x1x8), compiled deviceless; a row-split array turned to
-    columns is one all-to-all, and collectives() reads its result shape; mesh_memory.summarize's
-    ratios. (The modules' own collectives on a mesh: tests/test_row_parallel.py.)"""
+    columns is one all-to-all, and collectives() reads its result shape; compile_memory.summarize's
+    ratios for the rows over a mesh. (The modules' own collectives on a mesh:
+    tests/test_row_parallel.py.)"""
     _need("h100")
     got = targets.in_child("tests.target_cases:transposed_on_a_mesh", dict(target="h100"))
     assert got["devices"] == 8 and got["kinds"] == ["NVIDIA H100 80GB HBM3"], got
     assert got["collectives"]["all-to-all"] and not got["collectives"]["all-gather"], got
     assert "bf16[" in got["collectives"]["all-to-all"][0], got
-    row = dict(devices=8, input_bytes=1000, memory=dict(peak=300), collectives=got["collectives"])
-    row = mesh_memory.summarize(row, dict(memory=dict(peak=1600)))
+    row = dict(placement="rows", mesh=(8,), input_bytes=1000, memory=dict(peak=300))
+    row |= dict(collectives=got["collectives"])
+    row = compile_memory.summarize(row, dict(memory=dict(peak=1600)))
     assert row["over_ideal"] == 1.5 and row["all_to_all"] == len(got["collectives"]["all-to-all"])
 
 
 def test_context_memory_summaries():
-    """context_memory.summarize: a ring row's peak against one device's / devices, the goal's
-    allowance (1.3x ideal + one K/V shard) and its gathers in K shards; longest_fitting: the
-    longest crop that fits per target, module, variant and mode."""
+    """compile_memory.summarize, the keys over a mesh: a ring row's peak against one device's /
+    devices, the goal's allowance (1.3x ideal + one K/V shard) and its gathers in K shards;
+    longest_fitting: the longest crop that fits per target, module, variant and mode."""
     collectives = {k: [] for k in ("all-gather", "collective-permute")}
     collectives["all-gather"] = ["bf16[2,512]{1,0}"]  # 2 KiB: one K shard (kv_shard_bytes / 2)
     collectives["collective-permute"] = ["bf16[2,512]{1,0}"] * 3
-    row = dict(devices=8, kv_shard_bytes=4096, memory=dict(peak=300), collectives=collectives)
-    row = context_memory.summarize(row, dict(memory=dict(peak=1600)))
+    row = dict(placement="keys", what=compile_memory.OP, mesh=(8,), kv_shard_bytes=4096)
+    row |= dict(memory=dict(peak=300), collectives=collectives)
+    row = compile_memory.summarize(row, dict(memory=dict(peak=1600)))
     assert row["over_ideal"] == 1.5 and row["allowance"] == 1.3 * 200 + 4096
     assert row["largest_gather_over_k_shard"] == 1.0 and row["permutes"] == 3
-    assert "error" in context_memory.summarize(dict(row), dict(error="no compile"))
+    assert "error" in compile_memory.summarize(dict(row), dict(error="no compile"))
     rows = [
         dict(target="h100", what="triangle_start", variant="grid", mode="training", n_res=n, fits=f)
         for n, f in ((16384, True), (32768, False), (8192, True))
     ]
-    assert context_memory.longest_fitting(rows) == [
+    assert compile_memory.longest_fitting(rows) == [
         dict(target="h100", what="triangle_start", variant="grid", mode="training", n_res=16384)
     ]
