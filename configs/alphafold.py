@@ -12,7 +12,7 @@ Presets, chosen after the colon:
 Sequence counts and lengths are kept CPU-sized (AF2 runs 512 MSA rows x N_res); override them.
 """
 
-from gated_attention_tools import schema
+from gated_attention_tools.experiment import schema
 
 PRESETS = ("msa_row", "msa_column", "triangle", "extra_msa_global")
 

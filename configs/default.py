@@ -3,7 +3,7 @@
 python scripts/run_forward.py --config=configs/default.py --config.data.batch=8
 """
 
-from gated_attention_tools import schema
+from gated_attention_tools.experiment import schema
 
 
 def get_config():

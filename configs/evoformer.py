@@ -18,7 +18,7 @@ dropout_update in training, not here). AF2 runs 512 MSA rows (1,024+ extra seque
 sizes here are kept small for CPU: override data.batch (N_seq) and data.num_queries (N_res).
 """
 
-from gated_attention_tools import schema
+from gated_attention_tools.experiment import schema
 
 PRESETS = ("msa_row", "msa_column", "msa_column_global", "triangle_start", "triangle_end")
 

@@ -7,7 +7,7 @@
       --config.data.num_keys=16384
 """
 
-from gated_attention_tools import schema
+from gated_attention_tools.experiment import schema
 
 
 def get_config():

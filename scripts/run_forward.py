@@ -61,7 +61,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     import jax  # imported after flags so that --platform and x64 take effect
 
-    from gated_attention_tools import environment, run
+    from gated_attention_tools import environment
+    from gated_attention_tools.experiment import run
 
     if not _PLATFORM.value:
         environment.cpu_unless_accelerator()  # no GPU/TPU plugin tracebacks on a CPU machine

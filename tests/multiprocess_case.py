@@ -1,4 +1,4 @@
-"""One process of tests/test_row_parallel.py's two-process case (not a test module).
+"""One process of tests/parallel/test_row_parallel.py's two-process case (not a test module).
 
   python -m tests.multiprocess_case PROCESS_ID PORT OUT.npz
 

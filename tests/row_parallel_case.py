@@ -1,4 +1,4 @@
-"""The problem of the multi-process row-parallel test (tests/test_row_parallel.py and its child
+"""The problem of the multi-process row-parallel test (tests/parallel/test_row_parallel.py and its child
 processes, tests/multiprocess_case.py): a TriangleAttention (ending node) training step on a small
 pair, as NumPy values every process builds alike."""
 

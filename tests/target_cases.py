@@ -1,5 +1,5 @@
 """Programs compiled for GPU and TPU targets in child processes (targets.in_child), for
-tests/test_targets.py: each returns plain data the test asserts on."""
+tests/tools/test_targets.py: each returns plain data the test asserts on."""
 
 from __future__ import annotations
 

@@ -151,3 +151,11 @@ def test_the_rules_see_a_planted_climb(tmp_path):
     assert got == {"attention.api", "attention.pallas_triton.plan", "core.checks"}
     assert _layer("attention.api") > _layer("core.checks")
     assert _family("attention.pallas_triton.plan") == "pallas_triton"
+
+
+def test_the_tests_mirror_the_folders():
+    """tests/<layer>/ for each layer folder, and a test module per kernel family."""
+    tests = pathlib.Path(__file__).parent
+    assert all((tests / layer / "__init__.py").is_file() for layer in LAYERS)
+    missing = [f for f in FAMILIES if not (tests / "attention" / f"test_{f}.py").is_file()]
+    assert not missing, f"no tests/attention/test_<family>.py for {missing}"

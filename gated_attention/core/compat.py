@@ -1,6 +1,6 @@
 """The JAX this library needs, checked once at import: one clear error instead of a traceback from
 inside JAX when an older release lacks what the library calls; and every private JAX symbol the
-library touches, each behind one function here (tests/test_compat.py fails when JAX moves one).
+library touches, each behind one function here (tests/core/test_compat.py fails when JAX moves one).
 
 Tested: jax 0.10.2 (Python 3.11, the release AlphaFold 3 pins) and the newest the registry serves
 for Python 3.12 (0.12.0.1); setup.py states the range.

@@ -8,7 +8,7 @@ keeps per key the tiles that compiled clean on every one of those targets in eve
 (0 spill bytes in all three kernels, shared memory within the A100's SHARED_MEMORY_LIMIT, MMA
 instructions in every non-IEEE kernel; the generator's EXEMPT lets one key off the B200, where no
 candidate compiled clean): the largest for the heaviest form (both biases, a full mask), else the
-candidate nearest that. tests/test_pallas_tiles.py checks that the shipped table is what the
+candidate nearest that. tests/attention/test_tile_table.py checks that the shipped table is what the
 generator makes of the results. The committed results predate the rows' own `tiles` field
 (kernel_matrix/pallas_triton.py now writes it): each was compiled once, with the tiles then in
 force, so for them the generator reads those tiles from its record of the hand tables they ran

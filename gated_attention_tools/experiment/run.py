@@ -27,7 +27,8 @@ from gated_attention.af2 import params as params_lib
 from gated_attention.attention import api as attention
 from gated_attention.core import numerics
 from gated_attention.parallel import sharding
-from gated_attention_tools import measure, schema
+from gated_attention_tools import measure
+from gated_attention_tools.experiment import schema
 
 
 @dataclasses.dataclass

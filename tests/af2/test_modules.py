@@ -20,7 +20,7 @@ B, Q, K, A, M, H, O = 2, 5, 6, 12, 10, 2, 7
 
 
 # Low-precision inputs run in their own dtype here (the 'input' policy), so that the reference
-# tests check bfloat16/float16 arithmetic; test_numerics.py checks the CPU default (float32).
+# tests check bfloat16/float16 arithmetic; tests/core/test_numerics.py checks the CPU default (float32).
 GLOBAL = dict(zero_init=False, compute_dtype="input")
 MIB = 2**20
 

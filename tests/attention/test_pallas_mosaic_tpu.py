@@ -1,7 +1,7 @@
 """PallasTpuAttention: the Mosaic kernels interpreted against the float64 reference (the shared
 harness in Pallas's generic interpreter; lengths spanning several partial tiles in its TPU
 interpreter, which also models TPU memory: scratch starts as NaN), and dispatch (TPU only unless
-interpreted; 'auto' on TPU). Compiles for TPU targets: tests/test_targets.py."""
+interpreted; 'auto' on TPU). Compiles for TPU targets: tests/tools/test_targets.py."""
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ class TestPallasTpuInterpreted(ImplementationTests):
     """The forward, dk/dv, dq and bias-gradient kernels, interpreted on CPU: the whole contract
     in float32; bfloat16 against the reference below. (The generic interpreter: the TPU one takes
     5x as long here, and the partial-tile cases below run in it.) Two heads: each program
-    unrolls its heads (a third costs ~1/3 more compile; tests/test_conformance.py runs four)."""
+    unrolls its heads (a third costs ~1/3 more compile; tests/attention/test_conformance.py runs four)."""
 
     IMPL = INTERPRETED
     DTYPES = ("float32",)

@@ -2,7 +2,7 @@
 parameters give AF2's outputs (float32 relative difference <= 1e-5), for an EvoformerIteration, for
 AF2's family modules on our Attention adapter, and for the whole monomer model (model_1 with
 templates, extra MSA and recycling), in which no attention module stays AF2's. The training step's
-gradients against AF2's are checked per module (tests/test_benchmarking.py's family cell)."""
+gradients against AF2's are checked per module (tests/tools/test_benchmarking.py's family cell)."""
 
 import collections
 import contextlib
@@ -61,7 +61,7 @@ def _inputs():
 
 def test_evoformer_iteration_inference_matches_af2():
     """The main MSA's block (row, column and triangle attention); the extra MSA's column global
-    attention is checked against the package's in tests/test_benchmarking.py's family cell."""
+    attention is checked against the package's in tests/tools/test_benchmarking.py's family cell."""
     block = _block(is_extra_msa=False, is_training=False)
     af2, ours = hk.transform(block), hk.transform(af2_package.use_gated_attention()(block))
     args = _inputs()

@@ -1,6 +1,6 @@
 """dot_product_attention's choice of implementation: 'auto' and its rules, priority sequences, names,
-instances and what is not an implementation. (Each implementation's numerics: test_xla.py,
-test_chunked.py, test_cudnn.py, through tests/implementation_harness.py.)"""
+instances and what is not an implementation. (Each implementation's numerics: tests/attention/test_xla.py,
+tests/attention/test_xla_chunked.py, tests/attention/test_cudnn.py, through tests/implementation_harness.py.)"""
 
 import functools
 import threading

@@ -16,7 +16,7 @@ import pytest
 
 from gated_attention_tools import child, device_benchmark, measure
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import device_wheels  # noqa: E402  (scripts/ is not a package)
 
@@ -33,7 +33,7 @@ def test_device_check_runs_end_to_end_on_cpu(tmp_path):
             str(ROOT / "scripts" / "device_check.py"),
             "--smoke",
             f"--out={tmp_path}",
-            "--tests=tests/test_cudnn.py",
+            "--tests=tests/attention/test_cudnn.py",
             "--workers=1",
             "--benchmark_flag=--config.modes=('forward_backward',)",
             f"--benchmark_flag=--config.variants={variants!r}",

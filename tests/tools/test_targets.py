@@ -163,7 +163,7 @@ def test_a_mesh_of_eight_h100s_and_its_collectives():
     """targets.mesh: 8 H100s (topology 1x1x8), compiled deviceless; a row-split array turned to
     columns is one all-to-all, and collectives() reads its result shape; compile_memory.summarize's
     ratios for the rows over a mesh. (The modules' own collectives on a mesh:
-    tests/test_row_parallel.py.)"""
+    tests/parallel/test_row_parallel.py.)"""
     _need("h100")
     got = targets.in_child("tests.target_cases:transposed_on_a_mesh", dict(target="h100"))
     assert got["devices"] == 8 and got["kinds"] == ["NVIDIA H100 80GB HBM3"], got

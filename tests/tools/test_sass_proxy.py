@@ -8,7 +8,7 @@ import pytest
 
 from gated_attention_tools import sass_proxy
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPORT = ROOT / "benchmark_results" / "sass_proxy"
 
 # nvdisasm -c's layout: a function's section, labels, /*address*/ instructions.

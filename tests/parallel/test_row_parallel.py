@@ -25,7 +25,7 @@ from gated_attention.af2 import config
 from tests import reference, row_parallel_case
 from tests.helpers import all_eqns, assert_close
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 S, R, C_M, C_Z, H = 16, 16, 16, 8, 2  # 8 devices: 2 MSA rows and 2 pair rows each
 # Each code path once (suite time): a row-wise module with the pair bias gathered (MSA row; the

@@ -26,7 +26,7 @@ from gated_attention_tools import (
     targets,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _bench_module():

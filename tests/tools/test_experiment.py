@@ -14,10 +14,11 @@ import pytest
 
 from gated_attention.af2 import config as config_lib
 from gated_attention.af2 import params as params_lib
-from gated_attention_tools import environment, run, schema
+from gated_attention_tools import environment
+from gated_attention_tools.experiment import run, schema
 from gated_attention_tools.family_benchmark import random_params
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PRESETS = [("default.py", None), ("long_sequence.py", None)] + [
     ("alphafold.py", p) for p in ("msa_row", "msa_column", "triangle", "extra_msa_global")
 ]

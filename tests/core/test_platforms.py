@@ -1,6 +1,6 @@
 """Choices per compile target (gated_attention/core/platforms.py): code traced inside a dispatch branch
 decides for that branch's kinds, and the modules' compute dtype and tile rule follow the target,
-as the op's choice does (the deviceless compile for an H100: tests/test_targets.py)."""
+as the op's choice does (the deviceless compile for an H100: tests/tools/test_targets.py)."""
 
 import pathlib
 

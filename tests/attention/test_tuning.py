@@ -15,7 +15,7 @@ from gated_attention.attention import per_mode, tuning
 from gated_attention_tools import tuning_table
 from tests import reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 H100 = "NVIDIA H100 80GB HBM3"
 
 

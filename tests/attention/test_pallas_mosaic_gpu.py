@@ -37,6 +37,7 @@ class TestMosaicInterpreted(ImplementationTests):
 
     IMPL = INTERPRETED
     DTYPES = ("float32",)
+    MASK_CHECKS_ALONE = True  # its interpreter's running, not its compile, is the time
     BATCH = 2
     HEADS = 2
 
