@@ -257,6 +257,34 @@ def memory_budget_mib(module: ModuleConfig, glob: GlobalConfig) -> float:
     return glob.memory_budget_mib if module.memory_budget_mib is None else module.memory_budget_mib
 
 
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A module's configuration resolved once, in its constructor, and passed down as values.
+
+    Attributes:
+      implementation: what it passes to dot_product_attention (an instance with its tuning, or
+        an Auto with the module's budget).
+      compute_dtype: the precision policy (numerics.POLICIES).
+      budget_mib: the working-set budget: the op's choice, the row tiles and the pair-bias tiles.
+      remat_policy: what a row tile saves for the backward pass (REMAT_POLICIES).
+    """
+
+    implementation: Any
+    compute_dtype: str
+    budget_mib: float
+    remat_policy: str
+
+    @property
+    def budget_bytes(self) -> int:
+        return memory.budget_bytes(self.budget_mib)
+
+
+def resolve(module: ModuleConfig, glob: GlobalConfig) -> Resolved:
+    """The module's Resolved configuration: module keys override global ones."""
+    implementation, policy = attention_implementation(module, glob)
+    return Resolved(implementation, policy, memory_budget_mib(module, glob), glob.remat_policy)
+
+
 def attention_implementation(module: ModuleConfig, glob: GlobalConfig) -> tuple[Any, str]:
     """The implementation (an instance with its tuning) and precision policy a module passes to
     dot_product_attention: module keys override global ones."""
@@ -265,7 +293,7 @@ def attention_implementation(module: ModuleConfig, glob: GlobalConfig) -> tuple[
         value = getattr(module, key)
         return getattr(glob, key) if value is None else value
 
-    budget = int(memory_budget_mib(module, glob) * 2**20)
+    budget = memory.budget_bytes(memory_budget_mib(module, glob))
     chunked = ChunkedAttention(
         query_chunk_size=pick("query_chunk_size"),
         key_chunk_size=pick("key_chunk_size"),

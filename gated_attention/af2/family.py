@@ -164,6 +164,7 @@ class _FamilyModule(hk.Module):
         super().__init__(name=name)
         self.config = config_lib.module_config(config)
         self.global_config = config_lib.global_config(global_config)
+        self.resolved = config_lib.resolve(self.config, self.global_config)
         if self.orientation is not None:
             _check_orientation(self.config, self.orientation, type(self).__name__)
 
@@ -172,7 +173,7 @@ class _FamilyModule(hk.Module):
         return None if is_training else self.global_config.subbatch_size
 
     def _pair_bias(self, pair_act, norm, dtype) -> jax.Array:
-        budget = config_lib.memory_budget_mib(self.config, self.global_config)
+        budget = self.resolved.budget_mib
         return pair_bias.of_pair(pair_act, norm, self.config.num_head, dtype, budget)
 
     @hk.transparent
@@ -492,7 +493,7 @@ class TriangleAttention(_FamilyModule):
         if per_column:  # the transposed pair's rows
             pair_act, pair_mask = _to_columns(turn, pair_act, pair_mask)
             pair_act, pair_mask = jnp.swapaxes(pair_act, -3, -2), jnp.swapaxes(pair_mask, -2, -1)
-        budget = config_lib.memory_budget_mib(self.config, self.global_config)
+        budget = self.resolved.budget_mib
         # The attention reads the pair that comes back, so the bias's cotangent is added into
         # the attention's in place (pair_bias.with_pair).
         pair_act, bias = pair_bias.with_pair(

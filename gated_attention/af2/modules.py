@@ -63,6 +63,7 @@ class _AttentionModule(hk.Module):
         super().__init__(name=name)
         self.config = config_lib.module_config(config)
         self.global_config = config_lib.global_config(global_config)
+        self.resolved = config_lib.resolve(self.config, self.global_config)
         checks.check_int("output_dim", output_dim)
         self.output_dim = output_dim
         if placement is not None and not isinstance(placement, sharding.Placement):
@@ -89,13 +90,12 @@ class _AttentionModule(hk.Module):
         differentiation each tile saves what global_config.remat_policy says and recomputes the
         rest in the backward pass (remat_saveable).
         """
-        implementation, policy = config_lib.attention_implementation(
-            self.config, self.global_config
-        )
-        budget = memory.budget_bytes(config_lib.memory_budget_mib(self.config, self.global_config))
+        resolved = self.resolved
+        implementation, policy = resolved.implementation, resolved.compute_dtype
+        budget = resolved.budget_bytes
         batch = args[0].shape[axis]
         batched = [x is not None and x.shape[axis] == batch for x in args]
-        remat = remat_saveable(self.global_config.remat_policy)
+        remat = remat_saveable(resolved.remat_policy)
 
         @functools.cache
         def branch(compute, rows):  # one per (compute dtype, tile rows): kinds alike share it
