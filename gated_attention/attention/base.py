@@ -122,10 +122,20 @@ class Implementation(abc.ABC):
 
         Arguments as for __call__ (arrays or jax.ShapeDtypeStructs), and `platform`: the kind of
         platform the program is compiled for ('cpu', 'gpu', 'tpu'; None: the host's,
-        platforms.host()), which is not always the host's (platforms.py). The default
-        takes any arrays on any platform and the options in TAKES.
+        platforms.host()), which is not always the host's (platforms.py). The default: where
+        `plan` is overridden, it asks the plan (one place decides); else it takes any arrays on
+        any platform and the options in TAKES.
         """
-        del value, biases, mask, compute_dtype, platform
+        if type(self).plan is not Implementation.plan:
+            self.plan(
+                query, key, value, biases, mask, scale=1.0, compute_dtype=compute_dtype,
+                options=options, platform=platform,
+            )  # fmt: skip
+        else:
+            self.refuse_options(query, key, options)
+
+    def refuse_options(self, query, key, options) -> None:
+        """NotImplementedError naming the options of `Options.asked` not in TAKES."""
         refused = [
             what for name, what in options.asked(query, key).items() if name not in self.TAKES
         ]
@@ -147,7 +157,7 @@ class Implementation(abc.ABC):
     ) -> Any:
         """The plan __call__ runs for these inputs (None: nothing planned), or NotImplementedError
         with the reason they cannot run here (arguments as for check and __call__). The default
-        asks `check` and plans nothing; a kernel overrides this and its `check` asks it."""
+        asks `check` and plans nothing; a kernel overrides this (and `check` then asks it)."""
         del scale
         self.check(
             query, key, value, biases, mask, compute_dtype=compute_dtype, options=options,

@@ -33,14 +33,6 @@ class PerMode(base.Implementation):
     def name(self) -> str:  # the record of what ran: both, by mode
         return f"{self.inference.name} (inference), {self.training.name} (training)"
 
-    def check(
-        self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
-    ):
-        self.plan(
-            query, key, value, biases, mask, scale=1.0, compute_dtype=compute_dtype,
-            options=options, platform=platform,
-        )  # fmt: skip
-
     def plan(
         self,
         query,

@@ -98,14 +98,6 @@ class MosaicAttention(base.Implementation):
         half = jnp.dtype(compute_dtype).itemsize == 2
         return BLOCK_Q, 128 if half and head_dim <= 32 and not options else 64
 
-    def check(
-        self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
-    ):
-        self.plan(
-            query, key, value, biases, mask, scale=1.0, compute_dtype=compute_dtype,
-            options=options, platform=platform,
-        )  # fmt: skip
-
     def plan(
         self,
         query,
@@ -119,7 +111,7 @@ class MosaicAttention(base.Implementation):
         options=base.PLAIN,
         platform=None,
     ) -> Plan:
-        super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
+        self.refuse_options(query, key, options)
         what = "the Mosaic GPU kernel"
         base.check_kernel(
             what,

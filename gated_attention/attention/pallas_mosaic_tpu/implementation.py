@@ -91,14 +91,6 @@ class PallasTpuAttention(base.Implementation):
         if not (isinstance(self.interpret, bool) or self.interpret == "tpu"):
             raise ValueError(f"interpret must be a bool or 'tpu', got {self.interpret!r}")
 
-    def check(
-        self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
-    ):
-        self.plan(
-            query, key, value, biases, mask, scale=1.0, compute_dtype=compute_dtype,
-            options=options, platform=platform,
-        )  # fmt: skip
-
     def plan(
         self,
         query,
@@ -112,7 +104,7 @@ class PallasTpuAttention(base.Implementation):
         options=base.PLAIN,
         platform=None,
     ) -> Plan:
-        super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
+        self.refuse_options(query, key, options)
         base.check_kernel(
             "the Pallas TPU kernel",
             "tpu",

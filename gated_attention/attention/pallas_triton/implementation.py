@@ -88,14 +88,6 @@ class PallasAttention(base.Implementation):
         checks.check_int("bias_grad_programs", self.bias_grad_programs)
         checks.check_bool("interpret", self.interpret)
 
-    def check(
-        self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
-    ):
-        self.plan(
-            query, key, value, biases, mask, scale=1.0, compute_dtype=compute_dtype,
-            options=options, platform=platform,
-        )  # fmt: skip
-
     def plan(
         self,
         query,
@@ -109,7 +101,7 @@ class PallasAttention(base.Implementation):
         options=base.PLAIN,
         platform=None,
     ) -> Plan:
-        super().check(query, key, value, biases, mask, compute_dtype=compute_dtype, options=options)
+        self.refuse_options(query, key, options)
         missing = triton_backend_missing()
         if missing is not None:
             raise NotImplementedError(missing)
