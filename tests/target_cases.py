@@ -3,6 +3,7 @@ tests/tools/test_targets.py: each returns plain data the test asserts on."""
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
 import haiku as hk
@@ -172,3 +173,11 @@ def auto_kernels(
             memory=targets.memory(compiled),
         )
     return found
+
+
+def each(function: str, cases: list[dict]) -> list:
+    """function(**case) ('module:function', or a name here) for every case, in this one process:
+    the compilers, the CUDA plugin and libtpu start once for all of them."""
+    module, _, name = function.rpartition(":")
+    fn = getattr(importlib.import_module(module), name) if module else globals()[name]
+    return [fn(**case) for case in cases]

@@ -149,7 +149,10 @@ def test_python_blocks_run(tmp_path):
     )
     if done.returncode and "Unknown flag" in done.stderr:  # a jaxlib without it: compile as usual
         done = _child(["-m", "tests.test_docs", str(out)], env, ROOT)
-    assert done.returncode == 0, f"the blocks' process failed:\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, (  # a signal's exit is negative: say which
+        f"the blocks' process failed (exit {done.returncode}):\n{done.stdout[-2000:]}\n"
+        f"{done.stderr[-6000:]}"
+    )
     results = json.loads(out.read_text())
     assert len(results) == len(groups())
     failed = [f"{r['names']}:\n{r['detail']}" for r in results if r["status"] != "passed"]
