@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -232,7 +231,7 @@ def dot_product_attention(
     """
     checks.check_qkv(query, key, value)
     keys_over = sharding.mesh_axes(shard_keys_over, "shard_keys_over", manual=True)
-    biases, mask = _validated_pair(query, key, bias, mask, _ring_blocks(keys_over))
+    biases, mask = _validated_pair(query, key, bias, mask, sharding.ring_blocks(keys_over))
     checks.check_one_of("compute_dtype", compute_dtype, numerics.POLICIES)
     options = _options(
         query,
@@ -266,13 +265,6 @@ def dot_product_attention(
         return _on_rows(call.attend, placement, *args[:-1], options)
     out = sharding.shard_attention(call.attend, *args, residual=options.return_residual)
     return call.attend(*args) if out is None else out
-
-
-def _ring_blocks(keys_over) -> int:
-    """Inside a shard_map over shard_keys_over: its device count (the arrays are blocks), else 1."""
-    if keys_over is None or not sharding.manual_axes(*keys_over):
-        return 1
-    return math.prod(keys_over[0].shape[a] for a in keys_over[1])
 
 
 def _validated_pair(query, key, bias, mask, ring_blocks: int):

@@ -365,9 +365,16 @@ class Placement:
         rows = mesh_axes(rows_over)
         if keys_over is None:
             return cls(rows)
-        mesh, axes = mesh_axes(keys_over, "global_config.shard_columns_over", manual=True)
-        ring = math.prod(mesh.shape[a] for a in axes) if manual_axes(mesh, axes) else 1
-        return cls(rows, keys_over, ring)
+        keys = mesh_axes(keys_over, "global_config.shard_columns_over", manual=True)
+        return cls(rows, keys_over, ring_blocks(keys))
+
+
+def ring_blocks(keys: tuple[Any, Axes] | None) -> int:
+    """Inside a shard_map over the ring's axes ((mesh, axes), mesh_axes'): its device count, each
+    array a device's block; else 1."""
+    if keys is None or not manual_axes(*keys):
+        return 1
+    return math.prod(keys[0].shape[a] for a in keys[1])
 
 
 def manual_axes(mesh: Any, axes: Axes) -> bool:
