@@ -1,8 +1,9 @@
-"""Installs gated_attention and its tooling, gated_attention_tools (the experiment schema, run and
-benchmark logic behind scripts/ and tests/): `pip install -e .[test,targets]` for the tests, `.[bench]`
-for the benchmark (AF2's package as the baseline, plots), `.[targets]` for compiling for GPUs and
-TPUs on a machine without them, `.[gpu-bench]` (with JAX's CUDA build) for the GPU benchmark's other
-kernels."""
+"""Installs the library, gated_attention, alone: `pip install -e .[test,targets]` for the tests,
+`.[bench]` for the benchmark (AF2's package as the baseline, plots), `.[targets]` for compiling for
+GPUs and TPUs on a machine without them, `.[gpu-bench]` (with JAX's CUDA build) for the GPU
+benchmark's other kernels. The tooling behind scripts/, configs/ and tests/ (gated_attention_tools:
+the experiment schema, the benchmarks, the deviceless compiles) is not in the wheel: it runs from a
+checkout, as scripts/ and configs/ do (`python -m gated_attention_tools.<tool>` from its root)."""
 
 import re
 from pathlib import Path
@@ -21,14 +22,7 @@ setup(
     "AlphaFold 2 parameter compatible.",
     long_description=Path(__file__).with_name("README.md").read_text(),
     long_description_content_type="text/markdown",
-    packages=find_packages(
-        include=[
-            "gated_attention",
-            "gated_attention.*",
-            "gated_attention_tools",
-            "gated_attention_tools.*",
-        ]
-    ),
+    packages=find_packages(include=["gated_attention", "gated_attention.*"]),
     python_requires=">=3.11",
     classifiers=[
         "Programming Language :: Python :: 3.11",
@@ -48,7 +42,6 @@ setup(
     package_data={
         "gated_attention.attention": ["tuning.json"],  # tuning.py
         "gated_attention.attention.pallas_triton": ["tile_table.json"],  # tile_table.py
-        "gated_attention_tools": ["target_configs/*.txtpb"],
     },
     extras_require={
         # ruff pinned: its format output changes between releases. AF2 as users install it
@@ -56,6 +49,7 @@ setup(
         # EvoformerIteration with our attention, and the benchmarks take it as the baseline.
         "test": [
             "pytest>=7",
+            "setuptools>=61",  # tests/test_layout.py reads setup.py's packages
             "pytest-xdist>=3",
             "hypothesis>=6",
             "ruff==0.17.6",

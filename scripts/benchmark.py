@@ -13,9 +13,13 @@ Writes results.json, results.md and (with matplotlib, the 'bench' extra) the sui
 
 import os
 import pathlib
+import sys
 
 from absl import app, logging
 from ml_collections import config_flags
+
+# The tooling (gated_attention_tools) runs from this checkout, not the wheel: its root on the path.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config",

@@ -27,6 +27,9 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+# The tooling (gated_attention_tools) runs from this checkout, not the wheel: its root on the path.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config",
     os.path.join(os.path.dirname(__file__), "..", "configs", "default.py"),

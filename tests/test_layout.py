@@ -159,3 +159,25 @@ def test_the_tests_mirror_the_folders():
     assert all((tests / layer / "__init__.py").is_file() for layer in LAYERS)
     missing = [f for f in FAMILIES if not (tests / "attention" / f"test_{f}.py").is_file()]
     assert not missing, f"no tests/attention/test_<family>.py for {missing}"
+
+
+def test_the_wheel_is_the_library_alone(monkeypatch):
+    """setup.py's packages are every package folder of gated_attention/ and nothing else (the
+    tooling, scripts, configs and tests run from a checkout), its package data theirs."""
+    import runpy
+
+    import setuptools
+
+    got = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kwargs: got.update(kwargs))
+    monkeypatch.chdir(PACKAGE.parent)
+    runpy.run_path(str(PACKAGE.parent / "setup.py"))
+    folders = {
+        ".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("__init__.py")
+    }
+    assert set(got["packages"]) == folders, sorted(set(got["packages"]) ^ folders)
+    assert set(got["package_data"]) <= folders, got["package_data"]
+    for package, patterns in got["package_data"].items():
+        folder = PACKAGE.parent.joinpath(*package.split("."))
+        assert all(list(folder.glob(p)) for p in patterns), (package, patterns)
+
