@@ -45,3 +45,57 @@ def cudnn_loadable(monkeypatch):
     from gated_attention.core import compat
 
     monkeypatch.setattr(compat, "cudnn_version", lambda: 91000)
+
+
+# The longest tests, by node id prefix (every test it names moves as one unit: a module fixture
+# stays on one worker), with their seconds in a cold run on 2 cores (Python 3.11 and 3.12 stacks,
+# 2026-11-27). They run first, dealt over pytest-xdist's workers largest first: in the
+# collection's order one of them could start last and run alone while the other workers idle.
+LONG_TESTS = {
+    "tests/test_docs.py::test_python_blocks_run": 40,
+    "tests/attention/test_pallas_mosaic_gpu.py::TestMosaicInterpreted::test_reference_and_mask_contract": 37,
+    "tests/af2/test_af2_package.py::test_whole_model": 30,
+    "tests/tools/test_targets.py::test_auto_chooses_for_the_target_not_the_host": 23,
+    "tests/attention/test_pallas_mosaic_tpu.py::TestPallasTpuInterpreted::test_reference_and_mask_contract": 20,
+    "tests/attention/test_kernel_compiles.py::test_kernels_compile_without_spills_and_use_the_tensor_cores": 16,
+    "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[chunked-float32]": 16,
+    "tests/attention/test_pallas_triton.py::TestPallasInterpreted::test_reference_and_mask_contract": 15,
+    "tests/parallel/test_row_parallel.py::test_two_processes_match_one": 15,
+    "tests/attention/test_pallas_mosaic_gpu.py::test_half_precision_against_the_reference": 14,
+    "tests/tools/test_benchmarking.py::test_benchmark_script_smoke": 14,
+    "tests/attention/test_kernel_compiles.py::test_mosaic_kernels_compile_for_hopper_without_spills_on_wgmma": 14,
+    "tests/tools/test_targets.py::test_tpu_kernels_compile_within_vmem": 14,
+    "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[mosaic-float32]": 12,
+    "tests/attention/test_pallas_mosaic_gpu.py::test_two_warpgroups_in_the_interpreter": 12,
+    "tests/tools/test_device_check.py::test_device_check_runs_end_to_end_on_cpu": 11,
+    "tests/attention/test_pallas_mosaic_tpu.py::test_bfloat16_against_the_reference": 11,
+    "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[xla-float32]": 10,
+    "tests/attention/test_pallas_mosaic_gpu.py::test_several_uneven_tiles_against_the_reference": 10,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """In each pytest-xdist worker (all order alike): LONG_TESTS first in each worker's share of
+    the collection (the work-stealing scheduler hands worker i the i-th contiguous share, then
+    moves the tails of queues), the rest in their order."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers < 2:
+        return
+    units, rest = {}, []
+    for item in items:
+        prefix = next((p for p in LONG_TESTS if item.nodeid.startswith(p)), None)
+        (units.setdefault(prefix, []) if prefix else rest).append(item)
+    bins = [[0, []] for _ in range(workers)]
+    for prefix in sorted(units, key=LONG_TESTS.get, reverse=True):
+        lightest = min(bins, key=lambda b: b[0])
+        lightest[0] += LONG_TESTS[prefix]
+        lightest[1].extend(units[prefix])
+    ordered, remaining = [], len(items)
+    for i, (_, long_items) in enumerate(bins):
+        share = remaining // (workers - i)  # the scheduler's first split (xdist's worksteal)
+        if len(long_items) > share:
+            return  # a tiny selection: keep the collection's order
+        take = share - len(long_items)
+        ordered += long_items + rest[:take]
+        rest, remaining = rest[take:], remaining - share
+    items[:] = ordered + rest

@@ -181,3 +181,23 @@ def test_the_wheel_is_the_library_alone(monkeypatch):
         folder = PACKAGE.parent.joinpath(*package.split("."))
         assert all(list(folder.glob(p)) for p in patterns), (package, patterns)
 
+
+def test_the_long_tests_name_tests():
+    """Each prefix of tests/conftest.py's LONG_TESTS (run first, dealt over the workers) names a
+    test module's function or class method (a renamed test is not silently dropped)."""
+    import importlib
+
+    from tests.conftest import LONG_TESTS
+
+    stale = []
+    for prefix in LONG_TESTS:
+        path, *names = prefix.split("::")
+        obj = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        for name in names:
+            name = name.partition("[")[0]
+            matches = [n for n in dir(obj) if n == name or n.startswith(name) and name == names[-1]]
+            obj = getattr(obj, matches[0]) if matches else None
+            if obj is None:
+                stale.append(prefix)
+                break
+    assert not stale, stale
