@@ -24,6 +24,7 @@ import jax as _jax
 from gated_attention.core import compat as _compat
 
 _compat.check_jax(_jax)  # before any module touches what an older jax lacks
+_compat.import_pallas()  # before any trace: a setting it registers would change jit cache keys
 
 from gated_attention.af2 import af2_package
 from gated_attention.af2.config import GlobalConfig, ModuleConfig

@@ -8,6 +8,7 @@ for Python 3.12 (0.12.0.1); setup.py states the range.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from types import ModuleType
 from typing import Any
@@ -23,6 +24,26 @@ def _release(version: str) -> tuple[int, ...]:
         digits = "".join(c for c in part if c.isdigit()) or "0"
         parts.append(int(digits))
     return tuple(parts)
+
+
+# The Pallas modules the kernel families use, imported at `import gated_attention` (import_pallas).
+PALLAS_MODULES = (
+    "jax.experimental.pallas",
+    "jax.experimental.pallas.tpu",
+    "jax.experimental.pallas.mosaic_gpu",
+    "jax.experimental.pallas.triton",
+)
+
+
+def import_pallas() -> None:
+    """Imports PALLAS_MODULES now. jax 0.12's Pallas TPU module registers a trace-context setting
+    at import (pallas_fuser_disable_nested_fuse): imported inside a user's first trace, it changes
+    every jit cache key after it, and each function jitted before compiles again (AF2's second
+    recycle compiled the whole model again). A jax without one of them: the kernel that needs it
+    says so when asked."""
+    for name in PALLAS_MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
 
 def check_jax(jax_module: ModuleType) -> None:

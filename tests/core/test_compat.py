@@ -71,3 +71,43 @@ def test_every_private_jax_symbol_is_behind_compat_and_still_there():
         if re.search(r"\bjax\._src\b", line.split("#")[0])
     ]
     assert not private, private
+
+
+_RETRACE = """
+import jax, numpy as np
+import gated_attention as ga
+
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None
+)
+double = jax.jit(lambda x: 2 * x)
+x = np.ones(3, np.float32)
+double(x)
+q = np.ones((1, 8, 2, 8), np.float32)
+kernels = (ga.PallasTpuAttention(interpret=True), ga.PallasAttention(interpret=True), ga.MosaicAttention(interpret=True))
+for kernel in kernels:  # each family's first trace, and its Pallas modules' first use
+    jax.eval_shape(lambda q: ga.dot_product_attention(q, q, q, implementation=kernel), q)
+before = len(compiles)
+double(x)
+print("compiled again:", len(compiles) - before)
+"""
+
+
+def test_the_kernels_first_trace_leaves_other_jitted_functions_compiled():
+    """In a fresh process: a function jitted before any kernel's first trace is not compiled
+    again after it (jax 0.12's Pallas TPU module, imported inside a trace, registered a setting
+    that changed every jit cache key: AF2's second recycle compiled the whole model again)."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _RETRACE],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled again: 0" in done.stdout, done.stdout
