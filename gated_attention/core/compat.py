@@ -39,8 +39,8 @@ def import_pallas() -> None:
     """Imports PALLAS_MODULES now. jax 0.12's Pallas TPU module registers a trace-context setting
     at import (pallas_fuser_disable_nested_fuse): imported inside a user's first trace, it changes
     every jit cache key after it, and each function jitted before compiles again (AF2's second
-    recycle compiled the whole model again). A jax without one of them: the kernel that needs it
-    says so when asked."""
+    recycle compiled the whole model again). One a jax lacks is skipped here: the kernel that
+    needs it raises ImportError on use (the Triton kernel's check gives it as its reason)."""
     for name in PALLAS_MODULES:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)

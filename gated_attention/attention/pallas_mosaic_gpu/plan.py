@@ -34,7 +34,8 @@ INTERPRET_WARPGROUPS = 1
 
 
 def modules():
-    """(jax.experimental.pallas, its mosaic_gpu module), imported on first use."""
+    """(jax.experimental.pallas, its mosaic_gpu module): already imported by `import
+    gated_attention` (compat.import_pallas); a jax without it raises ImportError here."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 

@@ -14,8 +14,8 @@ from gated_attention.core import memory
 
 
 def pallas_modules():
-    """(jax.experimental.pallas, its tpu module), imported on first use: `import gated_attention`
-    stays free of Pallas's import time."""
+    """(jax.experimental.pallas, its tpu module): already imported by `import gated_attention`
+    (compat.import_pallas); a jax without it raises ImportError here."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 

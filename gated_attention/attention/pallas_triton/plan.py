@@ -19,8 +19,8 @@ from gated_attention.core import compat
 
 
 def pallas_modules():
-    """(jax.experimental.pallas, its triton module), imported on first use: `import
-    gated_attention` stays free of Pallas's import time."""
+    """(jax.experimental.pallas, its triton module): already imported by `import
+    gated_attention` (compat.import_pallas); a jax without it raises ImportError here."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
