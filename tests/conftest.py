@@ -18,15 +18,17 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # less of this suite's time (compiling is most of it: 270 s against 305-339 s cold, 2 cores). Results
 # are HLO's either way; XLA's current emitter is what the Python 3.12 stack's jaxlib (0.12: no such
 # flag, an unknown one is fatal) compiles every test with, and what users and the benchmarks run.
-# And LLVM at -O1 for its code (in this process only, below: ptxas reads the level too, and the
-# children that compile for GPUs must compile as users do): ~20 % less CPU time again on test
-# files of compiled programs (test_xla, test_xla_chunked, af2/test_modules: 78 s against 61 s of
-# CPU, cold). jaxlib 0.12 compiles no faster at -O1. (At -O0 the float64 reference gives a NaN.)
+# And LLVM at -O0 for its code (in this process only, below: ptxas reads the level too, and the
+# children that compile for GPUs must compile as users do): compiling small programs is most of
+# the suite's time, running them little. Cold, 2 cores: the Python 3.12 stack's pytest 352 s at
+# XLA's -O3 against 271 s; 3.11's ~290 s at -O1 against 230 s. LLVM's level leaves HLO's passes
+# (fusion, buffers) as users get them. The float64 reference's programs compile at XLA's own level
+# (helpers.jit_reference): at -O0 XLA:CPU computes its gradient wrong.
 _jaxlib = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
-_PROCESS_ONLY = "--xla_backend_optimization_level=1"
+_PROCESS_ONLY = "--xla_backend_optimization_level=0"
 if _jaxlib < (0, 11):
     _add_xla_flag("--xla_cpu_use_fusion_emitters", "false")
-    os.environ["XLA_FLAGS"] += f" {_PROCESS_ONLY}"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_PROCESS_ONLY}".strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -40,7 +42,7 @@ jax.config.update(
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.devices()  # the backend starts now, with the flags above; then the children's flags
-os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(f" {_PROCESS_ONLY}", "")
+os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(_PROCESS_ONLY, "").strip()
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")
@@ -56,29 +58,29 @@ def cudnn_loadable(monkeypatch):
 
 
 # The longest tests, by node id prefix (every test it names moves as one unit: a module fixture
-# stays on one worker), with their seconds in a cold run on 2 cores (Python 3.11 and 3.12 stacks,
-# 2026-11-27). They run first, dealt over pytest-xdist's workers largest first: in the
+# stays on one worker), with their seconds in a cold run on 2 cores (the mean of the Python 3.11
+# and 3.12 stacks at -O0, 2026-11-27). They run first, dealt over the workers largest first: in the
 # collection's order one of them could start last and run alone while the other workers idle.
 LONG_TESTS = {
-    "tests/test_docs.py::test_python_blocks_run": 40,
-    "tests/attention/test_pallas_mosaic_gpu.py::TestMosaicInterpreted::test_reference_and_mask_contract": 37,
-    "tests/af2/test_af2_package.py::test_whole_model": 30,
-    "tests/tools/test_targets.py::test_auto_chooses_for_the_target_not_the_host": 23,
-    "tests/attention/test_pallas_mosaic_tpu.py::TestPallasTpuInterpreted::test_reference_and_mask_contract": 20,
-    "tests/attention/test_kernel_compiles.py::test_kernels_compile_without_spills_and_use_the_tensor_cores": 16,
-    "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[chunked-float32]": 16,
-    "tests/attention/test_pallas_triton.py::TestPallasInterpreted::test_reference_and_mask_contract": 15,
-    "tests/parallel/test_row_parallel.py::test_two_processes_match_one": 15,
-    "tests/attention/test_pallas_mosaic_gpu.py::test_half_precision_against_the_reference": 14,
-    "tests/tools/test_benchmarking.py::test_benchmark_script_smoke": 14,
+    "tests/attention/test_pallas_mosaic_gpu.py::TestMosaicInterpreted::test_reference_and_mask_contract": 43,
+    "tests/test_docs.py::test_python_blocks_run": 38,
+    "tests/af2/test_af2_package.py::test_whole_model": 26,
+    "tests/tools/test_targets.py::test_auto_chooses_for_the_target_not_the_host": 20,
+    "tests/attention/test_pallas_mosaic_tpu.py::TestPallasTpuInterpreted::test_reference_and_mask_contract": 18,
+    "tests/parallel/test_row_parallel.py::test_two_processes_match_one": 18,
+    "tests/tools/test_benchmarking.py::test_benchmark_script_smoke": 15,
     "tests/attention/test_kernel_compiles.py::test_mosaic_kernels_compile_for_hopper_without_spills_on_wgmma": 14,
     "tests/tools/test_targets.py::test_tpu_kernels_compile_within_vmem": 14,
+    "tests/attention/test_pallas_triton.py::TestPallasInterpreted::test_reference_and_mask_contract": 13,
+    "tests/attention/test_kernel_compiles.py::test_kernels_compile_without_spills_and_use_the_tensor_cores": 12,
+    "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[chunked-float32]": 12,
+    "tests/attention/test_pallas_mosaic_gpu.py::test_half_precision_against_the_reference": 12,
     "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[mosaic-float32]": 12,
-    "tests/attention/test_pallas_mosaic_gpu.py::test_two_warpgroups_in_the_interpreter": 12,
-    "tests/tools/test_device_check.py::test_device_check_runs_end_to_end_on_cpu": 11,
-    "tests/attention/test_pallas_mosaic_tpu.py::test_bfloat16_against_the_reference": 11,
-    "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[xla-float32]": 10,
-    "tests/attention/test_pallas_mosaic_gpu.py::test_several_uneven_tiles_against_the_reference": 10,
+    "tests/tools/test_device_check.py::test_device_check_runs_end_to_end_on_cpu": 12,
+    "tests/attention/test_pallas_mosaic_tpu.py::test_bfloat16_against_the_reference": 10,
+    "tests/parallel/test_row_parallel.py::test_each_device_computes_its_own_rows": 10,
+    "tests/attention/test_pallas_mosaic_gpu.py::test_several_uneven_tiles_against_the_reference": 9,
+    "tests/attention/test_pallas_mosaic_gpu.py::test_two_warpgroups_in_the_interpreter": 7,
 }
 
 

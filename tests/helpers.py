@@ -12,6 +12,16 @@ import pytest
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
+# XLA's own LLVM level, for the float64 reference's programs: this process compiles at a lower one
+# (conftest.py), and at -O0 XLA:CPU (jaxlib 0.12.0.1) computes the reference's gradient wrong
+# under a bias broadcast over the batch (inf in dq, dk and dbias; tests/test_reference.py).
+REFERENCE_COMPILE = {"xla_backend_optimization_level": 3}
+
+
+def jit_reference(fn, **kwargs):
+    """jax.jit of a program of the float64 reference, compiled at XLA's default level."""
+    return jax.jit(fn, compiler_options=REFERENCE_COMPILE, **kwargs)
+
 
 def rand(rng, shape, dtype, scale=1.0):
     """A jnp array in `dtype` and its exact float64 value (so the reference sees what we saw).

@@ -13,8 +13,8 @@ several biases, extra batch axes and unbatched inputs.
 Compile time is the suite's cost (2 CPU cores, ~0.5-1 s per form's forward and backward): all
 forms of one dtype run as ONE jitted program (`run`), compiled once and fed other data by every
 check of that dtype, in one test per dtype (`Checks` reports every failing check, not only the
-first). (XLA:CPU's faster-compiling backend_optimization_level=0 was tried and dropped: it
-miscompiled the float64 reference's gradient to inf.)
+first). The test processes compile at LLVM -O0 (conftest.py), the float64 reference's programs
+at XLA's own level (helpers.jit_reference): -O0 miscompiles the reference's gradient to inf.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pytest
 
 import gated_attention as ga
 from tests import reference
-from tests.helpers import DTYPES, as_f64, assert_close, rand, to_device
+from tests.helpers import DTYPES, as_f64, assert_close, jit_reference, rand, to_device
 
 # The problem: B, T, S, N, H, Hv, all distinct (Hv = H for implementations that need equal head
 # dims). B = 5 rows make tiles of 2 rows and a remainder; T and S are not multiples of 2 and 3.
@@ -163,7 +163,7 @@ def _reference_fwd_vjp(case: Case, scale):
     return out, vjp(case.cot)
 
 
-@functools.partial(jax.jit, static_argnames=("scales",))
+@functools.partial(jit_reference, static_argnames=("scales",))
 def _reference_run(cases, scales):
     return [_reference_fwd_vjp(c, scale) for c, scale in zip(cases, scales, strict=True)]
 

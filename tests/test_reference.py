@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests import reference as ref
+from tests.helpers import jit_reference
 
 # ------------------------------------------------------------------------------------------------
 # Loop implementations: one query, one head at a time
@@ -624,7 +625,7 @@ def test_jax_path_matches_numpy_and_has_correct_gradient(x64, name):
     out_np = fn(args, np)
     cot = np.random.default_rng(2).normal(size=out_np.shape)
 
-    @jax.jit
+    @jit_reference
     def forward_and_grad(x):
         out, vjp = jax.vjp(lambda y: fn(y, jnp), x)
         return out, vjp(jnp.asarray(cot))[0]  # the gradient of sum(out * cot)
@@ -654,7 +655,7 @@ def test_gradient_through_fully_masked_rows_is_finite(x64, rng):
     def loss(p):
         return jnp.sum(ref.attention(p, q_data, m_data, mask, xp=jnp) ** 2)
 
-    grads = jax.jit(jax.grad(loss))(params)
+    grads = jit_reference(jax.grad(loss))(params)
     for name, g in grads.items():
         assert np.all(np.isfinite(g)), name
     # Uniform weights: the logits (hence query_w and key_w) get exactly zero gradient.
@@ -704,7 +705,7 @@ def test_tf32_tolerances_hold_tf32_dots_and_float32_ones_do_not(x64):
     bias = rng.normal(size=(1, n, t, s))
     tf32 = lambda x: jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=10)
 
-    @jax.jit
+    @jit_reference
     def run(q, k, v, bias, cot):
         results = []
         for r in (lambda x: x, tf32):
@@ -724,6 +725,32 @@ def test_tf32_tolerances_hold_tf32_dots_and_float32_ones_do_not(x64):
     assert not np.allclose(rounded, exact, **ref.tolerance("float32", platform="cpu"))
     for g, e in zip(rounded_grads, exact_grads, strict=True):
         close(g, e, ref.grad_tolerance("tf32", e))
+
+
+def test_the_reference_compiles_at_xlas_level_and_its_gradient_is_finite(x64):
+    """jit_reference compiles the float64 reference at XLA's default LLVM level whatever this
+    process's (conftest.py), and its gradient under a [1, N, T, S] bias broadcast over the batch
+    and a key mask is finite and sums as it should. (XLA:CPU at -O0, jaxlib 0.12.0.1, gives inf
+    in dq, dk and dbias here.)"""
+    rng = np.random.default_rng(0)
+    b, t, s, n, h = 3, 37, 21, 2, 8
+    q, k, v, cot = (rng.normal(size=(b, x, n, h)) for x in (t, s, s, t))
+    bias = rng.normal(size=(1, n, t, s))
+    mask = rng.random((b, 1, 1, s)) > 0.3
+
+    @jit_reference
+    def run(q, k, v, bias, cot):
+        out, vjp = jax.vjp(lambda *a: ref.dot_product_attention(*a, mask, xp=jnp), q, k, v, bias)
+        return out, vjp(cot)
+
+    out, (dq, dk, dv, dbias) = run(q, k, v, bias, cot)
+    np.testing.assert_allclose(out, ref.dot_product_attention(q, k, v, bias, mask), rtol=1e-12)
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv), ("dbias", dbias)):
+        assert np.isfinite(np.asarray(g)).all(), name
+    # Softmax's rows sum to 1 whatever the logits: the bias's gradient sums to 0 over the keys.
+    np.testing.assert_allclose(np.asarray(dbias).sum(-1), 0.0, atol=1e-10)
+    # And each row's weights sum to 1: dv summed over the keys is the cotangent summed over T.
+    np.testing.assert_allclose(np.asarray(dv).sum(1), cot.sum(1), rtol=1e-10, atol=1e-10)
 
 
 def test_tolerance_rejects_unknown_dtypes():

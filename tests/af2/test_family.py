@@ -12,7 +12,7 @@ import pytest
 import gated_attention as ga
 from gated_attention.af2 import params as params_lib
 from tests import reference
-from tests.helpers import as_f64, assert_close, rand
+from tests.helpers import as_f64, assert_close, jit_reference, rand
 
 IMPLEMENTATIONS = ("xla", "chunked")
 
@@ -182,7 +182,7 @@ def test_gradients_match_reference(global_config, examples):
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, pair)
     ref_params, ref_pairs = None, []
     with jax.enable_x64(True):
-        ref_grad = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))
+        ref_grad = jit_reference(jax.grad(ref_loss, argnums=(0, 1)))
         for pair64, mask64 in zip(pairs64, masks64, strict=True):
             g_params, g_pair = ref_grad(params64, pair64, mask64)
             ref_params = (

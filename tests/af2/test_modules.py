@@ -12,7 +12,7 @@ import gated_attention as ga
 from gated_attention.af2.modules import rows_per_tile
 from gated_attention_tools import family_benchmark
 from tests import reference
-from tests.helpers import DTYPES, as_f64, assert_close, cast_tree, rand
+from tests.helpers import DTYPES, as_f64, assert_close, cast_tree, jit_reference, rand
 
 IMPLEMENTATIONS = ("xla", "chunked")  # the modules' tests run on CPU
 
@@ -253,7 +253,7 @@ def test_attention_extra_leading_batch_axes():
 
 def _jit_grad(fn, argnums):
     """jit(grad(fn)) of the float64 reference (jitted: one program, not an op-by-op dispatch)."""
-    return jax.jit(jax.grad(fn, argnums=tuple(range(argnums))))
+    return jit_reference(jax.grad(fn, argnums=tuple(range(argnums))))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -435,7 +435,7 @@ def test_global_attention_positions_first_is_the_transposed_problem():
     ref_loss = lambda p, q: jnp.sum(
         reference.global_attention(p["attention"], q, q, mask64, xp=jnp) ** 2
     )
-    ref_out, ref = jax.jit(jax.value_and_grad(ref_loss, argnums=(0, 1)))(
+    ref_out, ref = jit_reference(jax.value_and_grad(ref_loss, argnums=(0, 1)))(
         dict(attention=params64), q64
     )
     assert_close(out, ref_out, reference.tolerance("float32"))

@@ -37,7 +37,7 @@ from gated_attention.attention.xla_chunked import plan as chunked_plan
 from gated_attention.core import masking
 from tests import implementation_harness as harness
 from tests import reference
-from tests.helpers import as_f64, assert_close, device_param, rand
+from tests.helpers import as_f64, assert_close, device_param, jit_reference, rand
 
 B, N, H = 2, 4, 8  # jax.nn needs the value head dim equal to H
 
@@ -259,7 +259,7 @@ def _reference(name: str):
     return attend
 
 
-def _program(attends):
+def _program(attends, jit=jax.jit):
     """jit of: every case's (out, residual, vjp at its cotangent)."""
 
     def run(cases):
@@ -270,7 +270,7 @@ def _program(attends):
             results.append((out, residual, vjp(c.cot)))
         return results
 
-    return jax.jit(run)
+    return jit(run)
 
 
 @functools.cache
@@ -281,7 +281,8 @@ def program(impl_name: str, names: tuple[str, ...]):
 @functools.cache
 def _expected_program():
     """float64, every scenario: jax.nn where it takes the scenario, else the reference."""
-    return _program([(_jax_nn if SCENARIOS[n].jax_nn else _reference)(n) for n in NAMES])
+    attends = [(_jax_nn if SCENARIOS[n].jax_nn else _reference)(n) for n in NAMES]
+    return _program(attends, jit=jit_reference)
 
 
 def expected(names: tuple[str, ...], cases64: list[Case]) -> list:
@@ -557,7 +558,7 @@ def test_queries_sharded_along_t_keep_their_positions():
     lengths = _lengths(8, 5, 3, 0)
     kwargs = dict(is_causal=True, local_window_size=(2, 0), return_residual=True)
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
-    expected, expected_res = jax.jit(  # jitted: one program, not an op-by-op dispatch
+    expected, expected_res = jit_reference(  # one program, not an op-by-op dispatch
         lambda q, kv, n, m: jax.nn.dot_product_attention(
             q, kv, kv, query_seq_lengths=n, key_value_seq_lengths=m, **kwargs
         )
@@ -689,7 +690,7 @@ def test_kernels_grouped_structured_and_capped_over_several_tiles(impl):
         out, vjp, res = jax.vjp(ours, q, key, v, bias, has_aux=True)
         return out, res, vjp(cot)
 
-    @jax.jit
+    @jit_reference
     def run_expected(q, key, v, bias, cot):
         want, vjp = jax.vjp(expected, q, key, v, bias)
         return want, vjp(cot)

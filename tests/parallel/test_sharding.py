@@ -17,7 +17,7 @@ import gated_attention as ga
 from gated_attention.parallel import row_loop as mapping
 from gated_attention.parallel import sharding
 from tests import reference
-from tests.helpers import all_eqns, assert_close, rand
+from tests.helpers import all_eqns, assert_close, jit_reference, rand
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 F32 = reference.tolerance("float32")
@@ -136,7 +136,9 @@ def test_op_gradients_on_mesh_match_reference(mesh, implementation):
 
     grads = jax.jit(jax.grad(loss, argnums=range(4)))(*args)
     # The float64 reference jitted: one program, not an op-by-op dispatch of its gradient.
-    expected = jax.jit(jax.grad(ref_loss, argnums=range(4)))(q64, k64, v64, pair64, mask64, cot64)
+    expected = jit_reference(jax.grad(ref_loss, argnums=range(4)))(
+        q64, k64, v64, pair64, mask64, cot64
+    )
     for name, g, r, x in zip(["q", "k", "v", "pair"], grads, expected, args, strict=True):
         assert spec_of(g) == spec_of(x), name  # gradients come back sharded like their inputs
         assert_close(g, r, reference.grad_tolerance("float32", r), err_msg=f"d{name}")
@@ -261,7 +263,9 @@ def test_attention_module_data_and_head_parallel(mesh):
         return jnp.sum(reference.attention(p, x, x, mask, bias, xp=jnp) * cot)
 
     grads, dx = jax.jit(jax.grad(loss, argnums=(0, 1)))(placed, args[0])
-    ref_grads, ref_dx = jax.jit(jax.grad(ref_loss, argnums=(0, 1)))(p64, x64, mask, bias64, cot64)
+    ref_grads, ref_dx = jit_reference(jax.grad(ref_loss, argnums=(0, 1)))(
+        p64, x64, mask, bias64, cot64
+    )
     assert spec_of(dx) == P("data")
     assert_close(dx, ref_dx, reference.grad_tolerance("float32", ref_dx), err_msg="dx")
     for name, g in grads["attention"].items():
