@@ -335,8 +335,8 @@ def test_template_embedding_attention_counted_only_without_the_full_swap():
 # The whole monomer model, as a user runs it (gated_attention_tools/af2_model.py).
 
 
-# Both models compiled with XLA's backend optimizations off: a third less compile time, the same
-# comparison (one compiler setting for both; the Evoformer tests above compile as users do).
+# Both models compiled with XLA's backend optimizations off, whatever the process's level
+# (conftest.py): a third less compile time, the same comparison (one compiler setting for both).
 FAST_COMPILE = dict(compiler_options={"xla_backend_optimization_level": 0})
 
 
