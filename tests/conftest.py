@@ -4,6 +4,8 @@ the first), float64 available (the reference and float64 inputs need it), hypoth
 import importlib.metadata
 import os
 
+from gated_attention_tools import environment
+
 
 def _add_xla_flag(flag: str, value: str) -> None:
     if flag not in os.environ.get("XLA_FLAGS", ""):
@@ -25,7 +27,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # (fusion, buffers) as users get them. The float64 reference's programs compile at XLA's own level
 # (helpers.jit_reference): at -O0 XLA:CPU computes its gradient wrong.
 _jaxlib = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
-_PROCESS_ONLY = "--xla_backend_optimization_level=0"
+# On a machine with a GPU or TPU (the device tests) its kernels compile as users get them.
+_PROCESS_ONLY = "" if environment.accelerator_present() else "--xla_backend_optimization_level=0"
 if _jaxlib < (0, 11):
     _add_xla_flag("--xla_cpu_use_fusion_emitters", "false")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_PROCESS_ONLY}".strip()
@@ -42,7 +45,8 @@ jax.config.update(
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.devices()  # the backend starts now, with the flags above; then the children's flags
-os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(_PROCESS_ONLY, "").strip()
+if _PROCESS_ONLY:
+    os.environ["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace(_PROCESS_ONLY, "").strip()
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True)
 settings.load_profile("ci")

@@ -201,3 +201,13 @@ def test_the_long_tests_name_tests():
                 stale.append(prefix)
                 break
     assert not stale, stale
+
+
+def test_the_test_processes_compile_level_stays_out_of_the_childrens_flags():
+    """tests/conftest.py has this process compile at LLVM -O0 (with no GPU or TPU here) and takes
+    the flag out of XLA_FLAGS once the backend has started: the children the tests start (GPU and
+    TPU compiles, whose ptxas reads the level too; the scripts) inherit XLA_FLAGS and must compile
+    as users do."""
+    import os
+
+    assert "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"], os.environ["XLA_FLAGS"]
