@@ -284,9 +284,7 @@ def af2_attention_calls(calls: collections.Counter) -> dict[str, int]:
     }
 
 
-def predictor(
-    cfg, apply: Callable, jit_kwargs: dict[str, Any] | None = None
-) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
+def predictor(cfg, apply: Callable) -> Callable[[Any, dict[str, Any]], dict[str, Any]]:
     """fn(params, batch) -> the last recycle's raw outputs: RunModel.predict's loop (zero 'prev',
     one jitted forward per recycling iteration on its slice of the features, prev passed on, a
     key split per iteration), without its float16 casts and early stop.
@@ -294,9 +292,8 @@ def predictor(
     Args:
       cfg: model_config(...).
       apply: transformed(cfg, variant).apply (jitted here), or a wrapper of it (counting_calls).
-      jit_kwargs: passed to jax.jit, as RunModel's (e.g. compiler_options).
     """
-    apply = jax.jit(apply, **(jit_kwargs or {}))
+    apply = jax.jit(apply)
     select = jax.jit(lambda batch, r: jax.tree.map(lambda x: x[r][None], batch))
     c = cfg.model.embeddings_and_evoformer
     num_iters = cfg.model.num_recycle + 1

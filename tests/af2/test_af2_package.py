@@ -335,11 +335,6 @@ def test_template_embedding_attention_counted_only_without_the_full_swap():
 # The whole monomer model, as a user runs it (gated_attention_tools/af2_model.py).
 
 
-# Both models compiled with XLA's backend optimizations off, whatever the process's level
-# (conftest.py): a third less compile time, the same comparison (one compiler setting for both).
-FAST_COMPILE = dict(compiler_options={"xla_backend_optimization_level": 0})
-
-
 @pytest.fixture(scope="module")
 def whole_model():
     """model_1 (templates, extra MSA, one recycle) at 16 residues, 8 clusters, 8 extra rows and 2
@@ -359,7 +354,7 @@ def whole_model():
     for v, t in ts.items():
         calls[v] = collections.Counter()
         apply = af2_model.counting_calls(t.apply, calls[v])
-        outputs[v] = af2_model.predictor(cfg, apply, FAST_COMPILE)(params, batch)
+        outputs[v] = af2_model.predictor(cfg, apply)(params, batch)
     return batch, outputs, calls, (cfg, params)
 
 
