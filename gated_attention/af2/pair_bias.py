@@ -47,14 +47,17 @@ def normalizer(norm: tuple[jax.Array, jax.Array]) -> Callable[[jax.Array], jax.A
 
 def bias_rows(pair, scale, offset, weights):
     """[rows, k, c_z] -> [rows, k, h]: the pair bias of some pair rows, from the float32 (float64)
-    LayerNorm output."""
+    LayerNorm output, rounded once to the pair's dtype (AF2's bfloat16 bias; a GPU kernel reads
+    half the bytes of a float32 one for every batch row)."""
     normed = layer_norm(pair, (scale, offset))
-    return jnp.einsum("qkc,ch->qkh", normed, weights.astype(normed.dtype))
+    bias = jnp.einsum("qkc,ch->qkh", normed, weights.astype(normed.dtype))
+    return bias.astype(pair.dtype)
 
 
 def of_pair(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget_mib: float):
     """feat_2d_weights [c_z, h] ~ N(0, 1/c_z) in `dtype`, and the [h, q, k] bias of the
-    layer-normed pair, computed in float32 (the op adds it to float32 logits).
+    layer-normed pair, computed in float32 and returned in the pair's dtype (the op adds it to
+    float32 logits).
 
     It runs in tiles of pair rows that fit the memory budget, each recomputed in the backward
     pass: the normed pair and its LayerNorm's cotangents, each the size of the pair (512 MiB at

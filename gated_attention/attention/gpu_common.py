@@ -2,7 +2,7 @@
 kernel, pallas_mosaic_gpu/), owned by neither: either family can be removed without the other losing
 them. The float32 dots' precision, whether a call asks for the kernels' further arguments, how
 many batch rows share one program of the shared bias's gradient, the backward's delta and the
-bias gradients' last sums.
+bias gradients' last sums, and the softmax's base-2 constants.
 """
 
 from __future__ import annotations
@@ -10,6 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): one MUFU.EX2, no range reduction
+# The masked logit in the kernels: a power of two near numerics.MASK_VALUE, so that on a row
+# masked so far the fused s * LOG2E - m * LOG2E is exactly 0 (for -1e9 it is up to +-64, weights
+# of 2**64). Never seen: a row with no key gets MASK_VALUE's from finish_rows_without_key.
+MASKED = -(2.0**30)
 
 # jax_default_matmul_precision's names -> the three levels of lax.Precision.
 _PRECISION_NAMES = {

@@ -143,6 +143,23 @@ def test_family_matches_reference(variant, dtype):
     assert np.abs(expected).max() > 0.3  # a real update, not a vanishing one
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", ["msa_row", "triangle_start", "triangle_end"])
+def test_the_pair_bias_reaches_the_op_in_the_activations_dtype(variant, dtype, monkeypatch):
+    """AF2's bfloat16 modules make a bfloat16 bias; a float32 one would double what a GPU kernel
+    reads of it for every batch row."""
+    from gated_attention.attention import api
+
+    seen, as_biases = [], api._as_biases
+    monkeypatch.setattr(
+        api, "_as_biases", lambda *a, **k: seen.append(as_biases(*a, **k)) or seen[-1]
+    )
+    module_cls, config, _, _ = VARIANTS[variant]
+    (params, inputs), _ = _problem(variant, dtype)
+    jax.make_jaxpr(_transform(module_cls, config).apply)(params, *inputs)
+    assert seen and all(b.dtype == jnp.dtype(dtype) for biases in seen for b in biases), seen
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_family_runs_every_implementation(implementation):
     (params, inputs), (params64, inputs64) = _problem("triangle_end", "float32", seed=1)

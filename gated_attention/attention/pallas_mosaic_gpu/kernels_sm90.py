@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gated_attention.attention.gpu_common import softmax_delta, sum_bias_partials
+from gated_attention.attention.gpu_common import LOG2E, softmax_delta, sum_bias_partials
 from gated_attention.attention.pallas_mosaic_gpu.pipeline import (
     Stream,
     key_blocks,
@@ -90,8 +90,9 @@ def _forward_kernel(*refs, plan: Plan):
         mask = None if mask_slots is None else widen(plan, mask_slots.at[slot], plan.mask_shape)
         s, _ = logits(plan, s, biases, mask, st, i, j)
         m = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        correction = jnp.exp(m_prev - m)
-        p = jnp.exp(s - lax.broadcast_in_dim(m, s.shape, (0,)))
+        # One FFMA and one MUFU.EX2 a score (Mosaic GPU's mul and sub may contract).
+        correction = jnp.exp2((m_prev - m) * LOG2E)
+        p = jnp.exp2(s * LOG2E - lax.broadcast_in_dim(m * LOG2E, s.shape, (0,)))
         acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
         if plan.live:
             zero_dead_rows(plan, v_buf.at[slot], live_buf.at[slot])

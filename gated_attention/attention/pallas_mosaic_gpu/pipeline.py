@@ -17,13 +17,14 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
+from gated_attention.attention.gpu_common import MASKED
 from gated_attention.attention.pallas_mosaic_gpu.plan import (
     DEPTH,
     Plan,
     broadcast_form,
     modules,
 )
-from gated_attention.core import masking, numerics
+from gated_attention.core import masking
 
 
 class Stream(NamedTuple):
@@ -239,7 +240,7 @@ def logits(plan: Plan, s, bias_tiles, mask_tile, st, i, j, transposed: bool = Fa
         t = jnp.tanh(s * (1.0 / plan.soft_cap))
         s, cap_grad = plan.soft_cap * t, 1.0 - t * t
     if mask_tile is not None:
-        s = jnp.where(mask_tile != 0, s, numerics.MASK_VALUE)
+        s = jnp.where(mask_tile != 0, s, MASKED)
     tile = s.shape
     q_axis, k_axis = (1, 0) if transposed else (0, 1)
     kj = None
@@ -248,7 +249,7 @@ def logits(plan: Plan, s, bias_tiles, mask_tile, st, i, j, transposed: bool = Fa
     if st is not None:
         qi = st.offset + i * plan.block_q + ops.iota(tile, q_axis)
         ok = masking.allowed(qi, kj, plan.causal, plan.window, st.q_length, st.kv_length)
-        s = jnp.where(ok, s, numerics.MASK_VALUE)
+        s = jnp.where(ok, s, MASKED)
     if plan.k_pad != plan.k_len:
         s = jnp.where(kj < plan.k_len, s, -jnp.inf)
     return s, cap_grad

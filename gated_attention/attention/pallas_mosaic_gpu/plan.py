@@ -125,7 +125,9 @@ class Plan(base.KernelPlan):
             grid_names=names,
             num_threads=self.warpgroups,
             thread_name="wg",
-            compiler_params=plgpu.CompilerParams(),
+            # ex2.approx.ftz for exp2 (no subnormal fix-up: 3 instructions a score); its tanh
+            # would be approx too (2**-11), so a soft cap keeps the exact functions.
+            compiler_params=plgpu.CompilerParams(approx_math=self.soft_cap is None),
             interpret=interpret_params() if self.interpret else None,
         )(*args)
 

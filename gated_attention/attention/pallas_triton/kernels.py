@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gated_attention.attention.gpu_common import softmax_delta, sum_bias_partials
+from gated_attention.attention.gpu_common import LOG2E, MASKED, softmax_delta, sum_bias_partials
 from gated_attention.attention.pallas_triton.plan import Plan
 from gated_attention.attention.pallas_triton.plan import pallas_modules as _pallas
 from gated_attention.attention.pallas_triton.tile_table import _pow2_tile
@@ -23,6 +23,51 @@ from gated_attention.core import masking, numerics
 def _dot(a, b, **kwargs):
     _, plgpu = _pallas()
     return plgpu.dot(a, b, **kwargs)
+
+
+def _asm(plan: Plan, instruction: str, fallback, *args):
+    """An elementwise float32 PTX instruction on same-shaped args (`fallback` in the interpreter
+    and on ROCm): XLA's Triton emits mul.rn/add.rn, which ptxas never fuses, and __nv_exp2f's
+    denormal-safe ex2.approx.f32, which costs three more instructions."""
+    if not plan.ptx:
+        return fallback(*args)
+    _, plgpu = _pallas()
+    args = jnp.broadcast_arrays(*(jnp.asarray(a, jnp.float32) for a in args))
+    operands = ", ".join(f"${i + 1}" for i in range(len(args)))
+    (out,) = plgpu.elementwise_inline_asm(
+        f"{instruction} $0, {operands};",
+        args=args,
+        constraints="=r," + ",".join("r" for _ in args),
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(args[0].shape, jnp.float32)],
+    )
+    return out
+
+
+def _fma(plan: Plan, a, b, c):
+    """a * b + c in one rounding (FFMA)."""
+    return _asm(plan, "fma.rn.f32", lambda a, b, c: a * b + c, a, b, c)
+
+
+def _exp2(plan: Plan, x):
+    """2 ** x, subnormal results flushed to 0 (one MUFU.EX2; their weight is below 2**-126)."""
+    return _asm(plan, "ex2.approx.ftz.f32", jnp.exp2, x)
+
+
+def _widen(plan: Plan, x):
+    """A tile as float32: bfloat16 by two bit operations per pair of values (LLVM's extension
+    takes three), other dtypes by a cast."""
+    if not plan.ptx or x.dtype != jnp.bfloat16:
+        return x.astype(jnp.float32)
+    _, plgpu = _pallas()
+    (out,) = plgpu.elementwise_inline_asm(
+        "{ shl.b32 $0, $2, 16; and.b32 $1, $2, -65536; }",
+        args=[x],
+        constraints="=r,=r,r",
+        pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )
+    return out
 
 
 def _ds(start, size: int):
@@ -119,12 +164,14 @@ class _Tiles:
         live_q = None if extras.live_q is None else self.vector(extras.live_q, b, n, q_span)
         return self.rows(q_ref, b, q_span, n, self.plan.head_dim, live_q), live_q
 
-    def keys_values(self, k_ref, v_ref, extras, b, n, k_span):
+    def keys_values(self, k_ref, v_ref, extras, b, n, k_span, zero_keys: bool = True):
         """(k, v of key/value head n // group with the keys query head n does not see zeroed,
-        live_k or None) of one key block."""
+        live_k or None) of one key block. zero_keys=False leaves k as it is: the forward masks
+        every logit of a dead key, and only dq's product ds @ k would carry a non-finite key."""
         live_k = None if extras.live_k is None else self.vector(extras.live_k, b, n, k_span)
         kv = n // self.plan.q_heads_per_kv_head
-        k = self.rows(k_ref, b, k_span, kv, self.plan.head_dim, live_k)
+        k_live = live_k if zero_keys else None
+        k = self.rows(k_ref, b, k_span, kv, self.plan.head_dim, k_live)
         v = self.rows(v_ref, b, k_span, kv, self.plan.value_dim, live_k)
         return k, v, live_k
 
@@ -174,9 +221,11 @@ class _Tiles:
         """Scaled, biased, soft-capped, masked float32 logits [bq, bk] (keys past the end -inf),
         and the soft cap's derivative there (None: no cap)."""
         plan = self.plan
-        s = _dot(q, k, trans_b=True, precision=plan.precision) * plan.scale
-        for ref in bias_refs:
-            s = s + self.tile(ref, b, n, q_span, k_span).astype(jnp.float32)
+        s = _dot(q, k, trans_b=True, precision=plan.precision)
+        for t, ref in enumerate(bias_refs):
+            tile = _widen(plan, self.tile(ref, b, n, q_span, k_span))
+            s = _fma(plan, s, plan.scale, tile) if t == 0 else s + tile
+        s = s if bias_refs else s * plan.scale
         cap_grad = None
         if plan.soft_cap is not None:
             t = jnp.tanh(s * (1.0 / plan.soft_cap))
@@ -184,9 +233,9 @@ class _Tiles:
             s, cap_grad = plan.soft_cap * t, jnp.where(inside, 1.0 - t * t, 0.0)
         if extras.mask is not None:
             keep = self.tile(extras.mask, b, n, q_span, k_span) != 0
-            s = jnp.where(keep, s, numerics.MASK_VALUE)
+            s = jnp.where(keep, s, MASKED)
         if st is not None:
-            s = jnp.where(self.allowed(st, q_span, k_span), s, numerics.MASK_VALUE)
+            s = jnp.where(self.allowed(st, q_span, k_span), s, MASKED)
         return jnp.where(k_span[1][None, :], s, -jnp.inf), cap_grad
 
 
@@ -202,11 +251,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tiles: _Tiles):
     def body(j, carry):
         acc, m_prev, l_prev = carry
         k_span = tiles.span(j, plan.block_k, tiles.k_len)
-        k, v, _ = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span)
+        k, v, _ = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span, zero_keys=False)
         s, _ = tiles.logits(q, k, bias_refs, extras, st, b, n, q_span, k_span)
         m = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        correction = jnp.exp(m_prev - m)
-        p = jnp.exp(s - m[:, None])
+        correction = _exp2(plan, (m_prev - m) * LOG2E)
+        p = _exp2(plan, _fma(plan, s, LOG2E, -(m * LOG2E)[:, None]))
         acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, precision=plan.precision)
         return acc, m, l_prev * correction + jnp.sum(p, axis=1)
 

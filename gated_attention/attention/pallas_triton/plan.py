@@ -56,6 +56,7 @@ class Plan(base.KernelPlan):
     precision: Any
     has_mask: bool
     has_live: bool
+    ptx: bool  # compiled for CUDA: the kernels' float32 math as single PTX instructions
 
     @classmethod
     def make(
@@ -95,6 +96,7 @@ class Plan(base.KernelPlan):
             precision=precision,
             has_mask=mask is not None,
             has_live=live_q is not None,
+            ptx=not impl.interpret and "rocm" not in compat.registered_backends(),
         )
 
     def call(self, kernel, grid, out_shape, args, name, aliases=None):
