@@ -1,5 +1,6 @@
-"""A proxy for sessions without a GPU: the instruction mix of each attention forward kernel's
-inner loop, per exponential (one per attention score), read from its sm_90a machine code.
+"""A proxy for sessions without a GPU: the instruction mix of each attention kernel's inner loop
+(every forward; our backward's two kernels), per exponential (one per attention score), read from
+its sm_90a machine code.
 
 Each kernel is compiled for an H100 without a device (targets.py) at AF2's MSA row shape
 (q, k, v [512, 384, 8, 32] bfloat16, a shared [1, 8, 384, 384] bias, a key mask, where the kernel
@@ -44,6 +45,11 @@ _MODULE = "gated_attention_tools.sass_proxy"  # children import it by name, also
 KERNELS = {
     "ours_mosaic": ("gated_attention_mosaic_forward_mosaic_gpu_kernel", 32, "bfloat16"),
     "ours_pallas": ("gated_attention_forward", 32, "bfloat16"),
+    # The backward's two kernels (a vjp at the same shape): each recomputes p = exp(s - lse).
+    "ours_mosaic_dkdv": ("gated_attention_mosaic_dkdv_mosaic_gpu_kernel", 32, "bfloat16"),
+    "ours_mosaic_dq_dbias": ("gated_attention_mosaic_dq_dbias_mosaic_gpu_kernel", 32, "bfloat16"),
+    "ours_pallas_dkdv": ("gated_attention_dkdv", 32, "bfloat16"),
+    "ours_pallas_dq_dbias": ("gated_attention_dq_dbias", 32, "bfloat16"),
     "colabfold_tri_flash": ("tri_flash_fwd", 32, "bfloat16"),
     "tokamax_triton": (None, 32, "bfloat16"),
     "tokamax_mosaic": (None, 32, "bfloat16"),
@@ -171,9 +177,13 @@ def _program(kernel: str):
     sd = jax.ShapeDtypeStruct
     qkv, bias = sd((b, t, n, h), jnp.dtype(dtype)), sd((1, n, t, t), jnp.dtype(dtype))
     mask = sd((b, 1, 1, t), jnp.bool_)
-    if kernel in ("ours_mosaic", "ours_pallas"):
-        impl = kernel.removeprefix("ours_")
+    if kernel.startswith("ours_"):
+        impl, _, backward = kernel.removeprefix("ours_").partition("_")
         fn = lambda q, k, v, b_, m: ga.dot_product_attention(q, k, v, b_, m, implementation=impl)
+        if backward:  # the cotangent an argument, as in a training step
+            op = fn
+            fn = lambda q, k, v, b_, m, do: jax.vjp(lambda *x: op(*x, m), q, k, v, b_)[1](do)
+            return fn, (qkv, qkv, qkv, bias, mask, qkv)
     elif kernel == "colabfold_tri_flash":
         from colabfold_kernels.tri_flash import pallas_attention
 
@@ -257,7 +267,8 @@ def reason(e: BaseException) -> str:
 def markdown(rows: list[dict[str, Any]], results: dict[str, Any] | None = None) -> str:
     made = f" (jax {results['jax']}, ptxas {results['ptxas']})" if results else ""
     lines = [
-        f"Inner loop of each forward kernel, sm_90a SASS{made}, AF2's MSA row shape "
+        f"Inner loop of each kernel (the forwards; our backward's dk/dv and dq/bias-gradient "
+        f"kernels), sm_90a SASS{made}, AF2's MSA row shape "
         f"{list(SHAPE)[:3]} at the head dim and dtype given; per exponential (one per attention "
         "score).",
         "",

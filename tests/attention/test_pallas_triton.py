@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 
 import gated_attention as ga
-from gated_attention.attention import gpu_common
+from gated_attention.attention import base, gpu_common
 from gated_attention.attention.pallas_triton import kernels as pallas_kernels
 from gated_attention.attention.pallas_triton import plan as pallas_plan
 from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
@@ -22,8 +22,11 @@ from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
 
 # Tiles of 16 (the smallest) and two groups of batch rows for a shared bias's gradient, so the
-# harness's 5 rows exercise the grouped accumulation.
-INTERPRETED = ga.PallasAttention(block_q=16, block_k=16, bias_grad_programs=12, interpret=True)
+# harness's 5 rows exercise the grouped accumulation; two rows a forward program in every dtype
+# (by default float32 takes one), the last program's second row past the batch.
+INTERPRETED = ga.PallasAttention(
+    block_q=16, block_k=16, bias_grad_programs=12, rows_per_program=2, interpret=True
+)
 
 
 class TestPallasInterpreted(ImplementationTests):
@@ -124,6 +127,42 @@ def test_lowers_to_triton_for_cuda(dtype):
     assert text.count("__gpu$xla.gpu.triton") == 3
 
 
+def test_rows_per_program_changes_no_value():
+    """A forward program of 1, 2 or 3 batch rows (5 rows: last groups past the batch) reads the
+    shared bias's tile once for its rows and computes each row exactly as alone: the outputs and
+    every gradient are bit for bit the same."""
+    shape = (5, 37, 21, 2, 8, 8)  # B, T, S, N, H, Hv
+    case, _ = harness.problem(shape, "bfloat16", "shared_bias+key_mask", seed=4)
+    key_bias, _ = rand(np.random.default_rng(6), (5, 1, 1, 21), "bfloat16")
+    case = case._replace(bias=[case.bias, key_bias])
+    runs = []
+    for rows in (1, 2, 3):
+        impl = ga.PallasAttention(block_q=16, block_k=16, rows_per_program=rows, interpret=True)
+        [result] = harness.run(impl, [case])
+        runs.append(result)
+    for other in runs[1:]:
+        jax.tree.map(np.testing.assert_array_equal, runs[0], other)
+
+
+def test_two_rows_a_program_where_a_half_precision_bias_is_shared():
+    """The forward's rows per program (Plan.make): 2 by default in half precision at head dims
+    up to 32 with a bias shared over the batch; 1 in float32, at head dim 64, without a shared
+    bias, or with a causal mask; a given value where a bias is shared."""
+    impl = ga.PallasAttention(interpret=True)
+
+    def rows(dtype=jnp.bfloat16, head_dim=32, bias_rows=1, causal=False, given=impl):
+        q, k, v, bias, mask = _specs(dtype, head_dim=head_dim, batch=4)
+        bias = jax.ShapeDtypeStruct((bias_rows, *bias.shape[1:]), dtype)
+        options = base.Options(structure=masking.StructuredMask(is_causal=causal))
+        plan = given.plan(q, k, v, (bias,), mask, scale=0.3, compute_dtype=dtype, options=options)
+        return plan.rows_per_program
+
+    assert rows() == 2 and rows(jnp.float16, head_dim=8) == 2
+    assert rows(jnp.float32) == 1 and rows(head_dim=64) == 1
+    assert rows(bias_rows=4) == 1 and rows(causal=True) == 1
+    assert rows(jnp.float32, given=ga.PallasAttention(rows_per_program=3, interpret=True)) == 3
+
+
 def test_shared_bias_gradient_is_never_per_row():
     """The backward of a [1, N, T, S] bias with B = 64 rows writes group partials, not a
     [B, N, T, S] array: no value of the backward program has that many elements."""
@@ -214,6 +253,8 @@ def test_float32_dots_follow_jax_matmul_precision():
         (dict(block_q=24), "block_q must be a power of two >= 16, got 24"),
         (dict(block_k=8), "block_k must be None or an int >= 16, got 8"),
         (dict(bias_grad_programs=0), "bias_grad_programs must be an int >= 1, got 0"),
+        (dict(rows_per_program=0), "rows_per_program must be None or an int >= 1, got 0"),
+        (dict(rows_per_program=5), r"rows_per_program must be None or an int in \[1, 4\], got 5"),
         (dict(interpret="yes"), "interpret must be a bool, got 'yes'"),
     ],
 )

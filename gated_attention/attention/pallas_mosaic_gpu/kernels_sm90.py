@@ -195,7 +195,7 @@ def _p_and_ds(plan: Plan, s, cap_grad, lse_ref, delta_ref, do_ref, v_ref, transp
     ops = plan.ops
     q_axis = 1 if transposed else 0
     lse = ops.load(lse_ref, axis=1 - q_axis)
-    p = jnp.exp(s - lax.broadcast_in_dim(lse, s.shape, (q_axis,)))
+    p = jnp.exp2(s * LOG2E - lax.broadcast_in_dim(lse * LOG2E, s.shape, (q_axis,)))  # one FFMA
     lhs, rhs = (v_ref, do_ref) if transposed else (do_ref, v_ref)
     dp = ops.dot(lhs, rhs, trans_b=True)
     delta = ops.load(delta_ref, axis=1 - q_axis)

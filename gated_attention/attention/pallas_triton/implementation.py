@@ -51,6 +51,7 @@ from gated_attention.core import checks, memory, numerics
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 128
+MAX_ROWS_PER_PROGRAM = 4  # each row holds its own accumulator and queries in registers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +66,12 @@ class PallasAttention(base.Implementation):
       num_stages: Triton software-pipelining stages (None: from pallas_tiles' table).
       bias_grad_programs: about how many programs the dq/bias-gradient kernel should have when a
         bias is shared over the batch; batch rows are grouped so that it does.
+      rows_per_program: batch rows one forward program computes when a bias is shared over the
+        batch: the program reads each tile of that bias once for them all (AF2's pair bias is
+        the same for every MSA row). None: 2 in half precision at head dims up to 32 (AF2's),
+        else 1. Always 1
+        without such a bias or with a causal, window or length mask (its key blocks differ from
+        row to row).
       interpret: run the kernels in Pallas's interpreter (any backend; slow, for tests).
     """
 
@@ -74,6 +81,7 @@ class PallasAttention(base.Implementation):
     num_warps: int | None = None
     num_stages: int | None = None
     bias_grad_programs: int = 512
+    rows_per_program: int | None = None
     interpret: bool = False
 
     TAKES = base.ALL_OPTIONS
@@ -86,6 +94,11 @@ class PallasAttention(base.Implementation):
         checks.check_int("num_warps", self.num_warps, optional=True)
         checks.check_int("num_stages", self.num_stages, optional=True)
         checks.check_int("bias_grad_programs", self.bias_grad_programs)
+        rows = checks.check_int("rows_per_program", self.rows_per_program, optional=True)
+        if rows is not None and rows > MAX_ROWS_PER_PROGRAM:
+            raise ValueError(
+                f"rows_per_program must be None or an int in [1, {MAX_ROWS_PER_PROGRAM}], got {rows}"
+            )
         checks.check_bool("interpret", self.interpret)
 
     def plan(

@@ -217,13 +217,26 @@ class _Tiles:
         kj = k_start + jnp.arange(plan.block_k, dtype=jnp.int32)[None, :]
         return masking.allowed(qi, kj, plan.causal, plan.window, st.q_length, st.kv_length)
 
-    def logits(self, q, k, bias_refs, extras, st, b, n, q_span, k_span):
+    def shared_bias_tiles(self, bias_refs, n, q_span, k_span) -> list:
+        """The float32 tiles of the biases shared over the batch (None for the others), loaded
+        once for all the rows of a program."""
+        zero = jnp.zeros((), jnp.int32)
+        return [
+            _widen(self.plan, self.tile(ref, zero, n, q_span, k_span))
+            if ref.shape[0] == 1
+            else None
+            for ref in bias_refs
+        ]
+
+    def logits(self, q, k, bias_refs, extras, st, b, n, q_span, k_span, shared=None):
         """Scaled, biased, soft-capped, masked float32 logits [bq, bk] (keys past the end -inf),
-        and the soft cap's derivative there (None: no cap)."""
+        and the soft cap's derivative there (None: no cap). `shared`: shared_bias_tiles'."""
         plan = self.plan
         s = _dot(q, k, trans_b=True, precision=plan.precision)
         for t, ref in enumerate(bias_refs):
-            tile = _widen(plan, self.tile(ref, b, n, q_span, k_span))
+            tile = None if shared is None else shared[t]
+            if tile is None:  # loaded beside its use: ptxas's registers (test_kernel_compiles)
+                tile = _widen(plan, self.tile(ref, b, n, q_span, k_span))
             s = _fma(plan, s, plan.scale, tile) if t == 0 else s + tile
         s = s if bias_refs else s * plan.scale
         cap_grad = None
@@ -240,37 +253,51 @@ class _Tiles:
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, *refs, tiles: _Tiles):
+    """Rows g * R .. g * R + R - 1 (R = plan.rows_per_program; in the last group, rows past the
+    batch repeat its last row: the same values stored twice) of head n, query block i."""
     pl, plgpu = _pallas()
     plan = tiles.plan
     bias_refs, extras, (o_ref, lse_ref) = tiles.split(refs)
-    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    per = plan.rows_per_program
+    last = q_ref.shape[0] - 1
+    rows = [g] if per == 1 else [jnp.minimum(g * per + r, last) for r in range(per)]
     q_span = tiles.span(i, plan.block_q, tiles.q_len)
-    q, _ = tiles.queries(q_ref, extras, b, n, q_span)
-    st = tiles.structure(extras, b)
+    queries = [tiles.queries(q_ref, extras, b, n, q_span)[0] for b in rows]
+    st = tiles.structure(extras, rows[0])  # several rows only without a structure (Plan.make)
 
-    def body(j, carry):
+    def row_step(b, q, carry, k_span, shared):
         acc, m_prev, l_prev = carry
-        k_span = tiles.span(j, plan.block_k, tiles.k_len)
-        k, v, _ = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span, zero_keys=False)
-        s, _ = tiles.logits(q, k, bias_refs, extras, st, b, n, q_span, k_span)
+        # k unzeroed saves 0.8 instructions a score; with a structure ptxas then spilled 20 B.
+        zero_keys = plan.structured
+        k, v, _ = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span, zero_keys=zero_keys)
+        s, _ = tiles.logits(q, k, bias_refs, extras, st, b, n, q_span, k_span, shared)
         m = jnp.maximum(m_prev, jnp.max(s, axis=1))
         correction = _exp2(plan, (m_prev - m) * LOG2E)
         p = _exp2(plan, _fma(plan, s, LOG2E, -(m * LOG2E)[:, None]))
         acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, precision=plan.precision)
         return acc, m, l_prev * correction + jnp.sum(p, axis=1)
 
+    def body(j, carry):
+        k_span = tiles.span(j, plan.block_k, tiles.k_len)
+        shared = None if per == 1 else tiles.shared_bias_tiles(bias_refs, n, q_span, k_span)
+        return tuple(
+            row_step(b, q, c, k_span, shared) for b, q, c in zip(rows, queries, carry, strict=True)
+        )
+
     init = (
         jnp.zeros((plan.block_q, _pow2_tile(plan.value_dim)), jnp.float32),
         jnp.full((plan.block_q,), -jnp.inf, jnp.float32),
         jnp.zeros((plan.block_q,), jnp.float32),
     )
-    acc, m, total = lax.fori_loop(*tiles.key_blocks(st, i), body, init)
-    if st is not None:  # a row whose every key block was skipped: 0 and a finite lse
-        seen = total > 0
-        total = jnp.where(seen, total, 1.0)
-        m = jnp.where(seen, m, numerics.MASK_VALUE)
-    tiles.store_rows(o_ref, b, q_span, n, plan.value_dim, acc / total[:, None])
-    plgpu.store(lse_ref.at[b, n, q_span[0]], m + jnp.log(total), mask=q_span[1])
+    results = lax.fori_loop(*tiles.key_blocks(st, i), body, tuple(init for _ in rows))
+    for b, (acc, m, total) in zip(rows, results, strict=True):
+        if st is not None:  # a row whose every key block was skipped: 0 and a finite lse
+            seen = total > 0
+            total = jnp.where(seen, total, 1.0)
+            m = jnp.where(seen, m, numerics.MASK_VALUE)
+        tiles.store_rows(o_ref, b, q_span, n, plan.value_dim, acc / total[:, None])
+        plgpu.store(lse_ref.at[b, n, q_span[0]], m + jnp.log(total), mask=q_span[1])
 
 
 def _grads(tiles, q, k, v, do, lse, delta, bias_refs, extras, st, b, n, q_span, k_span):
@@ -278,7 +305,11 @@ def _grads(tiles, q, k, v, do, lse, delta, bias_refs, extras, st, b, n, q_span, 
     gradient of the logits before the soft cap."""
     plan = tiles.plan
     s, cap_grad = tiles.logits(q, k, bias_refs, extras, st, b, n, q_span, k_span)
-    p = jnp.where(q_span[1][:, None], jnp.exp(s - lse[:, None]), 0.0)
+    if plan.compute_dtype == "float32":  # exp2's FFMA spilled 4 B at 'high' (three-pass dots)
+        p = jnp.exp(s - lse[:, None])
+    else:
+        p = _exp2(plan, _fma(plan, s, LOG2E, -(lse * LOG2E)[:, None]))
+    p = jnp.where(q_span[1][:, None], p, 0.0)
     dp = _dot(do, v, trans_b=True, precision=plan.precision)
     ds = p * (dp - delta[:, None])
     return p, ds if cap_grad is None else ds * cap_grad
@@ -384,7 +415,7 @@ def forward(plan: Plan, q, k, v, biases, extras):
     batch, q_len, heads, _ = q.shape
     tiles = _Tiles(plan, q_len, k.shape[1], len(biases))
     grid = (
-        batch,
+        -(-batch // plan.rows_per_program),
         heads,
         -(-q_len // plan.block_q),
     )  # batch rows vary fastest: bias tiles stay in L2

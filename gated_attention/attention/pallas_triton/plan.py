@@ -11,6 +11,7 @@ import importlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from gated_attention.attention import base
 from gated_attention.attention.gpu_common import bias_grad_groups, extra_options
@@ -42,6 +43,12 @@ def triton_backend_missing() -> str | None:
     return None
 
 
+# The padded head dims up to which a half-precision forward program takes two batch rows by
+# default. Trial compiles (test_kernel_compiles) spilled at head dim 64 (8 B: an A100, bfloat16,
+# both bias forms, a full mask) and in float32 (12 B: an H100, 'high', head dim 8).
+ROWS_HEAD_DIM = 32
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan(base.KernelPlan):
     """Static facts of one call, shared by the three kernels (hashable: a custom_vjp argument)."""
@@ -51,6 +58,7 @@ class Plan(base.KernelPlan):
     head_dim: int
     value_dim: int
     row_groups: int  # batch-row groups of the dq/bias-gradient kernel
+    rows_per_program: int  # batch rows of one forward program (they read a shared bias once)
     num_warps: int
     num_stages: int
     precision: Any
@@ -84,6 +92,10 @@ class Plan(base.KernelPlan):
         block_q = min(tile_q, _pow2_tile(q_len))
         q_blocks = -(-q_len // block_q)
         groups = bias_grad_groups(batch, heads, q_blocks, biases, impl.bias_grad_programs)
+        shared = any(b.shape[0] == 1 for b in biases)
+        half = jnp.dtype(compute_dtype).itemsize == 2
+        per = impl.rows_per_program or (2 if half and padded <= ROWS_HEAD_DIM else 1)
+        per = per if shared and options.structure.trivial else 1
         return cls(
             **base.KernelPlan.shared(impl, query, key, scale, compute_dtype, options),
             block_q=block_q,
@@ -91,6 +103,7 @@ class Plan(base.KernelPlan):
             head_dim=head_dim,
             value_dim=value_dim,
             row_groups=groups,
+            rows_per_program=max(1, min(per, batch)),
             num_warps=num_warps,
             num_stages=num_stages,
             precision=precision,
