@@ -273,6 +273,9 @@ def _family_config(preset):
     cfg.baseline_tolerance = 0.10  # AF2 in the harness against AF2 alone: flagged beyond this
     # Our modules' global_config.remat_policy in the training cells, one cell per policy.
     cfg.remat_policies = ("nothing",)
+    # Our modules' global_config.memory_budget_mib, one cell per budget (None: the default). On a
+    # GPU, e.g. (None, 16384.0): the default's row tiles against one tile (time against memory).
+    cfg.memory_budgets_mib = (None,)
     cfg.family_variants = ()  # (): each cell's own (AF2, ours, and the floor for blocks)
     cfg.model_dtype = "float32"  # the whole model's cell (AF2's monomer default)
     cfg.baseline_check = True  # AF2 timed alone in a fresh process, against its harness time

@@ -62,6 +62,8 @@ class Cell:
       mode: 'inference' or 'training'.
       remat_policy: our modules' global_config.remat_policy (config.REMAT_POLICIES): what their
         row tiles save for the backward pass; AF2's modules save everything.
+      memory_budget_mib: our modules' global_config.memory_budget_mib (None: the default), which
+        sizes their row tiles: time against memory on a device.
     """
 
     what: str
@@ -70,12 +72,16 @@ class Cell:
     dtype: str
     mode: str
     remat_policy: str = "nothing"
+    memory_budget_mib: float | None = None
 
     @property
     def name(self) -> str:
         rows = "" if self.what.startswith("triangle") else f"{self.n_seq}x"
         saves = "" if self.remat_policy == "nothing" else f" (saving {self.remat_policy})"
-        return f"{self.what} {rows}{self.n_res}{saves}"
+        budget = (
+            "" if self.memory_budget_mib is None else f" (budget {self.memory_budget_mib:g} MiB)"
+        )
+        return f"{self.what} {rows}{self.n_res}{saves}{budget}"
 
 
 def model_config():
@@ -261,7 +267,14 @@ def cell_problem(cell: Cell, variants: tuple[str, ...]) -> tuple[dict[str, Calla
     cotangent."""
     is_training = cell.mode == "training"
     fns = {
-        v: transformed(cell.what, v, is_training, remat_policy=cell.remat_policy) for v in variants
+        v: transformed(
+            cell.what,
+            v,
+            is_training,
+            remat_policy=cell.remat_policy,
+            memory_budget_mib=cell.memory_budget_mib,
+        )
+        for v in variants
     }
     specs = input_specs(cell)
     params = random_params(fns[variants[0]], specs)
@@ -328,7 +341,7 @@ def _mib(n: int | None) -> float | None:
 def _cell_fields(cell: Cell) -> dict[str, Any]:
     return dict(
         cell=cell.name, what=cell.what, n_seq=cell.n_seq, n_res=cell.n_res, dtype=cell.dtype,
-        mode=cell.mode, remat_policy=cell.remat_policy,
+        mode=cell.mode, remat_policy=cell.remat_policy, memory_budget_mib=cell.memory_budget_mib,
     )  # fmt: skip
 
 
@@ -465,16 +478,20 @@ def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
 
     for policy in cfg.remat_policies:
         checks.check_one_of("config.remat_policies entries", policy, config.REMAT_POLICIES)
+    for budget in cfg.memory_budgets_mib:
+        if budget is not None:
+            checks.check_positive_number("config.memory_budgets_mib entries", budget)
     cells = []
     for what, n_seq, n_res in cfg.family_shapes:
         if what == MODEL:  # AF2's whole model: inference, cfg.model_dtype
             cells.append(Cell(what, n_seq, n_res, cfg.model_dtype, "inference"))
             continue
         cells += [
-            Cell(what, n_seq, n_res, d, m, policy)
+            Cell(what, n_seq, n_res, d, m, policy, budget)
             for d in cfg.dtypes
             for m in cfg.modes
             for policy in (cfg.remat_policies if m == "training" else ("nothing",))
+            for budget in cfg.memory_budgets_mib
         ]
     rows = []
     for i, cell in enumerate(cells):

@@ -400,6 +400,27 @@ def test_longest_search_doubles_then_halves_to_the_step():
     assert "| evoformer 4x, bfloat16 | af2 | 8,192 (the search's limit) |" in table
 
 
+def test_family_cells_run_ours_at_their_memory_budget():
+    """A cell's memory_budget_mib reaches our modules (their row tiles: a tiny budget tiles the
+    MSA rows in a loop, the default runs them in one call), names the cell, and a budget that
+    is not a positive number is refused before any cell runs."""
+
+    def hlo(budget):
+        cell = family_benchmark.Cell("msa_row", 4, 16, "float32", "inference", "nothing", budget)
+        fns, args = family_benchmark.cell_problem(cell, (family_benchmark.OURS,))
+        return jax.jit(fns[family_benchmark.OURS]).lower(*args).as_text(), cell.name
+
+    tiled, name = hlo(0.01)
+    whole, default_name = hlo(None)
+    assert "stablehlo.while" in tiled and "stablehlo.while" not in whole
+    assert name == "msa_row 4x16 (budget 0.01 MiB)" and default_name == "msa_row 4x16"
+    cfg = _bench_config("family_smoke")
+    assert cfg.memory_budgets_mib == (None,)
+    cfg.memory_budgets_mib = (None, -1.0)
+    with pytest.raises(ValueError, match=r"config.memory_budgets_mib entries"):
+        family_benchmark.run(cfg, log=lambda s: None)
+
+
 def test_family_remat_preset_times_each_policy_and_checks_them():
     """configs/benchmark.py:family_remat: the training cells once per remat policy; a policy the
     modules do not know is refused before any cell runs."""
