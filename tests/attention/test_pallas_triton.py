@@ -128,15 +128,16 @@ def test_lowers_to_triton_for_cuda(dtype):
 
 
 def test_rows_per_program_changes_no_value():
-    """A forward program of 1, 2 or 3 batch rows (5 rows: last groups past the batch) reads the
-    shared bias's tile once for its rows and computes each row exactly as alone: the outputs and
-    every gradient are bit for bit the same."""
+    """A forward program of 3 batch rows (5 rows: the last group's third past the batch) reads
+    the shared bias's tile once for its rows and computes each row exactly as alone: the outputs
+    and every gradient are bit for bit those of 1 row a program (2, the harness's, against the
+    reference)."""
     shape = (5, 37, 21, 2, 8, 8)  # B, T, S, N, H, Hv
     case, _ = harness.problem(shape, "bfloat16", "shared_bias+key_mask", seed=4)
     key_bias, _ = rand(np.random.default_rng(6), (5, 1, 1, 21), "bfloat16")
     case = case._replace(bias=[case.bias, key_bias])
     runs = []
-    for rows in (1, 2, 3):
+    for rows in (1, 3):
         impl = ga.PallasAttention(block_q=16, block_k=16, rows_per_program=rows, interpret=True)
         [result] = harness.run(impl, [case])
         runs.append(result)
