@@ -54,10 +54,28 @@ def _exp2(plan: Plan, x):
     return _asm(plan, "ex2.approx.ftz.f32", jnp.exp2, x)
 
 
+def _scaled(plan: Plan, s, bias):
+    """s * scale + bias: one FFMA in half precision (Plan.base2)."""
+    return _fma(plan, s, plan.scale, bias) if plan.base2 else s * plan.scale + bias
+
+
+def _weights(plan: Plan, s, shift):
+    """exp(s - shift) ([bq, bk] logits, [bq] shifts: the row max or the log-sum-exp); with
+    Plan.base2 exp2 of one FFMA."""
+    if not plan.base2:
+        return jnp.exp(s - shift[:, None])
+    return _exp2(plan, _fma(plan, s, LOG2E, -(shift * LOG2E)[:, None]))
+
+
+def _rescale(plan: Plan, m_prev, m):
+    """exp(m_prev - m): the running sums' correction."""
+    return _exp2(plan, (m_prev - m) * LOG2E) if plan.base2 else jnp.exp(m_prev - m)
+
+
 def _widen(plan: Plan, x):
     """A tile as float32: bfloat16 by two bit operations per pair of values (LLVM's extension
     takes three), other dtypes by a cast."""
-    if not plan.ptx or x.dtype != jnp.bfloat16:
+    if not (plan.ptx and plan.base2) or x.dtype != jnp.bfloat16:
         return x.astype(jnp.float32)
     _, plgpu = _pallas()
     (out,) = plgpu.elementwise_inline_asm(
@@ -237,7 +255,7 @@ class _Tiles:
             tile = None if shared is None else shared[t]
             if tile is None:  # loaded beside its use: ptxas's registers (test_kernel_compiles)
                 tile = _widen(plan, self.tile(ref, b, n, q_span, k_span))
-            s = _fma(plan, s, plan.scale, tile) if t == 0 else s + tile
+            s = _scaled(plan, s, tile) if t == 0 else s + tile
         s = s if bias_refs else s * plan.scale
         cap_grad = None
         if plan.soft_cap is not None:
@@ -273,8 +291,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tiles: _Tiles):
         k, v, _ = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span, zero_keys=zero_keys)
         s, _ = tiles.logits(q, k, bias_refs, extras, st, b, n, q_span, k_span, shared)
         m = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        correction = _exp2(plan, (m_prev - m) * LOG2E)
-        p = _exp2(plan, _fma(plan, s, LOG2E, -(m * LOG2E)[:, None]))
+        correction = _rescale(plan, m_prev, m)
+        p = _weights(plan, s, m)
         acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, precision=plan.precision)
         return acc, m, l_prev * correction + jnp.sum(p, axis=1)
 
@@ -305,10 +323,7 @@ def _grads(tiles, q, k, v, do, lse, delta, bias_refs, extras, st, b, n, q_span, 
     gradient of the logits before the soft cap."""
     plan = tiles.plan
     s, cap_grad = tiles.logits(q, k, bias_refs, extras, st, b, n, q_span, k_span)
-    if plan.compute_dtype == "float32":  # exp2's FFMA spilled 4 B at 'high' (three-pass dots)
-        p = jnp.exp(s - lse[:, None])
-    else:
-        p = _exp2(plan, _fma(plan, s, LOG2E, -(lse * LOG2E)[:, None]))
+    p = _weights(plan, s, lse)
     p = jnp.where(q_span[1][:, None], p, 0.0)
     dp = _dot(do, v, trans_b=True, precision=plan.precision)
     ds = p * (dp - delta[:, None])

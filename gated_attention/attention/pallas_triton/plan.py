@@ -65,6 +65,9 @@ class Plan(base.KernelPlan):
     has_mask: bool
     has_live: bool
     ptx: bool  # compiled for CUDA: the kernels' float32 math as single PTX instructions
+    # Half precision: the softmax in base 2, exp2 of one FFMA a score. float32 keeps exp and
+    # separate roundings: with its three-pass and IEEE dots the FFMA form spilled 4-20 B.
+    base2: bool
 
     @classmethod
     def make(
@@ -110,6 +113,7 @@ class Plan(base.KernelPlan):
             has_mask=mask is not None,
             has_live=live_q is not None,
             ptx=not impl.interpret and "rocm" not in compat.registered_backends(),
+            base2=half,
         )
 
     def call(self, kernel, grid, out_shape, args, name, aliases=None):
