@@ -65,8 +65,9 @@ class Plan(base.KernelPlan):
     has_mask: bool
     has_live: bool
     ptx: bool  # compiled for CUDA: the kernels' float32 math as single PTX instructions
-    # Half precision: the softmax in base 2, exp2 of one FFMA a score. float32 keeps exp and
-    # separate roundings: with its three-pass and IEEE dots the FFMA form spilled 4-20 B.
+    # Plain half-precision attention: the softmax in base 2, exp2 of one FFMA a score, and k
+    # unzeroed in the forward. float32 keeps exp and separate roundings (with its three-pass and
+    # IEEE dots the FFMA form spilled 4-20 B), as do the op's further arguments (Plan.make).
     base2: bool
 
     @classmethod
@@ -96,9 +97,12 @@ class Plan(base.KernelPlan):
         q_blocks = -(-q_len // block_q)
         groups = bias_grad_groups(batch, heads, q_blocks, biases, impl.bias_grad_programs)
         shared = any(b.shape[0] == 1 for b in biases)
-        half = jnp.dtype(compute_dtype).itemsize == 2
-        per = impl.rows_per_program or (2 if half and padded <= ROWS_HEAD_DIM else 1)
-        per = per if shared and options.structure.trivial else 1
+        # The fast paths (base2, two rows a program, k unzeroed) are for plain half-precision
+        # attention, AF2's: with the op's further arguments they spilled 4-16 B where ee7da3e's
+        # kernels did not (the H100 matrix with --options, benchmark_results/gpu_kernels/base2).
+        plain = jnp.dtype(compute_dtype).itemsize == 2 and not extra
+        per = impl.rows_per_program or (2 if plain and padded <= ROWS_HEAD_DIM else 1)
+        per = per if shared and not extra else 1
         return cls(
             **base.KernelPlan.shared(impl, query, key, scale, compute_dtype, options),
             block_q=block_q,
@@ -113,7 +117,7 @@ class Plan(base.KernelPlan):
             has_mask=mask is not None,
             has_live=live_q is not None,
             ptx=not impl.interpret and "rocm" not in compat.registered_backends(),
-            base2=half,
+            base2=plain,
         )
 
     def call(self, kernel, grid, out_shape, args, name, aliases=None):
