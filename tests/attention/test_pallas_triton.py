@@ -162,6 +162,16 @@ def test_two_rows_a_program_where_a_half_precision_bias_is_shared():
     assert rows(jnp.float32) == 1 and rows(head_dim=64) == 1
     assert rows(bias_rows=4) == 1 and rows(causal=True) == 1
     assert rows(jnp.float32, given=ga.PallasAttention(rows_per_program=3, interpret=True)) == 3
+    # Compiled, the fast paths are Hopper's: an A100's compiles spilled with them.
+    for kind, fast in (("NVIDIA H100 80GB HBM3", True), ("NVIDIA A100-SXM4-80GB", False)):
+        device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=1, platform="gpu")
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+        q, k, v, bias, mask = _specs(jnp.bfloat16, head_dim=32, batch=4)
+        with jax.sharding.use_abstract_mesh(mesh):
+            plan = ga.PallasAttention().plan(
+                q, k, v, (bias,), mask, scale=0.3, compute_dtype=jnp.bfloat16, platform="gpu"
+            )
+        assert (plan.base2, plan.rows_per_program) == ((True, 2) if fast else (False, 1)), kind
 
 
 def test_shared_bias_gradient_is_never_per_row():

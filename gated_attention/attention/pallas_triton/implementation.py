@@ -68,8 +68,8 @@ class PallasAttention(base.Implementation):
         bias is shared over the batch; batch rows are grouped so that it does.
       rows_per_program: batch rows one forward program computes when a bias is shared over the
         batch: the program reads each tile of that bias once for them all (AF2's pair bias is
-        the same for every MSA row). None: 2 in half precision at head dims up to 32 (AF2's),
-        else 1. Always 1 without such a bias or with the op's further arguments (a causal,
+        the same for every MSA row). None: 2 in half precision at head dims up to 32 (AF2's)
+        on Hopper, else 1. Always 1 without such a bias or with the op's further arguments (a causal,
         window or length mask, whose key blocks differ from row to row; grouped heads; a soft
         cap).
       interpret: run the kernels in Pallas's interpreter (any backend; slow, for tests).

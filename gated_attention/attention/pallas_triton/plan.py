@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from gated_attention.attention import base
 from gated_attention.attention.gpu_common import bias_grad_groups, extra_options
 from gated_attention.attention.pallas_triton.tile_table import _pow2_tile, kernel_form
-from gated_attention.core import compat
+from gated_attention.core import compat, platforms
 
 
 def pallas_modules():
@@ -47,6 +47,7 @@ def triton_backend_missing() -> str | None:
 # default. Trial compiles (test_kernel_compiles) spilled at head dim 64 (8 B: an A100, bfloat16,
 # both bias forms, a full mask) and in float32 (12 B: an H100, 'high', head dim 8).
 ROWS_HEAD_DIM = 32
+HOPPER = 9  # sm_90: where the fast paths' compiles were checked (an A100's spilled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +99,11 @@ class Plan(base.KernelPlan):
         groups = bias_grad_groups(batch, heads, q_blocks, biases, impl.bias_grad_programs)
         shared = any(b.shape[0] == 1 for b in biases)
         # The fast paths (base2, two rows a program, k unzeroed) are for plain half-precision
-        # attention, AF2's: with the op's further arguments they spilled 4-16 B where ee7da3e's
-        # kernels did not (the H100 matrix with --options, benchmark_results/gpu_kernels/base2).
-        plain = jnp.dtype(compute_dtype).itemsize == 2 and not extra
+        # attention, AF2's, on Hopper (and in the interpreter, which checks their math): with
+        # the op's further arguments, or on an A100 (mma.sync), they spilled 4-44 B where
+        # ee7da3e's kernels did not (benchmark_results/gpu_kernels/base2).
+        hopper = impl.interpret or (platforms.gpu_capability() or (0,))[0] == HOPPER
+        plain = jnp.dtype(compute_dtype).itemsize == 2 and not extra and hopper
         per = impl.rows_per_program or (2 if plain and padded <= ROWS_HEAD_DIM else 1)
         per = per if shared and not extra else 1
         return cls(
