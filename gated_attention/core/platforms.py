@@ -73,6 +73,15 @@ def gpu_capability() -> tuple[int, int] | None:
     return next((cc for name, cc in _CAPABILITIES if name in words), None)
 
 
+HOPPER = 9  # sm_90's major: wgmma (Blackwell, sm_100, has tcgen05 instead)
+
+
+def gpu_is_hopper() -> bool:
+    """Whether the GPU a program is being compiled for is a Hopper (sm_90: an H100 or H200)."""
+    capability = gpu_capability()
+    return capability is not None and capability[0] == HOPPER
+
+
 def of_arrays(arrays) -> str | None:
     """The kind of the devices holding these concrete arrays, if they agree; None when any is a
     tracer or not a jax.Array (under jit the devices are not known while tracing)."""

@@ -60,7 +60,6 @@ MAX_HEAD_DIM = 128
 MAX_HEAD_DIM_MASKED = 64
 BLOCK_Q = 64  # one consumer warpgroup: wgmma's M
 SHARED_MEMORY_LIMIT = 232_448  # an H100's opt-in shared memory per block (227 KiB)
-HOPPER = 9  # wgmma is sm_90a's: Blackwell (sm_100) has tcgen05 instead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +125,7 @@ class MosaicAttention(base.Implementation):
         )
         if not self.interpret:
             capability = platforms.gpu_capability()
-            if capability is None or capability[0] != HOPPER:
+            if not platforms.gpu_is_hopper():
                 got = "unknown" if capability is None else f"sm_{capability[0]}{capability[1]}"
                 raise NotImplementedError(
                     f"{what} uses Hopper's wgmma: sm_90 GPUs only, this one is {got}"

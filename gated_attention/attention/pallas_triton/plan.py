@@ -47,7 +47,6 @@ def triton_backend_missing() -> str | None:
 # default. Trial compiles (test_kernel_compiles) spilled at head dim 64 (8 B: an A100, bfloat16,
 # both bias forms, a full mask) and in float32 (12 B: an H100, 'high', head dim 8).
 ROWS_HEAD_DIM = 32
-HOPPER = 9  # sm_90: where the fast paths' compiles were checked (an A100's spilled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +101,7 @@ class Plan(base.KernelPlan):
         # attention, AF2's, on Hopper (and in the interpreter, which checks their math): with
         # the op's further arguments, or on an A100 (mma.sync), they spilled 4-44 B where
         # ee7da3e's kernels did not (benchmark_results/gpu_kernels/base2).
-        hopper = impl.interpret or (platforms.gpu_capability() or (0,))[0] == HOPPER
+        hopper = impl.interpret or platforms.gpu_is_hopper()
         plain = jnp.dtype(compute_dtype).itemsize == 2 and not extra and hopper
         per = impl.rows_per_program or (2 if plain and padded <= ROWS_HEAD_DIM else 1)
         per = per if shared and not extra else 1
