@@ -125,7 +125,7 @@ class MosaicAttention(base.Implementation):
         )
         if not self.interpret:
             capability = platforms.gpu_capability()
-            if not platforms.gpu_is_hopper():
+            if capability is None or capability[0] != platforms.HOPPER:
                 got = "unknown" if capability is None else f"sm_{capability[0]}{capability[1]}"
                 raise NotImplementedError(
                     f"{what} uses Hopper's wgmma: sm_90 GPUs only, this one is {got}"

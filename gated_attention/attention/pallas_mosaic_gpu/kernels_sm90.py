@@ -40,6 +40,12 @@ from gated_attention.attention.pallas_mosaic_gpu.plan import (
 from gated_attention.core import numerics
 
 
+def _weights(s, shift, q_axis: int):
+    """exp(s - shift) of a tile of logits, shift (the row max or the log-sum-exp) along the
+    query axis: exp2 of one FFMA and one MUFU.EX2 a score (Mosaic GPU's mul and sub contract)."""
+    return jnp.exp2(s * LOG2E - lax.broadcast_in_dim(shift * LOG2E, s.shape, (q_axis,)))
+
+
 def _forward_kernel(*refs, plan: Plan):
     pl, plgpu = modules()
     ops = plan.ops
@@ -90,9 +96,8 @@ def _forward_kernel(*refs, plan: Plan):
         mask = None if mask_slots is None else widen(plan, mask_slots.at[slot], plan.mask_shape)
         s, _ = logits(plan, s, biases, mask, st, i, j)
         m = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        # One FFMA and one MUFU.EX2 a score (Mosaic GPU's mul and sub may contract).
         correction = jnp.exp2((m_prev - m) * LOG2E)
-        p = jnp.exp2(s * LOG2E - lax.broadcast_in_dim(m * LOG2E, s.shape, (0,)))
+        p = _weights(s, m, 0)
         acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
         if plan.live:
             zero_dead_rows(plan, v_buf.at[slot], live_buf.at[slot])
@@ -195,7 +200,7 @@ def _p_and_ds(plan: Plan, s, cap_grad, lse_ref, delta_ref, do_ref, v_ref, transp
     ops = plan.ops
     q_axis = 1 if transposed else 0
     lse = ops.load(lse_ref, axis=1 - q_axis)
-    p = jnp.exp2(s * LOG2E - lax.broadcast_in_dim(lse * LOG2E, s.shape, (q_axis,)))  # one FFMA
+    p = _weights(s, lse, q_axis)
     lhs, rhs = (v_ref, do_ref) if transposed else (do_ref, v_ref)
     dp = ops.dot(lhs, rhs, trans_b=True)
     delta = ops.load(delta_ref, axis=1 - q_axis)
