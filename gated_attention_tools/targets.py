@@ -265,8 +265,11 @@ def abstract_gpu(target: str):
     gpu = jax.sharding.AbstractDevice(
         device_kind=d.device_kind, num_cores=d.core_count, platform="cuda"
     )
+    # Auto, not jax 0.12's default Explicit: an Explicit axis would type every array in the
+    # program as sharded over it, and a row loop's buffers would then disagree with its tiles.
+    auto = (jax.sharding.AxisType.Auto,)
     return jax.sharding.use_abstract_mesh(
-        jax.sharding.AbstractMesh((1,), ("device",), abstract_device=gpu)
+        jax.sharding.AbstractMesh((1,), ("device",), axis_types=auto, abstract_device=gpu)
     )
 
 

@@ -175,6 +175,14 @@ CONFIG_ERRORS = {
         dict(global_config=dict(memory_budget_mib=0)),
         r"global_config.memory_budget_mib must be a positive number of MiB, got 0",
     ),
+    "gpu memory fraction": (
+        dict(global_config=dict(gpu_memory_fraction=1.5)),
+        r"global_config.gpu_memory_fraction must be a number in \(0, 1\], got 1.5",
+    ),
+    "gpu memory fraction type": (
+        dict(global_config=dict(gpu_memory_fraction="half")),
+        r"global_config.gpu_memory_fraction must be a number in \(0, 1\], got 'half'",
+    ),
     "subbatch": (
         dict(global_config=dict(subbatch_size=0)),
         r"global_config.subbatch_size must be None or an int >= 1, got 0",

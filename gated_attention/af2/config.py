@@ -20,7 +20,7 @@ import ml_collections
 
 from gated_attention.attention import dispatch
 from gated_attention.attention.xla_chunked.implementation import ChunkedAttention
-from gated_attention.core import checks, memory, numerics
+from gated_attention.core import checks, memory, numerics, platforms
 
 ORIENTATIONS = ("per_row", "per_column")
 DEFAULT_MEMORY_BUDGET_MIB = memory.DEFAULT_MEMORY_BUDGET_BYTES // memory.MIB
@@ -121,7 +121,12 @@ class GlobalConfig:
       eval_dropout: dropout also when not training (AF2).
       attention_implementation: 'auto' or an implementation name.
       query_chunk_size, key_chunk_size: tile sizes for 'chunked' (None: from the budget).
-      memory_budget_mib: working-set budget used by 'auto' choices.
+      memory_budget_mib: the working-set budget of the modules' row tiles and pair-bias tiles and
+        of 'auto''s choice; None (the default): per platform, DEFAULT_MEMORY_BUDGET_MIB on CPU
+        and TPU, gpu_memory_fraction of the device's memory on a GPU (Resolved.budget_bytes).
+      gpu_memory_fraction: with memory_budget_mib None, the share of a GPU's memory the row and
+        pair-bias tiles may take: a module at AlphaFold's sizes is then one kernel call, not a
+        loop of CPU-sized tiles (0.1 of an 80 GB GPU: 8 GB).
       compute_dtype: precision policy, one of numerics.POLICIES ('auto': bfloat16/float16 inputs
         are computed in float32 on CPU; 'input': in their own dtype, as AF2; 'float32').
       remat_policy: what a module's row tiles save for the backward pass (training memory):
@@ -147,7 +152,8 @@ class GlobalConfig:
     attention_implementation: str = "auto"
     query_chunk_size: int | None = None
     key_chunk_size: int | None = None
-    memory_budget_mib: float = DEFAULT_MEMORY_BUDGET_MIB
+    memory_budget_mib: float | None = None
+    gpu_memory_fraction: float = 0.1
     compute_dtype: str = "auto"
     remat_policy: str = "nothing"
     shard_rows_over: str | tuple[str, ...] | None = None
@@ -192,7 +198,16 @@ class GlobalConfig:
         )
         _check_int(where, "query_chunk_size", self.query_chunk_size, 1, optional=True)
         _check_int(where, "key_chunk_size", self.key_chunk_size, 1, optional=True)
-        _check_budget(where, "memory_budget_mib", self.memory_budget_mib, optional=False)
+        _check_budget(where, "memory_budget_mib", self.memory_budget_mib, optional=True)
+        fraction = self.gpu_memory_fraction
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, int | float)
+            or not 0 < fraction <= 1
+        ):
+            raise ValueError(
+                f"{where}.gpu_memory_fraction must be a number in (0, 1], got {fraction!r}"
+            )
 
 
 _MODULE_KEYS = tuple(f.name for f in dataclasses.fields(ModuleConfig))
@@ -251,9 +266,10 @@ def global_config(config: Any) -> GlobalConfig:
     )
 
 
-def memory_budget_mib(module: ModuleConfig, glob: GlobalConfig) -> float:
-    """The module's working-set budget, its own where set, else the global one: one value for the
-    op's choice, the module's row tiles and its pair-bias tiles."""
+def memory_budget_mib(module: ModuleConfig, glob: GlobalConfig) -> float | None:
+    """The module's working-set budget, its own where set, else the global one (None: per
+    platform, Resolved.budget_bytes): one value for the op's choice, the module's row tiles and
+    its pair-bias tiles."""
     return glob.memory_budget_mib if module.memory_budget_mib is None else module.memory_budget_mib
 
 
@@ -265,24 +281,35 @@ class Resolved:
       implementation: what it passes to dot_product_attention (an instance with its tuning, or
         an Auto with the module's budget).
       compute_dtype: the precision policy (numerics.POLICIES).
-      budget_mib: the working-set budget: the op's choice, the row tiles and the pair-bias tiles.
+      budget_mib: the working-set budget: the op's choice, the row tiles and the pair-bias tiles
+        (None: per platform, budget_bytes).
       remat_policy: what a row tile saves for the backward pass (REMAT_POLICIES).
+      gpu_memory_fraction: a GPU's share for the tiles when budget_mib is None.
     """
 
     implementation: Any
     compute_dtype: str
-    budget_mib: float
+    budget_mib: float | None
     remat_policy: str
+    gpu_memory_fraction: float = 0.1
 
-    @property
-    def budget_bytes(self) -> int:
-        return memory.budget_bytes(self.budget_mib)
+    def budget_bytes(self, kind: str) -> int:
+        """The tiles' budget on a platform kind ('cpu', 'gpu', 'tpu'): budget_mib where set;
+        else on a GPU whose memory is known (platforms.gpu_memory_bytes) gpu_memory_fraction of
+        it, elsewhere DEFAULT_MEMORY_BUDGET_MIB, sized for a CPU's caches and a TPU's 16 GiB."""
+        if self.budget_mib is not None:
+            return memory.budget_bytes(self.budget_mib)
+        device = platforms.gpu_memory_bytes() if kind == "gpu" else None
+        if device is None:
+            return memory.DEFAULT_MEMORY_BUDGET_BYTES
+        return max(memory.DEFAULT_MEMORY_BUDGET_BYTES, int(device * self.gpu_memory_fraction))
 
 
 def resolve(module: ModuleConfig, glob: GlobalConfig) -> Resolved:
     """The module's Resolved configuration: module keys override global ones."""
     implementation, policy = attention_implementation(module, glob)
-    return Resolved(implementation, policy, memory_budget_mib(module, glob), glob.remat_policy)
+    budget = memory_budget_mib(module, glob)
+    return Resolved(implementation, policy, budget, glob.remat_policy, glob.gpu_memory_fraction)
 
 
 def attention_implementation(module: ModuleConfig, glob: GlobalConfig) -> tuple[Any, str]:
@@ -293,7 +320,8 @@ def attention_implementation(module: ModuleConfig, glob: GlobalConfig) -> tuple[
         value = getattr(module, key)
         return getattr(glob, key) if value is None else value
 
-    budget = memory.budget_bytes(memory_budget_mib(module, glob))
+    budget = memory_budget_mib(module, glob)  # the op decides for the host: None, the default
+    budget = memory.DEFAULT_MEMORY_BUDGET_BYTES if budget is None else memory.budget_bytes(budget)
     chunked = ChunkedAttention(
         query_chunk_size=pick("query_chunk_size"),
         key_chunk_size=pick("key_chunk_size"),

@@ -173,7 +173,7 @@ class _FamilyModule(hk.Module):
         return None if is_training else self.global_config.subbatch_size
 
     def _pair_bias(self, pair_act, norm, dtype) -> jax.Array:
-        budget = self.resolved.budget_mib
+        budget = self.resolved.budget_bytes
         return pair_bias.of_pair(pair_act, norm, self.config.num_head, dtype, budget)
 
     @hk.transparent
@@ -493,7 +493,7 @@ class TriangleAttention(_FamilyModule):
         if per_column:  # the transposed pair's rows
             pair_act, pair_mask = _to_columns(turn, pair_act, pair_mask)
             pair_act, pair_mask = jnp.swapaxes(pair_act, -3, -2), jnp.swapaxes(pair_mask, -2, -1)
-        budget = self.resolved.budget_mib
+        budget = self.resolved.budget_bytes
         # The attention reads the pair that comes back, so the bias's cotangent is added into
         # the attention's in place (pair_bias.with_pair).
         pair_act, bias = pair_bias.with_pair(

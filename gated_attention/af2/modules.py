@@ -83,7 +83,7 @@ class _AttentionModule(hk.Module):
         """make_forward(implementation, compute dtype, params cast to it) -> forward,
         called on args in tiles of rows along `axis` (the batch rows) by rows_per_tile(**row).
 
-        The compute dtype (numerics.compute_dtype) and the tile rule follow the platform the
+        The compute dtype (numerics.compute_dtype), the budget and the tile rule follow the platform the
         program is compiled for, as the op's choice does (platforms.py): decided for every kind
         the call may be compiled for, kinds that decide alike sharing one traced branch.
         args: arrays with the batch along `axis`, or with size 1 there (shared), or None. Under
@@ -92,7 +92,6 @@ class _AttentionModule(hk.Module):
         """
         resolved = self.resolved
         implementation, policy = resolved.implementation, resolved.compute_dtype
-        budget = resolved.budget_bytes
         batch = args[0].shape[axis]
         batched = [x is not None and x.shape[axis] == batch for x in args]
         remat = remat_saveable(resolved.remat_policy)
@@ -116,13 +115,15 @@ class _AttentionModule(hk.Module):
             batch //= math.prod(rows[0].shape[a] for a in rows[1])
 
         def per_platform(params, *args):
-            plans = {
-                kind: (
-                    numerics.compute_dtype(dtype, policy, backend=kind),
-                    rows_per_tile(batch, subbatch_size, budget, platform=kind, **row),
+            def plan(kind):
+                compute = numerics.compute_dtype(dtype, policy, backend=kind)
+                budget, size = resolved.budget_bytes(kind), jnp.dtype(compute).itemsize
+                tiles = rows_per_tile(
+                    batch, subbatch_size, budget, platform=kind, itemsize=size, **row
                 )
-                for kind in platforms.candidates(args)
-            }
+                return compute, tiles
+
+            plans = {kind: plan(kind) for kind in platforms.candidates(args)}
             branches = {kind: branch(*plan) for kind, plan in plans.items()}
             return platforms.dispatch(branches, params, *args)
 
@@ -154,6 +155,7 @@ def rows_per_tile(
     row_queries: int,
     row_logits: int | None,
     platform: str | None = None,
+    itemsize: int = 4,
 ) -> int | None:
     """Rows of the leading axis per tile of a module's whole forward, or None (one call).
 
@@ -167,7 +169,9 @@ def rows_per_tile(
         which would starve the projections' matmuls;
       subbatch_size None or 'auto': the budget alone.
     On CPU a tile is also cut to about TILE_BYTES of float32 logits when such a tile holds at
-    least one row and MIN_TILE_QUERIES queries (cache-sized tiles, for speed).
+    least one row and MIN_TILE_QUERIES queries (cache-sized tiles, for speed). On a GPU the
+    module is one call whenever all its rows fit the whole budget (one call assembles nothing):
+    a row loop there only serializes kernels that fill the device.
 
     Args:
       batch: rows of the leading axis.
@@ -180,10 +184,14 @@ def rows_per_tile(
       row_queries: query positions in one row.
       row_logits: logits (heads x queries x keys) in one row, or None: too few to tile for.
       platform: the kind the program is compiled for (platforms.py; None: the host's).
+      itemsize: bytes of an element of the compute dtype: tile_row_bytes counts float32 ones.
     """
+    tile_row_bytes = max(1, tile_row_bytes * itemsize // memory.FLOAT32_BYTES)
     bound = memory.module_tile_budget(memory_budget_bytes, subbatch_size, row_bytes)
     rows = mapping.subbatch_size_for_budget(batch, tile_row_bytes, bound)
     platform = platforms.host() if platform is None else platform
+    if platform == "gpu" and batch * tile_row_bytes <= memory_budget_bytes:
+        return None
     if row_logits is not None and platform == "cpu":
         cache_rows = memory.logits_rows(TILE_BYTES, row_logits)
         if cache_rows >= 1 and cache_rows * row_queries >= MIN_TILE_QUERIES:

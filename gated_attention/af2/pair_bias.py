@@ -14,7 +14,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from gated_attention.core import memory, numerics
+from gated_attention.core import memory, numerics, platforms
 from gated_attention.parallel import row_loop as mapping
 from gated_attention.parallel import sharding
 
@@ -54,17 +54,23 @@ def bias_rows(pair, scale, offset, weights):
     return bias.astype(pair.dtype)
 
 
-def of_pair(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget_mib: float):
+def of_pair(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget: Callable[[str], int]):
     """feat_2d_weights [c_z, h] ~ N(0, 1/c_z) in `dtype`, and the [h, q, k] bias of the
     layer-normed pair, computed in float32 and returned in the pair's dtype (the op adds it to
     float32 logits).
 
     It runs in tiles of pair rows that fit the memory budget, each recomputed in the backward
     pass: the normed pair and its LayerNorm's cotangents, each the size of the pair (512 MiB at
-    N_res 1,024), are never held whole."""
+    N_res 1,024), are never held whole. budget(kind): the tiles' bytes on that platform kind
+    (config.Resolved.budget_bytes), decided for each kind the program may be compiled for."""
     weights = feat_2d_weights(pair_act.shape[-1], num_head, dtype)
-    rows = tile_rows(pair_act.shape, budget_mib)
     args = [pair_act, *(x[None] for x in norm), weights[None]]  # size 1: shared by the tiles
+    rows = lambda kind: tile_rows(pair_act.shape, budget(kind))
+    return platforms.by_platform(rows, lambda rows: functools.partial(_of_rows, rows), *args)
+
+
+def _of_rows(rows: int, *args) -> jax.Array:
+    """of_pair's bias, `rows` pair rows a tile."""
     batched = [True, False, False, False]
     shared = lambda pair, scale, offset, w: bias_rows(pair, scale[0], offset[0], w[0])
     out = mapping.subbatch(shared, args, subbatch_size=rows, batched=batched, remat=True)
@@ -76,23 +82,25 @@ def feat_2d_weights(c_z: int, num_head: int, dtype: Any) -> jax.Array:
     return hk.get_parameter("feat_2d_weights", (c_z, num_head), dtype, init=init)
 
 
-def tile_rows(shape: tuple[int, ...], budget_mib: float) -> int:
+def tile_rows(shape: tuple[int, ...], budget_bytes: int) -> int:
     """Pair rows per bias tile: about six float32 arrays of a row (the normed pair, LayerNorm
     temporaries, cotangents) in a quarter of the budget; the rest holds the attention's tiles and
     the pair's cotangent (memory.pair_bias_tile_rows)."""
     q_len, k_len, c_z = shape
-    return memory.pair_bias_tile_rows(q_len, k_len, c_z, budget_mib)
+    return memory.pair_bias_tile_rows(q_len, k_len, c_z, budget_bytes / memory.MIB)
 
 
-def with_pair(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget_mib: float):
+def with_pair(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget: Callable[[str], int]):
     """(pair_act, of_pair(pair_act, ...)) for a module whose attention reads the same pair
     (TriangleAttention): the attention must take the returned pair_act, so that its cotangent
     comes into this function's backward pass, which adds the bias's share into that buffer tile
     by tile. Differentiating of_pair apart would build the bias's pair-sized cotangent beside
-    the attention's and add the two: one more pair-sized temporary in a training step."""
+    the attention's and add the two: one more pair-sized temporary in a training step. budget:
+    as of_pair's."""
     weights = feat_2d_weights(pair_act.shape[-1], num_head, dtype)
-    rows = tile_rows(pair_act.shape, budget_mib)
-    return _fused(pair_act, *norm, weights, rows)
+    rows = lambda kind: tile_rows(pair_act.shape, budget(kind))
+    build = lambda rows: lambda *args: _fused(*args, rows)
+    return platforms.by_platform(rows, build, pair_act, *norm, weights)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import importlib.util
+import re
 from collections.abc import Callable, Mapping
 
 import jax
@@ -82,6 +83,31 @@ def gpu_is_hopper() -> bool:
     return capability is not None and capability[0] == HOPPER
 
 
+# Memory of GPUs whose device kind names none ('NVIDIA H200'), in GB: what a deviceless compile's
+# abstract device (no memory_stats) is known by. Kinds that name it ('... 80GB ...') are read.
+_MEMORY_GB = (("GH200", 96), ("H200", 141), ("B200", 180), ("B100", 180), ("B300", 268),
+              ("L40S", 48), ("L40", 48), ("L4", 24), ("A10", 24), ("4090", 24), ("5090", 32))  # fmt: skip
+
+
+def gpu_memory_bytes() -> int | None:
+    """The memory of the GPU a program is being compiled for: what XLA's allocator may use on a
+    real device (memory_stats' bytes_limit), else the memory its kind names or is known by; None
+    when there is no GPU or it is not known."""
+    device = _gpu()
+    if device is None:
+        return None
+    stats = getattr(device, "memory_stats", None)
+    stats = stats() if callable(stats) else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    kind = str(getattr(device, "device_kind", ""))
+    named = re.search(r"(\d+)\s*GB", kind)
+    if named:
+        return int(named.group(1)) * 10**9
+    words = kind.replace("-", " ").split()
+    return next((gb * 10**9 for name, gb in _MEMORY_GB if name in words), None)
+
+
 def of_arrays(arrays) -> str | None:
     """The kind of the devices holding these concrete arrays, if they agree; None when any is a
     tracer or not a jax.Array (under jit the devices are not known while tracing)."""
@@ -146,6 +172,14 @@ def dispatch(branches: Mapping[str, Callable], *args):
     return jax.lax.platform_dependent(
         *args, default=None if default is None else staged[default], **per_platform
     )
+
+
+def by_platform(decide: Callable[[str], object], build: Callable[[object], Callable], *args):
+    """build(decide(kind))(*args) for the kind the program is compiled for: decided for every kind
+    it may be compiled for (candidates), the kinds that decide alike sharing one traced branch."""
+    decisions = {kind: decide(kind) for kind in candidates(args)}
+    built = {d: build(d) for d in dict.fromkeys(decisions.values())}
+    return dispatch({kind: built[d] for kind, d in decisions.items()}, *args)
 
 
 def _traced_for(fn: Callable, kinds: tuple[str, ...]) -> Callable:

@@ -84,7 +84,9 @@ def experiment_config() -> ml_collections.ConfigDict:
     cfg.global_config.attention_implementation = "auto"
     cfg.global_config.query_chunk_size = ml_collections.config_dict.placeholder(int)
     cfg.global_config.key_chunk_size = ml_collections.config_dict.placeholder(int)
-    cfg.global_config.memory_budget_mib = float(config_lib.DEFAULT_MEMORY_BUDGET_MIB)
+    # None: per platform (DEFAULT_MEMORY_BUDGET_MIB on CPU and TPU, a share of a GPU's memory).
+    cfg.global_config.memory_budget_mib = ml_collections.config_dict.placeholder(float)
+    cfg.global_config.gpu_memory_fraction = 0.1
     cfg.global_config.compute_dtype = "auto"  # numerics.POLICIES: float32 for bf16/f16 on CPU
 
     # Input sizes: q_data [batch, num_queries, q_channels], m_data [batch, num_keys, m_channels].

@@ -515,8 +515,9 @@ def test_remat_policy_sets_what_a_training_step_keeps():
 
 
 def _rows(
-    batch, subbatch_size=None, budget=64 * MIB, row=MIB, tile_row=MIB, queries=64, logits=None
-):
+    batch, subbatch_size=None, budget=64 * MIB, row=MIB, tile_row=MIB, queries=64, logits=None,
+    platform=None, itemsize=4,
+):  # fmt: skip
     return rows_per_tile(
         batch,
         subbatch_size,
@@ -525,6 +526,8 @@ def _rows(
         tile_row_bytes=tile_row,
         row_queries=queries,
         row_logits=logits,
+        platform=platform,
+        itemsize=itemsize,
     )
 
 
@@ -567,14 +570,14 @@ def test_a_modules_own_memory_budget_reaches_its_tiles_and_its_pair_bias(monkeyp
     )
     with_pair = pair_bias.with_pair
     monkeypatch.setattr(
-        pair_bias, "with_pair", lambda *a: seen.setdefault("pair", a[-1]) and with_pair(*a)
+        pair_bias, "with_pair", lambda *a: seen.setdefault("pair", a[-1]("cpu")) and with_pair(*a)
     )
     cfg = dict(num_head=2, orientation="per_row", memory_budget_mib=3)
     gc = dict(memory_budget_mib=1024)
     fn = hk.transform(lambda p, m: ga.TriangleAttention(cfg, gc)(p, m, False))
     pair, mask = jnp.ones((6, 6, 8)), jnp.ones((6, 6))
     fn.apply(fn.init(jax.random.PRNGKey(0), pair, mask), None, pair, mask)
-    assert seen == dict(tiles=3 * 2**20, pair=3)
+    assert seen == dict(tiles=3 * 2**20, pair=3 * 2**20)
 
 
 def test_a_placement_handed_down_is_not_derived_again():
@@ -597,3 +600,51 @@ def test_a_placement_handed_down_is_not_derived_again():
         hk.transform(lambda: attend(None)).apply(params, None)
     with pytest.raises(TypeError, match="placement must be a sharding.Placement"):
         hk.transform(lambda: attend("rows")).init(jax.random.key(1))
+
+
+def test_the_default_budget_follows_the_platform(monkeypatch):
+    """memory_budget_mib None (the default): 256 MiB on CPU and TPU, gpu_memory_fraction of the
+    GPU's memory on a GPU (never less than 256 MiB), the CPU's where the GPU's is unknown; a
+    number set applies everywhere."""
+    from gated_attention.af2 import config as config_lib
+    from gated_attention.core import platforms
+
+    resolved = lambda gc: config_lib.resolve(config_lib.module_config(dict(num_head=1)), gc)
+    default = resolved(ga.GlobalConfig())
+    monkeypatch.setattr(platforms, "gpu_memory_bytes", lambda: 80 * 10**9)
+    assert default.budget_bytes("cpu") == default.budget_bytes("tpu") == 256 * MIB
+    assert default.budget_bytes("gpu") == 8 * 10**9
+    assert resolved(ga.GlobalConfig(gpu_memory_fraction=0.25)).budget_bytes("gpu") == 20 * 10**9
+    assert resolved(ga.GlobalConfig(memory_budget_mib=64)).budget_bytes("gpu") == 64 * MIB
+    monkeypatch.setattr(platforms, "gpu_memory_bytes", lambda: 10**9)
+    assert default.budget_bytes("gpu") == 256 * MIB
+    monkeypatch.setattr(platforms, "gpu_memory_bytes", lambda: None)
+    assert default.budget_bytes("gpu") == 256 * MIB
+
+
+def test_a_gpus_memory_is_read_from_its_kind_where_it_has_no_stats(monkeypatch):
+    """A deviceless compile's abstract GPU has a kind and no memory_stats."""
+    from gated_attention.core import platforms
+
+    class Device:
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    for kind, expected in [
+        ("NVIDIA H100 80GB HBM3", 80 * 10**9),
+        ("NVIDIA A100-SXM4-40GB", 40 * 10**9),
+        ("NVIDIA H200", 141 * 10**9),
+        ("NVIDIA GeForce RTX 4090", 24 * 10**9),
+        ("NVIDIA Unknown", None),
+    ]:
+        monkeypatch.setattr(platforms, "_gpu", lambda kind=kind: Device(kind))
+        assert platforms.gpu_memory_bytes() == expected, kind
+
+
+def test_rows_per_tile_is_one_call_on_a_gpu_when_all_rows_fit():
+    """On a GPU the rows' whole working set in the compute dtype against the whole budget: one
+    call; where it does not fit, half the budget a tile, as on CPU."""
+    assert _rows(1000, budget=1000 * MIB, tile_row=MIB, platform="gpu") is None
+    assert _rows(1000, budget=1000 * MIB, tile_row=MIB) == 500  # CPU: half the budget a tile
+    assert _rows(1000, budget=500 * MIB, tile_row=MIB, platform="gpu", itemsize=2) is None
+    assert _rows(1000, budget=500 * MIB, tile_row=MIB, platform="gpu") == 250

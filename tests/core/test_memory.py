@@ -140,7 +140,7 @@ def test_each_estimate_equals_the_old_formula():
         for mib in budgets:
             expected = _old_pair_bias_rows(shape, mib)
             assert memory.pair_bias_tile_rows(*shape, mib) == expected
-            assert pair_bias.tile_rows(shape, mib) == expected
+            assert pair_bias.tile_rows(shape, memory.budget_bytes(mib)) == expected
 
 
 def _rows(batch, subbatch_size, budget, row_tile, queries=5, logits=None):
