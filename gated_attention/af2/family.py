@@ -225,9 +225,12 @@ class _FamilyModule(hk.Module):
         return _on_rows_with_params(update, args, placement, row_dims, out_dim)
 
     @hk.transparent
-    def _attention(self, act, norm, mask, bias, is_training, keys_over=None) -> jax.Array:
+    def _attention(
+        self, act, norm, mask, bias, is_training, keys_over=None, positions_first=False
+    ) -> jax.Array:
         """The inner gated self-attention ('attention') of the layer-normed act: [..., b, q, c] ->
-        [..., b, q, c]; keys_over: the mesh axes its positions are split over (a ring), if any."""
+        [..., b, q, c] ([q, b, c] with positions_first: the columns of act as it lies);
+        keys_over: the mesh axes its positions are split over (a ring), if any."""
         # This module placed the rows (_on_rows, _on_grid): the attention splits none again.
         placement = sharding.Placement.resolve(None, keys_over, initializing=hk.running_init())
         attention = modules.Attention(
@@ -240,6 +243,7 @@ class _FamilyModule(hk.Module):
             bias,
             subbatch_size=self._subbatch_size(is_training),
             input_transform=pair_bias.normalizer(norm),
+            positions_first=positions_first,
         )
 
 
@@ -343,6 +347,9 @@ class MSAColumnAttention(_FamilyModule):
 
         def update(msa_act, msa_mask):
             norm = pair_bias.norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
+            mask = _key_mask(jnp.swapaxes(msa_mask, -2, -1))  # [r, 1, 1, s]
+            if not grid and placement is None:  # the columns as they lie: [s, r, c_m]
+                return self._attention(msa_act, norm, mask, None, is_training, None, True)
             msa_act, msa_mask = _to_columns(placement, msa_act, msa_mask)
             cols = jnp.swapaxes(msa_act, -3, -2)  # [r, s, c_m]
             mask = _key_mask(jnp.swapaxes(msa_mask, -2, -1))  # [r, 1, 1, s]
@@ -490,16 +497,24 @@ class TriangleAttention(_FamilyModule):
         bias rows are all-gathered over (every row needs all of them, or on the grid every
         query of its own keys); keys_over: the axes the positions are split over (a ring)."""
         norm = pair_bias.norm_params("query_norm", pair_act.shape[-1], pair_act.dtype)
-        if per_column:  # the transposed pair's rows
+        # The ending node on one device attends the pair's columns as they lie (positions
+        # first), its bias the transposed one of the pair: [h, r, r], not the pair, turned.
+        in_place = per_column and turn is None and gather is None and keys_over is None
+        if per_column and not in_place:  # the transposed pair's rows
             pair_act, pair_mask = _to_columns(turn, pair_act, pair_mask)
             pair_act, pair_mask = jnp.swapaxes(pair_act, -3, -2), jnp.swapaxes(pair_mask, -2, -1)
+        elif in_place:
+            pair_mask = jnp.swapaxes(pair_mask, -2, -1)
         budget = self.resolved.budget_bytes
         # The attention reads the pair that comes back, so the bias's cotangent is added into
         # the attention's in place (pair_bias.with_pair).
         pair_act, bias = pair_bias.with_pair(
             pair_act, norm, self.config.num_head, pair_act.dtype, budget
         )  # [h, this device's rows, r (or its columns)]
+        if in_place:
+            bias = jnp.swapaxes(bias, -2, -1)
         if gather is not None:
             bias = jax.lax.all_gather(bias, gather, axis=1, tiled=True)
-        out = self._attention(pair_act, norm, _key_mask(pair_mask), bias, is_training, keys_over)
-        return _to_rows(turn, jnp.swapaxes(out, -3, -2)) if per_column else out
+        mask = _key_mask(pair_mask)
+        out = self._attention(pair_act, norm, mask, bias, is_training, keys_over, in_place)
+        return _to_rows(turn, jnp.swapaxes(out, -3, -2)) if per_column and not in_place else out

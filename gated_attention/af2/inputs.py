@@ -30,6 +30,33 @@ def check_data(q_data, m_data, q_name="q_data", m_name="m_data") -> None:
         )
 
 
+def positions_first(q_data, m_data, placement) -> tuple[tuple[int], int, int]:
+    """((b,), q, k) of positions-first q_data [q, b, a] and m_data [k, b, m], validated; not with
+    rows or positions split over devices (placement: a sharding.Placement)."""
+    for name, x in (("q_data", q_data), ("m_data", m_data)):
+        checks.check_float_array(name, x)
+        if x.ndim != 3:
+            raise ValueError(
+                f"positions_first takes {name} of rank 3 ([positions, b, channels]), got shape "
+                f"{tuple(x.shape)}"
+            )
+    if q_data.shape[1] != m_data.shape[1]:
+        raise ValueError(
+            f"positions_first: q_data {tuple(q_data.shape)} and m_data {tuple(m_data.shape)} "
+            "must have the same batch b (their second dimension)"
+        )
+    if q_data.dtype != m_data.dtype:
+        raise TypeError(
+            f"q_data and m_data must have the same dtype, got {q_data.dtype} and {m_data.dtype}"
+        )
+    if placement.rows is not None or placement.keys is not None:
+        raise ValueError(
+            "positions_first does not take rows or positions split over devices "
+            "(global_config.shard_rows_over / shard_columns_over): transpose to [b, q, a] first"
+        )
+    return (q_data.shape[1],), q_data.shape[0], m_data.shape[0]
+
+
 def head_dims(cfg: config_lib.ModuleConfig, a: int, m: int) -> tuple[int, int]:
     key_dim = a if cfg.key_dim is None else cfg.key_dim
     value_dim = m if cfg.value_dim is None else cfg.value_dim

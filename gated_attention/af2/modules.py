@@ -79,9 +79,17 @@ class _AttentionModule(hk.Module):
             gc.shard_rows_over, gc.shard_columns_over, initializing=hk.running_init()
         )
 
-    def _run(self, make_forward, params, dtype, args, subbatch_size, placement, axis=0, **row):
+    def _run(
+        self, make_forward, params, dtype, args, subbatch_size, placement, axis=0,
+        positions_first=False, **row,
+    ):  # fmt: skip
         """make_forward(implementation, compute dtype, params cast to it) -> forward,
         called on args in tiles of rows along `axis` (the batch rows) by rows_per_tile(**row).
+
+        positions_first: args[0] and args[1] are [positions, batch, channels] (the rest batch
+        first). Compiled for a GPU as one call, forward reads them as they lie
+        (make_forward(..., positions_first=True): the kernel reads the columns in place);
+        elsewhere, and in tiles, they are transposed to batch first and the output back.
 
         The compute dtype (numerics.compute_dtype), the budget and the tile rule follow the platform the
         program is compiled for, as the op's choice does (platforms.py): decided for every kind
@@ -92,21 +100,28 @@ class _AttentionModule(hk.Module):
         """
         resolved = self.resolved
         implementation, policy = resolved.implementation, resolved.compute_dtype
-        batch = args[0].shape[axis]
-        batched = [x is not None and x.shape[axis] == batch for x in args]
+        lead = lambda i, x: x.shape[1 if positions_first and i < 2 else axis]
+        batch = lead(0, args[0])
+        batched = [x is not None and lead(i, x) == batch for i, x in enumerate(args)]
         remat = remat_saveable(resolved.remat_policy)
+        swap = lambda x: None if x is None else jnp.swapaxes(x, 0, 1)
 
         @functools.cache
-        def branch(compute, rows):  # one per (compute dtype, tile rows): kinds alike share it
+        def branch(compute, rows, in_place):  # kinds deciding alike share one
             def in_tiles(params, *args):
-                forward = make_forward(
-                    implementation, compute, numerics.cast_floats(params, compute)
-                )
+                p = numerics.cast_floats(params, compute)
+                if in_place:
+                    return make_forward(implementation, compute, p, positions_first=True)(*args)
+                if positions_first:
+                    args = (swap(args[0]), swap(args[1]), *args[2:])
+                forward = make_forward(implementation, compute, p)
                 if rows is None:
-                    return forward(*args)
-                return mapping.subbatch(
-                    forward, args, subbatch_size=rows, batched=batched, axis=axis, remat=remat
-                )
+                    out = forward(*args)
+                else:
+                    out = mapping.subbatch(
+                        forward, args, subbatch_size=rows, batched=batched, axis=axis, remat=remat
+                    )
+                return swap(out) if positions_first else out
 
             return in_tiles
 
@@ -121,7 +136,7 @@ class _AttentionModule(hk.Module):
                 tiles = rows_per_tile(
                     batch, subbatch_size, budget, platform=kind, itemsize=size, **row
                 )
-                return compute, tiles
+                return compute, tiles, positions_first and reads_in_place(kind, tiles)
 
             plans = {kind: plan(kind) for kind in platforms.candidates(args)}
             branches = {kind: branch(*plan) for kind, plan in plans.items()}
@@ -199,6 +214,14 @@ def rows_per_tile(
     return rows if rows < batch else None
 
 
+def reads_in_place(kind: str, rows: int | None) -> bool:
+    """Whether a positions-first module call compiled for this platform kind hands the op its
+    data as it lies: on a GPU in one call (rows None), where the kernels read the columns in
+    place; on CPU and TPU, and in row tiles, it is transposed to batch first (XLA's fast layout
+    there, and the tiles' axis)."""
+    return kind == "gpu" and rows is None
+
+
 def remat_saveable(policy: str):
     """What a row tile saves for the backward pass (a jax.checkpoint policy), by
     global_config.remat_policy: 'nothing' (the default): only the tile's inputs, the whole tile
@@ -234,6 +257,7 @@ class Attention(_AttentionModule):
         bias=None,
         subbatch_size: int | str | None = None,
         input_transform: Callable[[jax.Array], jax.Array] | None = None,
+        positions_first: bool = False,
     ) -> jax.Array:
         """Attends from q_data to m_data.
 
@@ -251,16 +275,24 @@ class Attention(_AttentionModule):
           input_transform: None, or a pure function applied to q_data and m_data inside each
             tile before the projections, keeping shape and dtype (the family modules' LayerNorm:
             recomputed per tile in the backward pass instead of saved whole).
+          positions_first: q_data [q, b, a], m_data [k, b, m] and the output [q, b, output_dim]
+            instead (mask and nonbatched_bias as above): AF2's column-wise attention on the MSA
+            or pair as it lies, read in place by the GPU kernel where one call fits (_run).
 
         Returns:
-          [..., b, q, output_dim] in q_data's dtype.
+          [..., b, q, output_dim] in q_data's dtype ([q, b, output_dim] with positions_first).
         """
-        inputs.check_data(q_data, m_data)
         inputs.check_subbatch_size(subbatch_size)
-        batch, (q_len, a), (k_len, m) = q_data.shape[:-2], q_data.shape[-2:], m_data.shape[-2:]
+        checks.check_bool("positions_first", positions_first)
+        placement = self._placement()
+        if positions_first:
+            batch, q_len, k_len = inputs.positions_first(q_data, m_data, placement)
+        else:
+            inputs.check_data(q_data, m_data)
+            batch, q_len, k_len = q_data.shape[:-2], q_data.shape[-2], m_data.shape[-2]
+        a, m = q_data.shape[-1], m_data.shape[-1]
         h = self.config.num_head
         key_dim, value_dim = inputs.head_dims(self.config, a, m)
-        placement = self._placement()
         mask, biases = inputs.mask_and_biases(
             mask, nonbatched_bias, bias, batch, h, q_len, k_len, placement.ring
         )
@@ -271,6 +303,8 @@ class Attention(_AttentionModule):
         )
         # Per row: AF2's dense working set, and ours in a training step (memory.py).
         queries, keys = math.prod(q_data.shape[1:-1]), math.prod(m_data.shape[1:-1])
+        if positions_first:
+            queries, keys = q_len, k_len
         dims = dict(heads=h, queries=queries, keys=keys, key_dim=key_dim, value_dim=value_dim)
         row_bytes = memory.attention_row_bytes(k_len=k_len, **dims)
         tile_row_bytes = memory.attention_tile_row_bytes(
@@ -284,6 +318,7 @@ class Attention(_AttentionModule):
             args,
             subbatch_size,
             placement,
+            positions_first=positions_first,
             row_bytes=row_bytes,
             tile_row_bytes=tile_row_bytes,
             row_queries=queries,
@@ -291,8 +326,11 @@ class Attention(_AttentionModule):
         )
 
 
-def _attention_forward(input_transform, scale, keys_over, implementation, compute, p):
-    """Attention's forward over one tile, parameters p closed over (a pure function)."""
+def _attention_forward(
+    input_transform, scale, keys_over, implementation, compute, p, positions_first=False
+):
+    """Attention's forward over one tile, parameters p closed over (a pure function);
+    positions_first: q_data and m_data [positions, batch, channels], as the op takes them."""
 
     def forward(q_data, m_data, mask, *biases):
         q_data, m_data = _transformed(input_transform, q_data, m_data)
@@ -310,6 +348,7 @@ def _attention_forward(input_transform, scale, keys_over, implementation, comput
             implementation=implementation,
             compute_dtype="input",  # cast to `compute` above: the policy is decided once
             shard_keys_over=keys_over,
+            positions_first=positions_first,
         )  # [..., b, q, h, cv]
         return _gated_output(weighted_avg, q_data, p).astype(out_dtype)  # [..., b, q, o]
 

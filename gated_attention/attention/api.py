@@ -153,6 +153,7 @@ def dot_product_attention(
     logits_dtype: Any = None,
     shard_rows_over: str | Sequence[str] | None = None,
     shard_keys_over: str | Sequence[str] | None = None,
+    positions_first: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Softmax attention with additive biases and masks, over several implementations.
 
@@ -218,6 +219,12 @@ def dot_product_attention(
         splitting the batch, become manual in the ring's shard_map); inside a shard_map over
         the axis the arrays are the device's blocks, and a bias or mask may also hold every
         query (each device slices its own) or every key (it stays, sliced per block).
+      positions_first: query [T, B, N, H], key [S, B, K, H], value [S, B, K, Hv] and the output
+        [T, B, N, Hv] (one batch dimension, second): attention along the columns of an array
+        laid out [positions, batch, ...], as AF2's MSA [N_seq, N_res, c] is attended along each
+        residue's column. The Pallas GPU kernels (Triton and Mosaic) read and write them as they
+        lie, the other implementations get batch-first transposes. bias and mask stay [..., N, T, S] as above;
+        the residual is [T, B, N]. Not with shard_rows_over or shard_keys_over.
 
     Returns:
       [..., T, N, Hv] in query's dtype; with return_residual, (that, the residual [..., T, N]).
@@ -229,12 +236,17 @@ def dot_product_attention(
         jax.nn), an unknown implementation name or policy, a bad value of any argument.
       NotImplementedError: a named implementation that cannot take these inputs here.
     """
-    checks.check_qkv(query, key, value)
+    checks.check_bool("positions_first", positions_first)
+    if positions_first:  # validated as the batch-first call whose transposes they are
+        shapes = _positions_first(query, key, value, (shard_rows_over, shard_keys_over))
+    else:
+        shapes = (query, key, value)
+    checks.check_qkv(*shapes)
     keys_over = sharding.mesh_axes(shard_keys_over, "shard_keys_over", manual=True)
-    biases, mask = _validated_pair(query, key, bias, mask, sharding.ring_blocks(keys_over))
+    biases, mask = _validated_pair(*shapes[:2], bias, mask, sharding.ring_blocks(keys_over))
     checks.check_one_of("compute_dtype", compute_dtype, numerics.POLICIES)
     options = _options(
-        query,
+        shapes[0],
         is_causal=is_causal,
         window=local_window_size,
         q_lengths=query_seq_lengths,
@@ -250,9 +262,11 @@ def dot_product_attention(
         kinds=platforms.candidates((query, key, value, biases, mask)),
         policy=compute_dtype,
         scale=query.shape[-1] ** -0.5 if scale is None else scale,
-        options=options,
+        options=dataclasses.replace(options, positions_first=positions_first),
     )
     args = (query, key, value, biases, mask, options.structure)
+    if positions_first:
+        return call.attend(*args)
     if keys_over is not None:
         if shard_rows_over is not None:
             raise ValueError(
@@ -265,6 +279,29 @@ def dot_product_attention(
         return _on_rows(call.attend, placement, *args[:-1], options)
     out = sharding.shard_attention(call.attend, *args, residual=options.return_residual)
     return call.attend(*args) if out is None else out
+
+
+def _positions_first(query, key, value, sharded) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The batch-first shapes of positions-first query, key and value, which must have rank 4
+    and one batch B; not with shard_rows_over or shard_keys_over (`sharded`)."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        checks.check_float_array(name, x)
+        if x.ndim != 4:
+            raise ValueError(
+                f"positions_first takes {name} of rank 4 ([T|S, B, N|K, H]), got shape "
+                f"{tuple(x.shape)}"
+            )
+    if len({query.shape[1], key.shape[1], value.shape[1]}) > 1:
+        raise ValueError(
+            "positions_first: query, key and value must have one batch B (their second "
+            f"dimension), got shapes {tuple(query.shape)}, {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
+        )
+    if any(x is not None for x in sharded):
+        raise ValueError(
+            f"positions_first does not take shard_rows_over or shard_keys_over, got {sharded}"
+        )
+    return tuple(base.batch_first(x) for x in (query, key, value))
 
 
 def _validated_pair(query, key, bias, mask, ring_blocks: int):
@@ -293,19 +330,25 @@ class _Call:
     def attend(self, query, key, value, biases, mask, structure):
         """Attention over these arrays (the whole call's or one device's): batch dimensions
         flattened, each kind's implementation chosen and planned once, run, restored."""
-        batch_dims = tuple(query.shape[:-3])
-        flat = tuple(_flatten_batch(x, batch_dims) for x in (query, key, value))
+        first = self.options.positions_first  # [T, B, N, H]: one batch dimension, second
+        batch_dims = (query.shape[1],) if first else tuple(query.shape[:-3])
+        flat = (query, key, value) if first else (
+            tuple(_flatten_batch(x, batch_dims) for x in (query, key, value))
+        )  # fmt: skip
         flat += (
             tuple(_flatten_batch(b, batch_dims) for b in biases),
             None if mask is None else _flatten_batch(mask, batch_dims),
         )
         structure = structure.rows(lambda x: x.reshape(-1))  # [...] -> [B]
         options = dataclasses.replace(self.options, structure=structure)
+        shapes = (*(base.batch_first(x) for x in flat[:3]), *flat[3:]) if first else flat
         choices = dispatch.choose_per_platform(
-            self.resolved, self.kinds, flat, self.policy, options, self.scale
+            self.resolved, self.kinds, shapes, self.policy, options, self.scale
         )
-        dispatch.log_choice(self.requested, choices, *flat[:3])
+        dispatch.log_choice(self.requested, choices, *shapes[:3])
         out = platforms.dispatch(_branches(choices, self.scale, options), *flat)
+        if first:
+            return _restore_positions_first(out, structure, query.shape[0], options)
         return _restore(out, structure, flat[0].shape[1], batch_dims, options)
 
 
@@ -318,6 +361,7 @@ def _branches(choices, scale, options) -> dict:
         fn = next((f for k, f in made if k == key), None)
         if fn is None:
             fn = functools.partial(
+                base.run,
                 choice.impl,
                 scale=scale,
                 compute_dtype=choice.compute_dtype,
@@ -327,6 +371,18 @@ def _branches(choices, scale, options) -> dict:
             made.append((key, fn))
         branches[kind] = fn
     return branches
+
+
+def _restore_positions_first(out, structure, q_len: int, options):
+    """_restore for positions-first [T, B, N, Hv] output; the residual [T, B, N]."""
+    out, lse = out if options.return_residual else (out, None)
+    valid = structure.valid_queries(q_len)  # [B, T]: jax.nn zeroes the rest
+    if valid is not None:
+        out = jnp.where(valid.T[:, :, None, None], out, jnp.zeros((), out.dtype))
+    if lse is None:
+        return out
+    lse = jnp.transpose(lse, (2, 0, 1))  # [T, B, N]
+    return out, lse if options.residual_gradient else jax.lax.stop_gradient(lse)
 
 
 def _restore(out, structure, q_len: int, batch_dims, options):

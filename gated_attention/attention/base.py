@@ -50,6 +50,9 @@ class Options:
       return_residual: also return the logsumexp of the logits, [B, N, T].
       residual_gradient: the logsumexp carries its gradient (merging attention over key shards,
         ring.py, differentiates through it); else it is a constant.
+      positions_first: query [T, B, N, H], key and value [S, B, K, H], out [T, B, N, Hv]: an
+        implementation with "positions_first" in TAKES reads and writes them as they lie (the
+        op hands the others the batch-first transposes); biases and mask stay batch-first.
     """
 
     structure: masking.StructuredMask = masking.NONE
@@ -57,6 +60,7 @@ class Options:
     precision: Any = None
     return_residual: bool = False
     residual_gradient: bool = False
+    positions_first: bool = False
 
     def asked(self, query, key) -> dict[str, str]:
         """What these options and shapes ask beyond plain attention: capability -> description."""
@@ -84,7 +88,13 @@ class Options:
 jax.tree_util.register_dataclass(
     Options,
     data_fields=["structure"],
-    meta_fields=["logits_soft_cap", "precision", "return_residual", "residual_gradient"],
+    meta_fields=[
+        "logits_soft_cap",
+        "precision",
+        "return_residual",
+        "residual_gradient",
+        "positions_first",
+    ],  # fmt: skip
 )
 
 PLAIN = Options()
@@ -182,6 +192,26 @@ class Implementation(abc.ABC):
         """Attention over validated inputs (module docstring): [B, T, N, Hv] in query's dtype,
         and with options.return_residual the logsumexp [B, N, T]. `plan`: what `plan` returned
         for these inputs (None: made here, unchecked)."""
+
+
+def run(impl: Implementation, query, key, value, biases, mask, *, options, **kwargs):
+    """impl(query, key, value, biases, mask, options=options, **kwargs) in the options' layout:
+    positions-first arrays (Options.positions_first) go as they lie to an implementation with
+    "positions_first" in TAKES; any other gets their batch-first transposes, its output turned
+    back. The one place that decides it (the op's branches, PerMode's two members)."""
+    if not options.positions_first or "positions_first" in impl.TAKES:
+        return impl(query, key, value, biases, mask, options=options, **kwargs)
+    swap = lambda x: jax.numpy.swapaxes(x, 0, 1)
+    batch_first_options = dataclasses.replace(options, positions_first=False)
+    out = impl(
+        swap(query), swap(key), swap(value), biases, mask, options=batch_first_options, **kwargs
+    )
+    return (swap(out[0]), out[1]) if options.return_residual else swap(out)
+
+
+def batch_first(x) -> jax.ShapeDtypeStruct:
+    """The [B, L, ...] shape (a jax.ShapeDtypeStruct) of a positions-first [L, B, ...] array."""
+    return jax.ShapeDtypeStruct((x.shape[1], x.shape[0], *x.shape[2:]), x.dtype)
 
 
 def live_shapes(structure, mask, q_len: int, k_len: int):

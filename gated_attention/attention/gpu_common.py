@@ -69,10 +69,11 @@ def bias_grad_groups(batch: int, heads: int, q_blocks: int, biases, programs: in
     return min(batch, max(1, -(-programs // programs_per_row)))
 
 
-def softmax_delta(out, d_out, d_lse):
+def softmax_delta(out, d_out, d_lse, positions_first: bool = False):
     """[B, N, T] float32: rowsum(dO * O) - d_lse, the softmax backward's correction (d lse /
-    d logits = p, so ds = p * (dp - delta))."""
-    delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    d logits = p, so ds = p * (dp - delta)); out and d_out [B, T, N, H] ([T, B, N, H])."""
+    spec = "tbnh,tbnh->bnt" if positions_first else "btnh,btnh->bnt"
+    delta = jnp.einsum(spec, out.astype(jnp.float32), d_out.astype(jnp.float32))
     return delta - d_lse.astype(jnp.float32)
 
 

@@ -29,6 +29,9 @@ class PerMode(base.Implementation):
     inference: base.Implementation
     training: base.Implementation
 
+    # Positions-first inputs reach each member as it takes them (base.run).
+    TAKES = base.ALL_OPTIONS | {"positions_first"}
+
     @property
     def name(self) -> str:  # the record of what ran: both, by mode
         return f"{self.inference.name} (inference), {self.training.name} (training)"
@@ -79,9 +82,9 @@ class PerMode(base.Implementation):
 
         def call(which, q, k, v, b, mask, options):
             impl = (self.inference, self.training)[which]
-            return impl(
-                q, k, v, b, mask, scale=scale, compute_dtype=compute_dtype, options=options,
-                plan=plans[which],
+            return base.run(
+                impl, q, k, v, b, mask, scale=scale, compute_dtype=compute_dtype,
+                options=options, plan=plans[which],
             )  # fmt: skip
 
         # mask and options (a pytree: the traced lengths) are arguments: a custom VJP must not

@@ -142,7 +142,9 @@ def soft_cap(logits, cap: float | None):
     return cap * jnp.tanh(logits / cap)
 
 
-def uniform_where_no_key(out, value, has_key, *, head_major: bool = True):
+def uniform_where_no_key(
+    out, value, has_key, *, head_major: bool = True, positions_first: bool = False
+):
     """Rows of out with no key to attend to become the mean of value over keys (AlphaFold 2's
     result for such rows); their gradient reaches value only.
 
@@ -152,6 +154,7 @@ def uniform_where_no_key(out, value, has_key, *, head_major: bool = True):
         of value head n // (N // K).
       has_key: None or bool [B|1, N|1, T|1]: rows with a key to attend to.
       head_major: the layout of out and value.
+      positions_first: out [T, B, N, Hv] and value [S, B, K, Hv] instead (not head_major).
     """
     if has_key is None:
         return out
@@ -163,10 +166,14 @@ def uniform_where_no_key(out, value, has_key, *, head_major: bool = True):
         ones = jnp.ones((*value.shape[:2], 1, value.shape[2]), value.dtype)  # [B, K, 1, S]
         total = jnp.einsum("bnqk,bnkh->bnqh", ones, value, preferred_element_type=acc)
         has_key = has_key[..., None]  # [B|1, N|1, T|1, 1]
+    elif positions_first:
+        total = jnp.sum(value, axis=0, keepdims=True, dtype=acc)  # [1, B, K, Hv]
+        has_key = jnp.transpose(has_key, (2, 0, 1))[..., None]  # [T|1, B|1, N|1, 1]
     else:
         total = jnp.sum(value, axis=1, keepdims=True, dtype=acc)  # [B, 1, K, Hv]
         has_key = jnp.swapaxes(has_key, 1, 2)[..., None]  # [B|1, T|1, N|1, 1]
-    uniform = (total / jnp.asarray(value.shape[-2 if head_major else 1], acc)).astype(out.dtype)
+    keys = value.shape[-2 if head_major else 0 if positions_first else 1]
+    uniform = (total / jnp.asarray(keys, acc)).astype(out.dtype)
     heads, kv_heads = out.shape[heads_axis], value.shape[heads_axis]
     if kv_heads == heads:
         return jnp.where(has_key, out, uniform)
@@ -179,22 +186,26 @@ def uniform_where_no_key(out, value, has_key, *, head_major: bool = True):
 
 
 def finish_rows_without_key(
-    out, lse, value, live_q, return_residual: bool, *, head_major: bool = False
-):
+    out, lse, value, live_q, return_residual: bool, *, head_major: bool = False,
+    positions_first: bool = False,
+):  # fmt: skip
     """An implementation's (out, lse [B, N, T]) as the op returns it: rows with no key to attend
     to get the uniform average of the values and the log-sum-exp MASK_VALUE + log(S), the same
     in every implementation; out alone unless return_residual.
 
     Args:
-      out: [B, T, N, Hv], or [B, N, T, Hv] with head_major.
+      out: [B, T, N, Hv], or [B, N, T, Hv] with head_major, [T, B, N, Hv] with positions_first.
       lse: [B, N, T] in the accumulation dtype, or None when not return_residual.
-      value: [B, S, K, Hv] (or [B, K, S, Hv] with head_major), as given.
+      value: [B, S, K, Hv] (or [B, K, S, Hv] with head_major, [S, B, K, Hv] with
+        positions_first), as given.
       live_q: None or bool [B|1, N|1, T|1]: rows with a key to attend to.
     """
-    out = uniform_where_no_key(out, value, live_q, head_major=head_major)
+    out = uniform_where_no_key(
+        out, value, live_q, head_major=head_major, positions_first=positions_first
+    )
     if not return_residual:
         return out
     if live_q is not None:
-        keys = value.shape[2 if head_major else 1]
+        keys = value.shape[2 if head_major else 0 if positions_first else 1]
         lse = jnp.where(live_q, lse, jnp.asarray(MASK_VALUE + math.log(keys), lse.dtype))
     return out, lse

@@ -717,3 +717,57 @@ def test_training_step_holds_no_pair_sized_temporary():
         compiled = jax.jit(step).lower(params, pair, pair).compile()
     assert {c["query"][0] for c in choices} == {1}  # the attention's tiles: one pair row each
     assert compiled.memory_analysis().temp_size_in_bytes <= pair.nbytes // 2
+
+
+@pytest.mark.parametrize(
+    "variant, implementation",
+    [("msa_column", "pallas"), ("triangle_end", "xla"), ("triangle_end", "pallas"),
+     ("triangle_end", "mosaic")],
+)  # fmt: skip
+def test_column_modules_hand_the_op_their_columns_as_they_lie(variant, implementation, monkeypatch):
+    """Where a module reads in place (a GPU, one call: modules.reads_in_place, made true here on
+    the CPU) MSA column and ending-node attention hand the op the MSA or pair as it lies,
+    positions first, and the bias of the pair transposed: values and gradients against the
+    float64 reference, with the Pallas kernels (interpreted) reading the columns in place and
+    XLA given the transposes."""
+    from gated_attention.af2 import modules
+    from gated_attention.attention import base, dispatch
+
+    interpreted = dict(
+        pallas=ga.PallasAttention(block_q=16, block_k=16, interpret=True),
+        mosaic=ga.MosaicAttention(bias_grad_programs=2, interpret=True),
+    )
+    if implementation in interpreted:
+        table = {**dispatch.IMPLEMENTATIONS, implementation: interpreted[implementation]}
+        monkeypatch.setattr(dispatch, "IMPLEMENTATIONS", table)
+    monkeypatch.setattr(modules, "reads_in_place", lambda kind, rows: rows is None)
+    layouts, run = [], base.run
+    monkeypatch.setattr(base, "run", lambda *a, **k: layouts.append(k["options"]) or run(*a, **k))
+    module_cls, config, ref_fn, _ = VARIANTS[variant]
+    (params, inputs), (params64, inputs64) = _problem(variant, "float32", seed=2)
+    global_config = dict(GLOBAL, subbatch_size=None, attention_implementation=implementation)
+    module = _transform(module_cls, config, global_config)
+    name = _default_name(module_cls)
+
+    def loss(params, act):
+        return jnp.sum(jnp.sin(module.apply(params, act, inputs[1])))
+
+    def ref_loss(params, act, mask):
+        if variant == "triangle_end":
+            out = reference.triangle_attention(params, act, mask, orientation="per_column", xp=jnp)
+        else:
+            out = reference.msa_column_attention(params, act, mask, xp=jnp)
+        return jnp.sum(jnp.sin(out))
+
+    out = module.apply(params, *inputs)
+    grads = jax.grad(loss, argnums=(0, 1))(params, inputs[0])
+    assert layouts and all(o.positions_first for o in layouts)
+    assert_close(out, ref_fn(params64, *inputs64), reference.tolerance("float32", family=True))
+    with jax.enable_x64(True):
+        ref_params, ref_act = jit_reference(jax.grad(ref_loss, argnums=(0, 1)))(params64, *inputs64)
+    assert_close(grads[1], ref_act, reference.grad_tolerance("float32", ref_act))
+    jax.tree.map(
+        lambda g, r: assert_close(g, r, reference.grad_tolerance("float32", r)),
+        _reference_params(grads[0], name),
+        ref_params,
+    )

@@ -326,7 +326,7 @@ def test_loops_skip_exactly_the_tiles_the_structure_masks_whole():
         structure = masking.StructuredMask(kw.get("is_causal", False), kw.get("local_window_size"))
         options = ga.attention.base.Options(structure)
         plan = pallas_plan.Plan.make(impl, q, kv, kv, (), 1.0, jnp.float32, None, options=options)
-        tiles = pallas_kernels._Tiles(plan, t, s, 0)
+        tiles = pallas_kernels._Tiles(plan, b, t, s, 0)
         allowed = harness.allowed_by(t, s, kw)[:, 0]
         for row in range(b):
             st = pallas_kernels._Structure(0, *(x[row] for x in lengths.values()))

@@ -41,6 +41,7 @@ without a GPU.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
@@ -80,7 +81,7 @@ class MosaicAttention(base.Implementation):
     bias_grad_programs: int = 512
     interpret: bool = False
 
-    TAKES = base.ALL_OPTIONS
+    TAKES = base.ALL_OPTIONS | {"positions_first"}  # reads [T, B, N, H] in place (Plan.columns)
 
     def __post_init__(self):
         value = checks.check_int("block_k", self.block_k, minimum=64, optional=True)
@@ -174,10 +175,12 @@ class MosaicAttention(base.Implementation):
         plan=None,
     ):
         structure = options.structure
-        q_len, k_len = query.shape[1], key.shape[1]
+        first = options.positions_first
+        shapes = [base.batch_first(x) if first else x for x in (query, key, value)]
+        (batch, q_len), k_len = shapes[0].shape[:2], shapes[1].shape[1]
         live_q, live_k = structure.live(mask, q_len, k_len)
         if plan is None:
-            plan = self._make(query, key, value, biases, mask, scale, compute_dtype, options)
+            plan = self._make(*shapes, biases, mask, scale, compute_dtype, options)
         zero = live_q is not None and not plan.live  # float32: in the transposed copies' pass
         group = query.shape[2] // key.shape[2]
         if zero and group > 1 and live_k.shape[1] > 1:
@@ -185,9 +188,10 @@ class MosaicAttention(base.Implementation):
             # copy of its key/value head (XLA sums the copies' gradients).
             key, value = (jnp.repeat(x, group, axis=2) for x in (key, value))
             plan = dataclasses.replace(plan, kv_heads=plan.heads)
-        q = _rows(query, live_q if zero else None, plan.q_pad, plan.head_dim, compute_dtype)
-        k = _rows(key, live_k if zero else None, plan.k_pad, plan.head_dim, compute_dtype)
-        v = _rows(value, live_k if zero else None, plan.k_pad, plan.value_dim, compute_dtype)
+        rows = functools.partial(_rows, dtype=compute_dtype, positions_first=first)
+        q = rows(query, live_q if zero else None, plan.q_pad, plan.head_dim)
+        k = rows(key, live_k if zero else None, plan.k_pad, plan.head_dim)
+        v = rows(value, live_k if zero else None, plan.k_pad, plan.value_dim)
         pair = tuple(_pair(x, shape) for x, shape in zip(biases, plan.bias_shapes, strict=True))
         extras = []
         if mask is not None:
@@ -198,21 +202,25 @@ class MosaicAttention(base.Implementation):
                 pad = ((0, 0), (0, 0), (0, length - real))
                 extras.append(jnp.pad(x.astype(jnp.int32), pad))
         if not structure.trivial:
-            extras.append(structure.meta(query.shape[0]))
+            extras.append(structure.meta(batch))
         out, lse = _attention(plan, q, k, v, pair, tuple(extras))
-        out = out[:, :q_len, :, : value.shape[-1]].astype(query.dtype)
+        out = out[:q_len] if first else out[:, :q_len]
+        out = out[..., : value.shape[-1]].astype(query.dtype)
         return numerics.finish_rows_without_key(
-            out, lse[:, :, :q_len], value, live_q, options.return_residual
+            out, lse[:, :, :q_len], value, live_q, options.return_residual, positions_first=first
         )
 
 
-def _rows(x, live, length: int, width: int, dtype):
-    """[B, L, H, D] in `dtype` with the rows `live` ([B|1, H|1, L] or None) lacks zeroed, padded
-    to `length` rows and `width` features."""
+def _rows(x, live, length: int, width: int, dtype, positions_first: bool = False):
+    """[B, L, H, D] ([L, B, H, D] positions first) in `dtype` with the rows `live` ([B|1, H|1, L]
+    or None) lacks zeroed, padded to `length` rows and `width` features."""
     x = x.astype(dtype)
     if live is not None:
-        x = jnp.where(jnp.swapaxes(live, 1, 2)[..., None], x, jnp.zeros((), dtype))
-    pad = ((0, 0), (0, length - x.shape[1]), (0, 0), (0, width - x.shape[3]))
+        keep = jnp.transpose(live, (2, 0, 1) if positions_first else (0, 2, 1))[..., None]
+        x = jnp.where(keep, x, jnp.zeros((), dtype))
+    rows = (0, length - x.shape[0 if positions_first else 1])
+    pad = (rows, (0, 0)) if positions_first else ((0, 0), rows)
+    pad = (*pad, (0, 0), (0, width - x.shape[3]))
     return jnp.pad(x, pad) if any(p[1] for p in pad) else x
 
 

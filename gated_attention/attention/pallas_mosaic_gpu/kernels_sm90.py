@@ -60,12 +60,12 @@ def _forward_kernel(*refs, plan: Plan):
     lo, hi = key_blocks(plan, st, i)
 
     def k_source(r, j):
-        return k_ref.at[b, pl.ds(j * plan.block_k, plan.block_k), kv]
+        return plan.rows(k_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv)
 
     def v_source(r, j):
         if plan.tf32:  # v transposed: [B, K, Dv, S]
             return v_ref.at[b, kv, :, pl.ds(j * plan.block_k, plan.block_k)]
-        return v_ref.at[b, pl.ds(j * plan.block_k, plan.block_k), kv]
+        return plan.rows(v_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv)
 
     pair, bias_slots, mask_slots = pair_streams(
         plan, bias_refs, mask_ref, scratch, lambda r: b, lambda r: n, lambda r, j: i,
@@ -80,7 +80,7 @@ def _forward_kernel(*refs, plan: Plan):
 
     def begin(r):
         plgpu.copy_gmem_to_smem(
-            q_ref.at[b, pl.ds(i * plan.block_q, plan.block_q), n], q_smem, q_bar.at[0]
+            plan.rows(q_ref, b, pl.ds(i * plan.block_q, plan.block_q), n), q_smem, q_bar.at[0]
         )
         plgpu.barrier_wait(q_bar.at[0])
         acc = ops.zeros((plan.block_q, plan.value_dim))
@@ -113,7 +113,9 @@ def _forward_kernel(*refs, plan: Plan):
         o_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, (0,))).astype(o_smem.dtype)
         lse_smem[...] = m + jnp.log(total)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(i * plan.block_q, plan.block_q), n])
+        plgpu.copy_smem_to_gmem(
+            o_smem, plan.rows(o_ref, b, pl.ds(i * plan.block_q, plan.block_q), n)
+        )
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, n, pl.ds(i * plan.block_q, plan.block_q)])
         plgpu.wait_smem_to_gmem(0)
 
@@ -154,11 +156,14 @@ def shared_memory_bytes(plan: Plan) -> int:
 
 
 def forward(plan: Plan, q, k, v, biases, extras):
-    """(out [B, Tp, N, Dv] in the compute dtype, lse [B, N, Tp] float32) of padded inputs."""
-    batch, heads, cdt = q.shape[0], plan.heads, jnp.dtype(plan.compute_dtype)
-    v_op = jnp.transpose(v, (0, 2, 3, 1)) if plan.tf32 else v
+    """(out [B, Tp, N, Dv] ([Tp, B, N, Dv] with Plan.columns) in the compute dtype, lse
+    [B, N, Tp] float32) of padded inputs."""
+    batch, heads, cdt = q.shape[1 if plan.columns else 0], plan.heads, jnp.dtype(plan.compute_dtype)
+    perm = (1, 2, 3, 0) if plan.columns else (0, 2, 3, 1)  # v transposed: [B, K, Dv, S]
+    v_op = jnp.transpose(v, perm) if plan.tf32 else v
+    rows = (plan.q_pad, batch) if plan.columns else (batch, plan.q_pad)
     out_type = (
-        jax.ShapeDtypeStruct((batch, plan.q_pad, heads, plan.value_dim), cdt),
+        jax.ShapeDtypeStruct((*rows, heads, plan.value_dim), cdt),
         jax.ShapeDtypeStruct((batch, heads, plan.q_pad), jnp.float32),
     )
     return plan.launch(
@@ -244,8 +249,8 @@ def _dkdv_kernel(*refs, plan: Plan):
     ks = pl.ds(j * plan.block_k, plan.block_k)
     qs = lambda i: pl.ds(i * plan.block_q, plan.block_q)  # noqa: E731
     streams = [
-        Stream(lambda r, i: q_ref.at[b, qs(i), head(r)], q_buf, q_bar),
-        Stream(lambda r, i: do_ref.at[b, qs(i), head(r)], do_buf, do_bar),
+        Stream(lambda r, i: plan.rows(q_ref, b, qs(i), head(r)), q_buf, q_bar),
+        Stream(lambda r, i: plan.rows(do_ref, b, qs(i), head(r)), do_buf, do_bar),
         Stream(lambda r, i: lse_ref.at[b, head(r), qs(i)], lse_buf, lse_bar),
         Stream(lambda r, i: delta_ref.at[b, head(r), qs(i)], delta_buf, delta_bar),
     ]
@@ -267,7 +272,8 @@ def _dkdv_kernel(*refs, plan: Plan):
 
     @pl.when(lax.axis_index("wg") == 0)
     def _():
-        _load_whole([(k_ref.at[b, ks, kv], k_smem), (v_ref.at[b, ks, kv], v_smem)], kv_bar)
+        tiles = [(plan.rows(k_ref, b, ks, kv), k_smem), (plan.rows(v_ref, b, ks, kv), v_smem)]
+        _load_whole(tiles, kv_bar)
 
     def begin(r):
         return ops.zeros((plan.block_k, plan.head_dim)), ops.zeros((plan.block_k, plan.value_dim))
@@ -291,8 +297,8 @@ def _dkdv_kernel(*refs, plan: Plan):
         dk_smem[...] = (dk * plan.scale).astype(dk_smem.dtype)
         dv_smem[...] = dv.astype(dv_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[b, ks, kv])
-        plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[b, ks, kv])
+        plgpu.copy_smem_to_gmem(dk_smem, plan.rows(dk_ref, b, ks, kv))
+        plgpu.copy_smem_to_gmem(dv_smem, plan.rows(dv_ref, b, ks, kv))
         plgpu.wait_smem_to_gmem(0)
 
     pipeline(plan, plan.q_heads_per_kv_head, lambda r: (lo, hi), streams, consumed, begin, step, end,
@@ -394,8 +400,8 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
     qs = pl.ds(i * plan.block_q, plan.block_q)
     ks = lambda j: pl.ds(j * plan.block_k, plan.block_k)  # noqa: E731
     streams = [
-        Stream(lambda r, j: k_ref.at[b_of(r), ks(j), kv], k_buf, k_bar),
-        Stream(lambda r, j: v_ref.at[b_of(r), ks(j), kv], v_buf, v_bar),
+        Stream(lambda r, j: plan.rows(k_ref, b_of(r), ks(j), kv), k_buf, k_bar),
+        Stream(lambda r, j: plan.rows(v_ref, b_of(r), ks(j), kv), v_buf, v_bar),
     ]
     if plan.tf32:
         streams.append(Stream(lambda r, j: kt_ref.at[b_of(r), kv, :, ks(j)], kt_buf, kt_bar))
@@ -412,7 +418,7 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
 
     def begin(r):
         b = b_of(r)
-        tiles = [(q_ref.at[b, qs, n], q_smem), (do_ref.at[b, qs, n], do_smem)]
+        tiles = [(plan.rows(q_ref, b, qs, n), q_smem), (plan.rows(do_ref, b, qs, n), do_smem)]
         tiles += [(lse_ref.at[b, n, qs], lse_smem), (delta_ref.at[b, n, qs], delta_smem)]
         _load_whole(tiles, row_bar)
         _zero_dbias(plan, rmw, dbias_tile, r, b)
@@ -433,7 +439,7 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
     def end(r, dq):
         dq_smem[...] = (dq * plan.scale).astype(dq_smem.dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[b_of(r), qs, n])
+        plgpu.copy_smem_to_gmem(dq_smem, plan.rows(dq_ref, b_of(r), qs, n))
         plgpu.wait_smem_to_gmem(0)
 
     def span(r):
@@ -507,14 +513,15 @@ def backward(plan: Plan, residuals, cotangents):
     _, plgpu = modules()
     q, k, v, biases, extras, out, lse = residuals
     d_out, d_lse = cotangents
-    batch, heads, cdt = q.shape[0], plan.heads, jnp.dtype(plan.compute_dtype)
-    delta = softmax_delta(out, d_out, d_lse)  # [B, N, T]
+    batch, heads, cdt = q.shape[1 if plan.columns else 0], plan.heads, jnp.dtype(plan.compute_dtype)
+    delta = softmax_delta(out, d_out, d_lse, plan.columns)  # [B, N, T]
     d_out = d_out.astype(cdt)
     mask = extras[0] if plan.mask_shape is not None else None
     after_mask = extras[1:] if mask is not None else extras  # live vectors, then meta
     flip = lambda x: jnp.swapaxes(x, 2, 3) if x.shape[2] > 1 and x.shape[3] > 1 else x  # noqa: E731
     pair_t = (*(flip(x) for x in biases), *(() if mask is None else (flip(mask),)))
-    tr = lambda *xs: tuple(jnp.transpose(x, (0, 2, 3, 1)) for x in xs) if plan.tf32 else ()  # noqa: E731
+    perm = (1, 2, 3, 0) if plan.columns else (0, 2, 3, 1)  # -> [B, N, D, L]
+    tr = lambda *xs: tuple(jnp.transpose(x, perm) for x in xs) if plan.tf32 else ()  # noqa: E731
     dk, dv = plan.launch(
         _dkdv_kernel,
         (batch, plan.kv_heads, plan.k_blocks),
@@ -532,6 +539,7 @@ def backward(plan: Plan, residuals, cotangents):
                 live_k.reshape(live_k.shape[0], -1, plan.q_heads_per_kv_head, live_k.shape[2]), 2
             )
         seen = jnp.swapaxes(live_k, 1, 2)[..., None]  # [B|1, S, K|1, 1]
+        seen = jnp.swapaxes(seen, 0, 1) if plan.columns else seen  # [S, B|1, K|1, 1]
         dk, dv = (jnp.where(seen, x, jnp.zeros((), x.dtype)) for x in (dk, dv))
     shapes = [dbias_shape(plan, shape, batch) for shape in plan.bias_shapes]
     dq, *partials = plan.launch(

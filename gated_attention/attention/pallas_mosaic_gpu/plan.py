@@ -87,6 +87,13 @@ class Plan(base.KernelPlan):
     live: bool  # int32 live-query and live-key vectors, dead rows zeroed in shared memory
     row_groups: int  # batch-row groups of the dq/bias-gradient kernel (attention/pallas_triton/implementation.py's scheme)
     warpgroups: int = 2  # 2: a producer and a consumer; 1: one does both (interpreter only)
+    # Positions first (Options.positions_first): q, k, v, out and their gradients [L, B, N, D],
+    # each tile copied in place along the batch's columns (rows) by the TMA.
+    columns: bool = False
+
+    def rows(self, ref, b, span, n):
+        """ref [B, L, N, D] ([L, B, N, D] with columns) at batch row b, rows span, head n."""
+        return ref.at[span, b, n] if self.columns else ref.at[b, span, n]
 
     @property
     def q_blocks(self) -> int:
@@ -178,6 +185,7 @@ class Plan(base.KernelPlan):
             live=bool(live) and jnp.dtype(compute_dtype) != jnp.float32,
             row_groups=groups,
             warpgroups=INTERPRET_WARPGROUPS if impl.interpret else 2,
+            columns=options.positions_first,
         )
 
 

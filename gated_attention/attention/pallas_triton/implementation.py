@@ -84,7 +84,7 @@ class PallasAttention(base.Implementation):
     rows_per_program: int | None = None
     interpret: bool = False
 
-    TAKES = base.ALL_OPTIONS
+    TAKES = base.ALL_OPTIONS | {"positions_first"}  # reads [T, B, N, H] in place (Plan.columns)
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -184,7 +184,9 @@ class PallasAttention(base.Implementation):
         plan=None,
     ):
         structure = options.structure
-        q_len, k_len = query.shape[1], key.shape[1]
+        first = options.positions_first
+        shapes = [base.batch_first(x) if first else x for x in (query, key, value)]
+        (batch, q_len), k_len = shapes[0].shape[:2], shapes[1].shape[1]
         # Live queries [B|1, N|1, T|1] and keys [B|1, N|1, S|1] under the mask and the structure.
         live_q, live_k = structure.live(mask, q_len, k_len)
         extras = []
@@ -193,11 +195,13 @@ class PallasAttention(base.Implementation):
         if live_q is not None:
             extras += [live_q.astype(jnp.int8), live_k.astype(jnp.int8)]
         if not structure.trivial:
-            extras.append(structure.meta(query.shape[0]))
+            extras.append(structure.meta(batch))
         if plan is None:
-            plan = self._make(query, key, value, biases, mask, scale, compute_dtype, options)
+            plan = self._make(*shapes, biases, mask, scale, compute_dtype, options)
         out, lse = _attention(plan, query, key, value, tuple(biases), tuple(extras))
-        return numerics.finish_rows_without_key(out, lse, value, live_q, options.return_residual)
+        return numerics.finish_rows_without_key(
+            out, lse, value, live_q, options.return_residual, positions_first=first
+        )
 
 
 _attention = base.kernel_attention(pallas_kernels.forward, pallas_kernels.backward)

@@ -119,9 +119,15 @@ class _Structure(NamedTuple):
 class _Tiles:
     """Loads of one program's tiles: q/k/v rows of one batch row and head, bias and mask tiles."""
 
-    def __init__(self, plan: Plan, q_len: int, k_len: int, n_bias: int):
-        self.plan, self.q_len, self.k_len = plan, q_len, k_len
+    def __init__(self, plan: Plan, batch: int, q_len: int, k_len: int, n_bias: int):
+        self.plan, self.batch, self.q_len, self.k_len = plan, batch, q_len, k_len
         self.n_bias = n_bias
+
+    def at(self, ref, b, index, n, padded: int):
+        """The view of ref [B, L, N, D] ([L, B, N, D] with Plan.columns) at batch row b, the rows
+        `index` and head n, padded columns."""
+        rows = (index, b) if self.plan.columns else (b, index)
+        return ref.at[(*rows, n, _ds(0, padded))]
 
     def split(self, refs):
         """refs after q, k, v (and any per-kernel ones) -> (bias refs, _Extras, rest)."""
@@ -166,12 +172,13 @@ class _Tiles:
         return _ds(index * block, block), ids < length
 
     def rows(self, ref, b, span, n, width: int, live=None):
-        """ref [B, L, N, D] rows span of batch row b and head n -> [block, padded D], cast to compute."""
+        """ref [B, L, N, D] (at) rows span of batch row b and head n -> [block, padded D], cast to
+        compute."""
         pl, plgpu = _pallas()
         index, ok = span
         padded = _pow2_tile(width)
         mask = ok[:, None] & (jnp.arange(padded, dtype=jnp.int32) < width)[None, :]
-        x = plgpu.load(ref.at[b, index, n, _ds(0, padded)], mask=mask, other=0)
+        x = plgpu.load(self.at(ref, b, index, n, padded), mask=mask, other=0)
         x = x.astype(self.plan.compute_dtype)
         if live is not None:
             x = jnp.where(live[:, None] != 0, x, jnp.zeros((), x.dtype))
@@ -198,7 +205,7 @@ class _Tiles:
         index, ok = span
         padded = _pow2_tile(width)
         mask = ok[:, None] & (jnp.arange(padded, dtype=jnp.int32) < width)[None, :]
-        plgpu.store(ref.at[b, index, n, _ds(0, padded)], x.astype(ref.dtype), mask=mask)
+        plgpu.store(self.at(ref, b, index, n, padded), x.astype(ref.dtype), mask=mask)
 
     @staticmethod
     def vector(ref, b, n, span, other=0):
@@ -278,7 +285,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, *refs, tiles: _Tiles):
     bias_refs, extras, (o_ref, lse_ref) = tiles.split(refs)
     g, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     per = plan.rows_per_program
-    last = q_ref.shape[0] - 1
+    last = tiles.batch - 1
     rows = [g] if per == 1 else [jnp.minimum(g * per + r, last) for r in range(per)]
     q_span = tiles.span(i, plan.block_q, tiles.q_len)
     queries = [tiles.queries(q_ref, extras, b, n, q_span)[0] for b in rows]
@@ -378,7 +385,7 @@ def _dq_dbias_kernel(
     rest = rest[len(shapes) :]  # the zero-filled buffers aliased to the outputs below
     dq_ref, dbias_refs = rest[0], rest[1:]
     g, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    batch = q_ref.shape[0]
+    batch = tiles.batch
     q_span = tiles.span(i, plan.block_q, tiles.q_len)
 
     def accumulate(ref, shape, b, k_span, ds):
@@ -426,9 +433,16 @@ def _dq_dbias_kernel(
     lax.fori_loop(0, rows, row, 0)
 
 
+def _lengths(plan: Plan, q, k) -> tuple[int, int, int]:
+    """(B, T, S) of q [B, T, N, H] and k [B, S, K, H] (Plan.columns: [T, B, N, H], [S, B, K, H])."""
+    (batch, q_len), k_len = q.shape[:2], k.shape[1]
+    return (q_len, batch, k.shape[0]) if plan.columns else (batch, q_len, k_len)
+
+
 def forward(plan: Plan, q, k, v, biases, extras):
-    batch, q_len, heads, _ = q.shape
-    tiles = _Tiles(plan, q_len, k.shape[1], len(biases))
+    batch, q_len, k_len = _lengths(plan, q, k)
+    heads = q.shape[2]
+    tiles = _Tiles(plan, batch, q_len, k_len, len(biases))
     grid = (
         -(-batch // plan.rows_per_program),
         heads,
@@ -446,10 +460,10 @@ def forward(plan: Plan, q, k, v, biases, extras):
 def backward(plan, residuals, cotangents):
     q, k, v, biases, extras, out, lse = residuals
     d_out, d_lse = cotangents
-    batch, q_len, heads, _ = q.shape
-    k_len = k.shape[1]
-    tiles = _Tiles(plan, q_len, k_len, len(biases))
-    delta = softmax_delta(out, d_out, d_lse)  # [B, N, T]
+    batch, q_len, k_len = _lengths(plan, q, k)
+    heads = q.shape[2]
+    tiles = _Tiles(plan, batch, q_len, k_len, len(biases))
+    delta = softmax_delta(out, d_out, d_lse, plan.columns)  # [B, N, T]
     common = (q, k, v, d_out, lse, delta, *biases, *extras)
 
     dk, dv = plan.call(

@@ -69,6 +69,9 @@ class Plan(base.KernelPlan):
     # unzeroed in the forward. float32 keeps exp and separate roundings (with its three-pass and
     # IEEE dots the FFMA form spilled 4-20 B), as do the op's further arguments (Plan.make).
     base2: bool
+    # Positions first (Options.positions_first): q, k, v, out and their gradients [L, B, N, D],
+    # read and written in place along the batch's columns (AF2's column-wise modules).
+    columns: bool = False
 
     @classmethod
     def make(
@@ -120,6 +123,7 @@ class Plan(base.KernelPlan):
             has_live=live_q is not None,
             ptx=not impl.interpret and "rocm" not in compat.registered_backends(),
             base2=plain,
+            columns=options.positions_first,
         )
 
     def call(self, kernel, grid, out_shape, args, name, aliases=None):
