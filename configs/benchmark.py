@@ -1,8 +1,8 @@
 """Benchmark sweep for scripts/benchmark.py: AF2-sized goal shapes, a length sweep, memory cases.
 
-  python scripts/benchmark.py                                   # everything below (~30 min on 2 cores)
+  python scripts/benchmark.py                                   # everything below (~40 min on 2 cores)
   python scripts/benchmark.py --config=configs/benchmark.py:quick   # goal shapes, float32 forward only
-  python scripts/benchmark.py --config=configs/benchmark.py:smoke   # seconds: checks the script runs
+  python scripts/benchmark.py --config=configs/benchmark.py:smoke   # ~1 min on 2 cores (see below)
   python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
   python scripts/benchmark.py --config=configs/benchmark.py:device  # a GPU/TPU, ~5 min: the issue shapes
   python scripts/benchmark.py --config=configs/benchmark.py:gpu     # on a GPU: every shape below
@@ -14,10 +14,28 @@
   python scripts/benchmark.py --config=configs/benchmark.py:context_memory # keys over 8 devices
   python scripts/benchmark.py --config=configs/benchmark.py:options # causal time, GQA memory
 
+Each writes results.json (raw numbers), results.md (the tables, times in ms to three significant
+figures) and the suite's pictures to --config.output_dir (default: the preset's folder under
+benchmark_results/; the folders a documented run fills that hold no committed results are in
+.gitignore) and prints the paths it wrote.
+
+The *_smoke presets (smoke, family_smoke, options_smoke, device_smoke, device_memory_smoke, ...)
+check that a suite runs end to end, not how fast anything is: tiny shapes, one round, goals of
+100x AF2's time and a baseline check within 11x (SMOKE_GOAL, SMOKE_TOLERANCE), written to a fresh
+temporary folder unless --config.output_dir names one. `smoke` runs three cells (a tiny attention,
+a 32-token sweep point and a 16-residue TriangleAttention, float32 forward), each in two fresh
+processes (ours beside AF2, then AF2 alone): about 45 s on 2 CPU cores.
+
 Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask[, module]).
 """
 
 import ml_collections
+
+# The smoke presets' goals and baseline check, loose on purpose: at their tiny shapes and one round
+# the times are noise (a cell can run 3x AF2's time, or AF2 in the harness 2x its time alone), so
+# they pass whenever the harness works and fail only when it does not.
+SMOKE_GOAL = 100.0  # ours / AF2 at most
+SMOKE_TOLERANCE = 10.0  # AF2 in the harness within 11x of AF2 alone
 
 GOAL_SHAPES = (
     # MSA row attention: 64 sequences x 256 residues, c=64, 8 heads of 8, pair bias.
@@ -166,6 +184,14 @@ PRESETS = (
 def get_config(preset="full"):
     if preset not in PRESETS:
         raise ValueError(f"configs/benchmark.py preset must be one of {PRESETS}, got {preset!r}")
+    cfg = _config(preset)
+    # A *_smoke preset checks that its suite runs end to end; scripts/benchmark.py says so in its
+    # output. Its output_dir "" is a fresh temporary folder (the script prints its path).
+    cfg.smoke = preset.endswith("smoke")
+    return cfg
+
+
+def _config(preset):
     if preset in ("device", "device_smoke", "gpu", "peers"):
         return _device_config(preset)
     if preset in ("family", "family_smoke", "family_remat", "family_gpu"):
@@ -174,16 +200,18 @@ def get_config(preset="full"):
         return _compile_memory_config(preset)
     if preset in ("options", "options_smoke"):
         return _options_config(preset)
-    if preset == "smoke":  # seconds: tiny shapes, for the tests of the script itself
-        cfg = get_config("full")
+    if preset == "smoke":  # tiny shapes: checks that the script runs end to end (module docstring)
+        cfg = _config("full")
         cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
-        cfg.goals = (("tiny 2x32 c16 h2", 1.0),)
-        cfg.sweep_lengths = (32, 64)
-        cfg.dtypes = ("float32",)
+        cfg.goals = (("tiny 2x32 c16 h2", SMOKE_GOAL),)
+        cfg.sweep_lengths = (32,)  # one length: the picture is drawn
+        cfg.dtypes, cfg.modes = ("float32",), ("forward",)
         cfg.rounds, cfg.steps, cfg.memory_cases = 1, 1, False
         cfg.triangle_shapes = (
             ("TriangleAttention 16", 16, 16, 8, 2, True, "key", "triangle_attention"),
         )
+        cfg.baseline_tolerance = SMOKE_TOLERANCE
+        cfg.output_dir = ""
         return cfg
     cfg = ml_collections.ConfigDict()
     cfg.suite = "modules"  # Attention against AF2's own Attention (gated_attention_tools.benchmark)
@@ -245,14 +273,22 @@ def _device_config(preset):
     if preset == "device_smoke":  # seconds on CPU: checks the pipeline runs
         cfg.op_shapes = (("tiny 2x32 h2x16", 2, 32, 2, 16),)
         cfg.goals = (
-            ("op", "tiny 2x32 h2x16", "float32", "forward_backward", "auto", "jax_nn_xla", 100.0),
+            (
+                "op",
+                "tiny 2x32 h2x16",
+                "float32",
+                "forward_backward",
+                "auto",
+                "jax_nn_xla",
+                SMOKE_GOAL,
+            ),
         )
         cfg.dtypes = ("float32",)
         cfg.rounds, cfg.steps = 1, 1
         cfg.compile_workers = 2
         cfg.interpret_pallas = True
         cfg.time_budget_s = 0.0
-        cfg.output_dir = "/tmp/gated_attention_device_smoke"
+        cfg.output_dir = ""
     return cfg
 
 
@@ -299,14 +335,15 @@ def _family_config(preset):
         cfg.output_dir = "benchmark_results/device/family"
     if preset == "family_smoke":  # seconds: checks the suite runs
         cfg.family_shapes = (("triangle_start", 1, 8), ("evoformer", 4, 8))
-        cfg.goals = (("time", "triangle_start", "training", "float32", 100.0),) + (
+        cfg.goals = (("time", "triangle_start", "training", "float32", SMOKE_GOAL),) + (
             ("memory", "triangle_start", 1, 8, 1024),
         )
         cfg.dtypes, cfg.modes = ("float32",), ("inference", "training")
         cfg.rounds = 1
         cfg.memory_scaling = (("triangle_start", 1, 8, ("ours", "af2")),)
         cfg.resident_max_n_res = dict(ours=8)
-        cfg.output_dir = "/tmp/gated_attention_family_smoke"
+        cfg.baseline_tolerance = SMOKE_TOLERANCE
+        cfg.output_dir = ""
     return cfg
 
 
@@ -331,8 +368,9 @@ def _options_config(preset):
     if preset == "options_smoke":  # seconds: checks the suite runs
         cfg.causal_shape = cfg.gqa_shape = (64, 2, 8)
         cfg.rounds, cfg.steps = 1, 1
-        cfg.causal_goal = 100.0
-        cfg.output_dir = "/tmp/gated_attention_options_smoke"
+        cfg.causal_goal = SMOKE_GOAL
+        cfg.baseline_tolerance = SMOKE_TOLERANCE
+        cfg.output_dir = ""
     return cfg
 
 
@@ -357,7 +395,7 @@ def _compile_memory_config(preset):
     cfg.one_device_cells = _one_device_cells(smoke)
     cfg.rows_cells = _rows_cells(smoke)
     cfg.keys_cells = _keys_cells(smoke)
-    cfg.output_dir = f"/tmp/gated_attention_{preset}" if smoke else f"benchmark_results/{folder}"
+    cfg.output_dir = "" if smoke else f"benchmark_results/{folder}"
     return cfg
 
 

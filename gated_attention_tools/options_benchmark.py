@@ -278,10 +278,10 @@ def markdown(results: dict[str, Any]) -> str:
         alone = ""
         if "alone_ms" in r:
             flag = "" if r["baseline_ok"] else " FLAGGED"
-            alone = f"{r['alone_ms']:.1f}, {r['harness_over_alone']:.2f}{flag}"
+            alone = f"{measure.figure(r['alone_ms'])}, {r['harness_over_alone']:.2f}{flag}"
         lines.append(
             f"| 1 x {r['length']}, {r['heads']} x {r['head_dim']} | {r['implementation']} "
-            f"| {r['variant']} | {r['dtype']} | {r['time_ms']:.1f} | {ratio} | {alone} |"
+            f"| {r['variant']} | {r['dtype']} | {measure.figure(r['time_ms'])} | {ratio} | {alone} |"
         )
     lines += [
         "",
