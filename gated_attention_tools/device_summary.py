@@ -158,6 +158,7 @@ def main(argv: list[str]) -> None:
         kind = results["environment"]["device_kind"]
         floor_of = lambda row: (device_benchmark.cell_floor(row, kind) or {}).get("floor_ms")
         plots.device_times(results, argv[3], floor_of)
+        print(f"wrote {Path(argv[3]).resolve()}")
         return
     if len(argv) > 2 and argv[1] == "--update":
         runs = Path(__file__).resolve().parents[1] / "benchmark_results" / "device"
