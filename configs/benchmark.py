@@ -24,7 +24,8 @@ check that a suite runs end to end, not how fast anything is: tiny shapes, one r
 100x AF2's time and a baseline check within 11x (SMOKE_GOAL, SMOKE_TOLERANCE), written to a fresh
 temporary folder unless --config.output_dir names one. `smoke` runs three cells (a tiny attention,
 a 32-token sweep point and a 16-residue TriangleAttention, float32 forward), each in two fresh
-processes (ours beside AF2, then AF2 alone): about 45 s on 2 CPU cores.
+processes (ours beside AF2, then AF2 alone): about a minute on 2 CPU cores (31 s and 54 s in two
+runs on a shared machine).
 
 Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask[, module]).
 """
