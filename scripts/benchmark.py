@@ -38,8 +38,9 @@ _CONFIG = config_flags.DEFINE_config_file(
 SMOKE = (
     "smoke run: this checks that the benchmark runs end to end (fresh processes, timing, the "
     "baseline check, the tables and pictures), not how fast anything is: its shapes are tiny and "
-    "it times one round, so its goals (at most 100x AF2's time) and its baseline check (AF2 within "
-    "11x of its time alone) are loose on purpose and are met whenever the harness works."
+    "it times one round, so its goals (time ratios of at most 100) and its baseline check (the "
+    "baseline within 11x of its time alone) are loose on purpose and are met whenever the harness "
+    "works."
 )
 
 
