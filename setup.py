@@ -1,5 +1,5 @@
 """Installs the library, gated_attention, alone: `pip install -e .[test,targets]` for the tests,
-`.[bench]` for the benchmark (AF2's package as the baseline, plots), `.[targets]` for compiling for
+`.[af2]` for AlphaFold 2 (alphafold-colabfold) beside it, `.[bench]` for the benchmark (AF2's package as the baseline, plots), `.[targets]` for compiling for
 GPUs and TPUs on a machine without them, `.[gpu-bench]` (with JAX's CUDA build) for the GPU
 benchmark's other kernels. The tooling behind scripts/, configs/ and tests/ (gated_attention_tools:
 the experiment schema, the benchmarks, the deviceless compiles) is not in the wheel: it runs from a
@@ -69,6 +69,9 @@ setup(
             "nvidia-cuda-nvcc==13.5.37; sys_platform == 'linux' and platform_machine == 'x86_64'",
             "nvidia-cuda-nvdisasm==13.5.37; sys_platform == 'linux' and platform_machine == 'x86_64'",
         ],
+        # AlphaFold 2 as ColabFold installs it, alone: the README's first quick start and
+        # docs/alphafold.md (AF2's modules.py imports colabfold-kernels).
+        "af2": ["alphafold-colabfold==2.3.27", "colabfold-kernels==0.9.0"],
         "bench": ["matplotlib>=3.7", "alphafold-colabfold==2.3.27", "colabfold-kernels==0.9.0"],
         # The documentation site and API reference (mkdocs.yml, docs/), built by .ci/run with
         # `mkdocs build --strict`; pinned: what the build warns about changes between releases.

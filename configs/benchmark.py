@@ -1,8 +1,8 @@
 """Benchmark sweep for scripts/benchmark.py: AF2-sized goal shapes, a length sweep, memory cases.
 
-  python scripts/benchmark.py                                   # everything below (~30 min on 2 cores)
+  python scripts/benchmark.py                                   # everything below (~40 min on 2 cores)
   python scripts/benchmark.py --config=configs/benchmark.py:quick   # goal shapes, float32 forward only
-  python scripts/benchmark.py --config=configs/benchmark.py:smoke   # seconds: checks the script runs
+  python scripts/benchmark.py --config=configs/benchmark.py:smoke   # ~1 min on 2 cores (see below)
   python scripts/benchmark.py --config.rounds=3 --config.dtypes='("float32",)'
   python scripts/benchmark.py --config=configs/benchmark.py:device  # a GPU/TPU, ~5 min: the issue shapes
   python scripts/benchmark.py --config=configs/benchmark.py:gpu     # on a GPU: every shape below
@@ -14,10 +14,29 @@
   python scripts/benchmark.py --config=configs/benchmark.py:context_memory # keys over 8 devices
   python scripts/benchmark.py --config=configs/benchmark.py:options # causal time, GQA memory
 
+Each writes results.json (raw numbers), results.md (the tables, times in ms to three significant
+figures) and the suite's pictures to --config.output_dir (default: the preset's folder under
+benchmark_results/; the folders a documented run fills that hold no committed results are in
+.gitignore) and prints the paths it wrote.
+
+The *_smoke presets (smoke, family_smoke, options_smoke, device_smoke, device_memory_smoke, ...)
+check that a suite runs end to end, not how fast anything is: tiny shapes, one round, goals of
+100x AF2's time and a baseline check within 11x (SMOKE_GOAL, SMOKE_TOLERANCE), written to a fresh
+temporary folder unless --config.output_dir names one. `smoke` runs three cells (a tiny attention,
+a 32-token sweep point and a 16-residue TriangleAttention, float32 forward), each in two fresh
+processes (ours beside AF2, then AF2 alone): about a minute on 2 CPU cores (31 s and 54 s in two
+runs on a shared machine).
+
 Shapes are (name, batch, length, channels, num_head, nonbatched_bias, mask[, module]).
 """
 
 import ml_collections
+
+# The smoke presets' goals and baseline check, loose on purpose: at their tiny shapes and one round
+# the times are noise (a cell can run 3x AF2's time, or AF2 in the harness 2x its time alone), so
+# they pass whenever the harness works and fail only when it does not.
+SMOKE_GOAL = 100.0  # ours / AF2 at most
+SMOKE_TOLERANCE = 10.0  # AF2 in the harness within 11x of AF2 alone
 
 GOAL_SHAPES = (
     # MSA row attention: 64 sequences x 256 residues, c=64, 8 heads of 8, pair bias.
@@ -166,6 +185,14 @@ PRESETS = (
 def get_config(preset="full"):
     if preset not in PRESETS:
         raise ValueError(f"configs/benchmark.py preset must be one of {PRESETS}, got {preset!r}")
+    cfg = _config(preset)
+    # A *_smoke preset checks that its suite runs end to end; scripts/benchmark.py says so in its
+    # output. Its output_dir "" is a fresh temporary folder (the script prints its path).
+    cfg.smoke = preset.endswith("smoke")
+    return cfg
+
+
+def _config(preset):
     if preset in ("device", "device_smoke", "gpu", "peers"):
         return _device_config(preset)
     if preset in ("family", "family_smoke", "family_remat", "family_gpu"):
@@ -174,16 +201,18 @@ def get_config(preset="full"):
         return _compile_memory_config(preset)
     if preset in ("options", "options_smoke"):
         return _options_config(preset)
-    if preset == "smoke":  # seconds: tiny shapes, for the tests of the script itself
-        cfg = get_config("full")
+    if preset == "smoke":  # tiny shapes: checks that the script runs end to end (module docstring)
+        cfg = _config("full")
         cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
-        cfg.goals = (("tiny 2x32 c16 h2", 1.0),)
-        cfg.sweep_lengths = (32, 64)
-        cfg.dtypes = ("float32",)
+        cfg.goals = (("tiny 2x32 c16 h2", SMOKE_GOAL),)
+        cfg.sweep_lengths = (32,)  # one length: the picture is drawn
+        cfg.dtypes, cfg.modes = ("float32",), ("forward",)
         cfg.rounds, cfg.steps, cfg.memory_cases = 1, 1, False
         cfg.triangle_shapes = (
             ("TriangleAttention 16", 16, 16, 8, 2, True, "key", "triangle_attention"),
         )
+        cfg.baseline_tolerance = SMOKE_TOLERANCE
+        cfg.output_dir = ""
         return cfg
     cfg = ml_collections.ConfigDict()
     cfg.suite = "modules"  # Attention against AF2's own Attention (gated_attention_tools.benchmark)
@@ -242,17 +271,27 @@ def _device_config(preset):
         cfg.rounds = cfg.steps = 5
         cfg.time_budget_s = 0.0
         cfg.output_dir = "benchmark_results/gpu"
-    if preset == "device_smoke":  # seconds on CPU: checks the pipeline runs
+    if (
+        preset == "device_smoke"
+    ):  # on CPU, about a minute (kernels interpreted): checks the pipeline
         cfg.op_shapes = (("tiny 2x32 h2x16", 2, 32, 2, 16),)
         cfg.goals = (
-            ("op", "tiny 2x32 h2x16", "float32", "forward_backward", "auto", "jax_nn_xla", 100.0),
+            (
+                "op",
+                "tiny 2x32 h2x16",
+                "float32",
+                "forward_backward",
+                "auto",
+                "jax_nn_xla",
+                SMOKE_GOAL,
+            ),
         )
         cfg.dtypes = ("float32",)
         cfg.rounds, cfg.steps = 1, 1
         cfg.compile_workers = 2
         cfg.interpret_pallas = True
         cfg.time_budget_s = 0.0
-        cfg.output_dir = "/tmp/gated_attention_device_smoke"
+        cfg.output_dir = ""
     return cfg
 
 
@@ -297,16 +336,17 @@ def _family_config(preset):
         cfg.baseline_check = False  # no malloc policy on a device to check
         cfg.longest = (("evoformer", 512, 1024, 8192, 256),)
         cfg.output_dir = "benchmark_results/device/family"
-    if preset == "family_smoke":  # seconds: checks the suite runs
+    if preset == "family_smoke":  # 2-3 minutes on 2 CPU cores (142 s): checks the suite runs
         cfg.family_shapes = (("triangle_start", 1, 8), ("evoformer", 4, 8))
-        cfg.goals = (("time", "triangle_start", "training", "float32", 100.0),) + (
+        cfg.goals = (("time", "triangle_start", "training", "float32", SMOKE_GOAL),) + (
             ("memory", "triangle_start", 1, 8, 1024),
         )
         cfg.dtypes, cfg.modes = ("float32",), ("inference", "training")
         cfg.rounds = 1
         cfg.memory_scaling = (("triangle_start", 1, 8, ("ours", "af2")),)
         cfg.resident_max_n_res = dict(ours=8)
-        cfg.output_dir = "/tmp/gated_attention_family_smoke"
+        cfg.baseline_tolerance = SMOKE_TOLERANCE
+        cfg.output_dir = ""
     return cfg
 
 
@@ -319,6 +359,7 @@ def _options_config(preset):
     cfg.implementations = ("chunked", "xla")
     cfg.goal_implementation = "chunked"  # the goals are about it; the others are context
     cfg.causal_goal = 0.55  # causal forward time / full, at most
+    cfg.gqa_slack_mib = 0.0  # added to the GQA memory goal's bound (options_benchmark.gqa_goal)
     cfg.gqa_shape = (4096, 8, 32)  # (tokens, query heads, head dim) over 1 key/value head
     cfg.gqa_implementations = ("chunked", "xla")
     cfg.modes = ("forward", "training")
@@ -328,11 +369,13 @@ def _options_config(preset):
     cfg.output_dir = "benchmark_results/options"
     cfg.allocator = "steady"  # malloc policy of every child (measure.ALLOCATOR_POLICIES)
     cfg.baseline_tolerance = 0.10  # the full call in the harness against it alone
-    if preset == "options_smoke":  # seconds: checks the suite runs
+    if preset == "options_smoke":  # about a minute on 2 CPU cores (64 s): checks the suite runs
         cfg.causal_shape = cfg.gqa_shape = (64, 2, 8)
         cfg.rounds, cfg.steps = 1, 1
-        cfg.causal_goal = 100.0
-        cfg.output_dir = "/tmp/gated_attention_options_smoke"
+        cfg.causal_goal = SMOKE_GOAL
+        cfg.gqa_slack_mib = 1024.0  # at 64 tokens the memory is the allocator's noise
+        cfg.baseline_tolerance = SMOKE_TOLERANCE
+        cfg.output_dir = ""
     return cfg
 
 
@@ -357,7 +400,7 @@ def _compile_memory_config(preset):
     cfg.one_device_cells = _one_device_cells(smoke)
     cfg.rows_cells = _rows_cells(smoke)
     cfg.keys_cells = _keys_cells(smoke)
-    cfg.output_dir = f"/tmp/gated_attention_{preset}" if smoke else f"benchmark_results/{folder}"
+    cfg.output_dir = "" if smoke else f"benchmark_results/{folder}"
     return cfg
 
 
@@ -374,7 +417,7 @@ def _one_device_cells(smoke):
     cfg.modes = ("training", "inference")
     # Our implementations compiled by name as well as 'auto', per platform kind.
     cfg.implementations = ml_collections.ConfigDict(dict(gpu=("chunked",), tpu=("chunked",)))
-    if smoke:  # seconds: checks the suite runs
+    if smoke:  # about a minute on 2 CPU cores (device_memory_smoke: 48 s): checks the suite runs
         cfg.targets = ("v5e",)
         cfg.whats = ("triangle_start",)
         cfg.crops = (16, 32)
@@ -406,7 +449,7 @@ def _rows_cells(smoke):
     # Ours' global_config.memory_budget_mib (None: the default): each device keeps a working set
     # of that order whatever its share of the rows, so small shares are measured at 64 too.
     cfg.memory_budget_mib = ml_collections.config_dict.placeholder(float)
-    if smoke:  # seconds: checks the suite runs
+    if smoke:  # about a minute on 2 CPU cores (device_memory_smoke: 48 s): checks the suite runs
         cfg.targets, cfg.whats = ("h100",), ("triangle_end",)
         cfg.crops = (("triangle_end", (1, 64)),)
         cfg.modes, cfg.variants, cfg.styles = ("training",), ("ours",), ("auto",)
@@ -443,7 +486,7 @@ def _keys_cells(smoke):
         ("triangle_start", ("training", 16384), "plain"),
         ("triangle_end", ("inference", 32768), "plain"),
     )
-    if smoke:  # seconds: checks the suite runs
+    if smoke:  # about a minute on 2 CPU cores (device_memory_smoke: 48 s): checks the suite runs
         cfg.targets, cfg.tokens, cfg.modes, cfg.causal = ("h100",), 256, ("training",), (True,)
         cfg.variants = ("ring",)
         cfg.grid_targets, cfg.grid_whats = ("h100",), ("triangle_end",)

@@ -507,7 +507,7 @@ def markdown(
         steal = r.get("cpu_steal_percent")
         steal = "" if steal is None else f"{steal:.0f}"
         lines.append(
-            f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['variant']} | {r['time_ms']:.2f} | "
+            f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['variant']} | {measure.figure(r['time_ms'])} | "
             f"{r['ratio_to_af2']:.3f} ({low:.2f}-{high:.2f}) | {r['gflops_per_s']:.1f} | "
             f"{r['percent_of_roofline']:.0f} | {temp} | {diff} | {steal} | {measure.alone_cell(r)} |"
         )

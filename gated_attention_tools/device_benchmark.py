@@ -703,7 +703,7 @@ def markdown(results: dict[str, Any]) -> str:
             " NOT FINITE" if r["finite"] is False else ""
         )
         lines.append(
-            f"{head} {r['time_ms']:.3g} | {ratio} | {peak} | {fmt(r['xla_temp_mib'], '.0f')} "
+            f"{head} {measure.figure(r['time_ms'])} | {ratio} | {peak} | {fmt(r['xla_temp_mib'], '.0f')} "
             f"| {diff} | {bound} | {share} |"
         )
     return "\n".join(lines) + "\n"

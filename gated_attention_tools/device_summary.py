@@ -6,14 +6,16 @@ docs/gpu_tpu.md quote (tests/test_docs.py checks they quote it as this module wr
     python -m gated_attention_tools.device_summary --plot benchmark_results/device/h100/results.json \
         benchmark_results/device/h100/times.png
 
-Each figure is ours ('auto' at the op level, the Attention module at the module level) over the
-peer, median time over median time in one run, bfloat16; a range spans AF2's shapes (the MSA row and
-the triangle cells). A peer or level the run did not time says so.
+Each figure is ours ('auto' for the attention alone, the Attention module at the module level)
+over the other's time, bfloat16, as the run's results.md gives a ratio: the median of the per-round
+ratios (the rounds are interleaved); a range spans AF2's shapes (the MSA row and the triangle
+cells). A comparison or level the run did not time says "not measured".
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -33,11 +35,12 @@ LONG = "long"  # the one-sequence cell, apart from AF2's shapes
 
 
 def _times(cells: list[dict], level: str) -> dict:
-    """{(shape, mode): {variant: median ms}} of the bfloat16 cells that were timed."""
+    """{(shape, mode): {variant: [ms per round]}} of the bfloat16 cells that were timed."""
     found: dict = {}
     for c in cells:
         if c["level"] == level and c["dtype"] == "bfloat16" and c.get("time_ms"):
-            found.setdefault((c["shape"], c["mode"]), {})[c["variant"]] = c["time_ms"]
+            rounds = c.get("rounds_ms") or [c["time_ms"]]
+            found.setdefault((c["shape"], c["mode"]), {})[c["variant"]] = rounds
     return found
 
 
@@ -49,8 +52,9 @@ def _span(ratios: list[float]) -> str:
 
 
 def _ratios(times: dict, ours: str, peer: str, mode: str, long: bool) -> list[float]:
+    """Per shape, the median over rounds of ours / the peer's time in the same round."""
     return [
-        t[ours] / t[peer]
+        statistics.median(o / p for o, p in zip(t[ours], t[peer], strict=True))
         for (shape, m), t in times.items()
         if m == mode and shape.startswith(LONG) == long and ours in t and peer in t
     ]
@@ -62,28 +66,35 @@ def table(results: dict) -> str:
     op, module = _times(results["cells"], "op"), _times(results["cells"], "module")
     lines = [
         f"Measured on one {env['device_kind']} (jax {env['jax']}, {env['date_utc'][:10]}), "
-        "bfloat16: our time / the peer's (below 1: ours is faster).",
+        "bfloat16: our time / theirs, the median of interleaved rounds (below 1: ours is faster).",
         "",
-        "| level: ours / peer | inference, AF2's shapes | training step, AF2's shapes "
+        "| ours / theirs | inference, AF2's shapes | training step, AF2's shapes "
         "| inference, one sequence of 16,384 | training step, one sequence of 16,384 |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for peer, name in OP_PEERS:
         spans = [_span(_ratios(op, "auto", peer, m, long)) for long in (False, True) for m in MODES]
-        lines.append(f"| op: {name} | " + " | ".join(spans) + " |")
+        lines.append(f"| attention alone, against {name} | " + " | ".join(spans) + " |")
     spans = [
         _span(_ratios(module, "ours", "af2", m, long)) for long in (False, True) for m in MODES
     ]
     lines.append(
-        "| Attention module: AF2's module as installed (XLA attention) | "
+        "| AF2's Attention module, against AF2's own as installed (XLA attention) | "
         + " | ".join(spans)
         + " |"
     )
     shares = [_floor_share(results, m, long) for long in (False, True) for m in MODES]
     lines.append(
-        "| op: % of the hardware floor ours reaches (what bounds it) | " + " | ".join(shares) + " |"
+        f"| attention alone: % of the {_short(env['device_kind'])}'s peak rate it reaches "
+        "(limited by exp: exponentials, hbm: memory bandwidth) | " + " | ".join(shares) + " |"
     )
     return "\n".join(lines)
+
+
+def _short(device_kind: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100'."""
+    words = [w for w in device_kind.split() if w.upper() != "NVIDIA"]
+    return words[0] if words else device_kind
 
 
 def _floor_share(results: dict, mode: str, long: bool) -> str:
@@ -147,6 +158,7 @@ def main(argv: list[str]) -> None:
         kind = results["environment"]["device_kind"]
         floor_of = lambda row: (device_benchmark.cell_floor(row, kind) or {}).get("floor_ms")
         plots.device_times(results, argv[3], floor_of)
+        print(f"wrote {Path(argv[3]).resolve()}")
         return
     if len(argv) > 2 and argv[1] == "--update":
         runs = Path(__file__).resolve().parents[1] / "benchmark_results" / "device"

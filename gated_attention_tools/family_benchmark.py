@@ -683,7 +683,7 @@ def markdown(results: dict[str, Any]) -> str:
         diff = r["rel_diff_vs_af2_float32"]
         steal = r["cpu_steal_percent"]
         lines.append(
-            f"| {r['cell']} | {r['dtype']} | {r['mode']} | {r['variant']} | {r['time_ms']:.1f} | "
+            f"| {r['cell']} | {r['dtype']} | {r['mode']} | {r['variant']} | {measure.figure(r['time_ms'])} | "
             f"{r['ratio_to_af2']:.3f} ({low:.2f}-{high:.2f}) | {temp} | {peak} | "
             f"{'' if diff is None else f'{diff:.1e}'} | {'' if steal is None else f'{steal:.0f}'} | "
             f"{measure.alone_cell(r)} |"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import importlib
+import math
 import os
 import pathlib
 import sys
@@ -32,6 +33,15 @@ def time_calls(fn: Callable, args: tuple, calls: int) -> tuple[list[float], Any]
         out = jax.block_until_ready(fn(*args))
         seconds.append(time.perf_counter() - start)
     return seconds, out
+
+
+def figure(value: float, digits: int = 3) -> str:
+    """A measured number as people read it: `digits` significant figures, thousands separated
+    (0.534, 12.3, 1,048); the JSON results keep the raw value."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    return f"{value:,.{decimals}f}"
 
 
 def compiled_memory(compiled) -> dict[str, int] | None:
@@ -167,7 +177,7 @@ def alone_cell(row: dict) -> str:
     if row["variant"] != "af2" or "af2_alone_ms" not in row:
         return ""
     flag = "" if row["baseline_ok"] else " FLAGGED"
-    return f"{row['af2_alone_ms']:.1f}, {row['af2_harness_over_alone']:.2f}{flag}"
+    return f"{figure(row['af2_alone_ms'])}, {row['af2_harness_over_alone']:.2f}{flag}"
 
 
 def allocator_line(allocator: dict, rows: list[dict], name_key: str) -> str:

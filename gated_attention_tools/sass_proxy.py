@@ -313,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "results.md").write_text(markdown(rows, results))
     print(markdown(rows, results))
+    print(f"wrote {(out / 'results.json').resolve()} and {(out / 'results.md').resolve()}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ def main(argv: list[str]) -> None:
         table[device_name(results["environment"]["device_kind"])] = entries(results)
     tuning.TABLE_FILE.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
     print(json.dumps(table, indent=2, sort_keys=True))
+    print(f"wrote {tuning.TABLE_FILE}")
 
 
 if __name__ == "__main__":

@@ -161,6 +161,8 @@ def main(argv):
     text = summary(out, tests, bench_code, steps)
     (out / "summary.md").write_text(text)
     print(text, flush=True)
+    written = ", ".join(sorted(p.name for p in out.iterdir() if p.is_file()))
+    print(f"[device_check] wrote {out}: {written}", flush=True)
     failed = tests["exit_code"] not in (0, 5) or tests["failures"] or bench_code != 0
     sys.exit(1 if failed else 0)
 

@@ -16,8 +16,11 @@ mis-shaped param is reported.
 With config.mesh larger than 1 x 1, the rows are split over the mesh's 'data' axis and the heads
 (parameters and pair bias) over its 'heads' axis (explicit axes; docs/many_devices.md).
 
-The report: devices, the mesh and the output's sharding, shapes, dtype, the implementation chosen, compile time, median and min step time,
-GFLOP/s, XLA's compiled memory analysis and an output checksum.
+Prints the report: devices, the mesh and the output's sharding, shapes, dtype, the implementation
+chosen, compile time, median and fastest step (ms, three significant figures), GFLOP/s, XLA's
+compiled memory analysis and an output checksum. Writes nothing unless --output_json names a file
+(the report with raw values and the config), and then prints its path. About 4 s on 2 CPU cores with
+the default config, most of it importing JAX.
 """
 
 import json
@@ -87,12 +90,15 @@ def main(argv):
     report = run.run_forward(_CONFIG.value, params=params)
     report["params"] = dict(path=_PARAMS.value, prefix=_PARAMS_PREFIX.value, layer=_LAYER.value)
     report["config"] = _CONFIG.value.to_dict()
-    for key, value in report.items():
-        if key != "config":
-            print(f"{key:>16}: {value}")
+    print("\n".join(run.summary(report)))
     if _OUTPUT_JSON.value:
         with open(_OUTPUT_JSON.value, "w") as f:
             json.dump(report, f, indent=2)
+        print(
+            f"wrote the report, raw values and the config, to {os.path.abspath(_OUTPUT_JSON.value)}"
+        )
+    else:
+        print("wrote no file (--output_json=PATH writes the report as JSON)")
     if not report["output_checksum"]["finite"]:
         sys.exit("output is not finite")
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import json
 import os
 import re
@@ -329,15 +330,89 @@ def test_api_reference_lists_every_public_name():
     assert set(ga.__all__) <= documented, sorted(set(ga.__all__) - documented)
 
 
+FRONT_DOOR_LINES = 60  # the first screen: what it is, set-up, what it does, GPU answer, limits
+
+
 def test_readme_is_the_front_door():
-    """At most README_MAX_LINES lines, and its three quick starts within the first 100."""
-    lines = (ROOT / "README.md").read_text().splitlines()
+    """At most README_MAX_LINES lines. Its first FRONT_DOOR_LINES lines say what it is, hold the
+    two set-up commands (the second is what .ci/run runs, verbatim), the table of what it does
+    with where each row was measured, the GPU answer for training and inference, and what it does
+    not do. Three quick starts follow, each saying first what it needs installed, each block
+    printing what it checked."""
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
     assert len(lines) <= README_MAX_LINES, len(lines)
+    first = "\n".join(lines[:FRONT_DOOR_LINES])
+    commands = [b.source.strip() for b in blocks(ROOT / "README.md") if b.language == "bash"][:2]
+    assert len(commands) == 2 and all(c in first for c in commands), commands
+    assert "scripts/run_forward.py" in commands[0]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert f"\n{commands[1]} || exit 1\n" in ci, "the README's test command is not .ci/run's"
+    table = [x for x in first.splitlines() if x.startswith("| ") and not x.startswith("| ---")]
+    where = ("on 2 CPU cores", "on one H100 GPU", "compiled for an")
+    assert len(table) >= 4 and all(any(w in row for w in where) for row in table[1:]), table
+    for needed in ("**Training: ", "**Inference: ", "**Not measured on a GPU yet:**"):
+        assert needed in first, needed
+    limits = first.index("## What it does not do")
+    assert first[limits:].count("\n* ") >= 2, "the limits' bullets end past the first screen"
     quick = [i for i, line in enumerate(lines) if line.startswith("## Quick start")]
     assert len(quick) == 3, quick
-    last = next(i for i in range(quick[-1], len(lines)) if lines[i].startswith("```python"))
-    end = next(i for i in range(last + 1, len(lines)) if lines[i].rstrip() == "```")
-    assert end + 1 <= 100, f"the last quick start ends on line {end + 1}"
+    for i in quick:
+        assert lines[i + 2].startswith("Needs "), lines[i + 2]
+    runnable = [b for b in blocks(ROOT / "README.md") if b.language == "python"]
+    assert len(runnable) == 3 and all("print(f" in b.source for b in runnable)
+
+
+_RATIO = re.compile(r"(?<![\w.])\d+\.\d\d(?:-\d+\.\d\d)?x\b")
+
+
+def test_readme_gpu_ratios_come_from_the_device_summary():
+    """Every ratio the README quotes on a line naming a GPU, or under a heading naming one, is a
+    cell of a device run's summary table (device_summary.table): prose and table agree."""
+    from gated_attention_tools import device_summary
+
+    cells = {
+        cell.strip()
+        for run in _device_results().values()
+        for row in device_summary.table(run).splitlines()
+        for cell in row.split("|")
+    }
+    text = re.sub(r"```.*?```", "", (ROOT / "README.md").read_text(), flags=re.S)
+    quoted, section = [], ""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            section = line
+        if _DEVICE.search(line) or _DEVICE.search(section):
+            quoted += _RATIO.findall(line)
+    assert quoted, "no GPU ratio quoted"
+    assert not [q for q in quoted if q not in cells], sorted(set(quoted) - cells)
+
+
+FIGURES = "<!-- docs-test: figures-from-block -->"
+_NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?!\w)")
+
+
+def test_figures_in_prose_come_from_their_block():
+    """A paragraph marked `<!-- docs-test: figures-from-block -->` quotes only numbers that
+    appear in the python block before it (which prints or asserts them), so that a reader's run
+    agrees with the page: the block's bounds, not one run's values."""
+    marked = 0
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        python = [b for b in blocks(page) if b.language == "python"]
+        for i, line in enumerate(lines):
+            if line.strip() != FIGURES:
+                continue
+            marked += 1
+            paragraph = " ".join(itertools.takewhile(str.strip, lines[i + 1 :]))
+            before = [b for b in python if b.line < i + 1]
+            assert before and paragraph, f"{page.name}:{i + 1}: no block before, or no paragraph"
+            quoted = set(_NUMBER.findall(paragraph))
+            missing = quoted - set(_NUMBER.findall(before[-1].source))
+            assert quoted and not missing, (
+                f"{page.name}:{i + 1}: {sorted(missing)} not in the block"
+            )
+    assert marked, "no paragraph marked"
 
 
 if __name__ == "__main__":  # the blocks' process (test_python_blocks_run)

@@ -327,3 +327,43 @@ def run_forward(cfg: ml_collections.ConfigDict, params: Any = None) -> dict[str,
             finite=bool(np.isfinite(out).all()),
         ),
     )
+
+
+def summary(report: dict[str, Any]) -> list[str]:
+    """run_forward's report as people read it (scripts/run_forward.py prints it): times in ms and
+    memory in MiB to three significant figures (measure.figure); the JSON keeps the raw values."""
+    ms = lambda seconds: f"{measure.figure(seconds * 1e3)} ms"
+    mib = lambda b: "n/a" if b is None else f"{measure.figure(b / 2**20)} MiB"
+    shapes = ", ".join(f"{k} {v}" for k, v in report["input_shapes"].items() if v is not None)
+    chosen = "; ".join(
+        f"{c['requested']} -> {c['chosen']} ({c['reason']})" for c in report["implementations"]
+    )
+    memory = report["memory"] or {}
+    checksum = report["output_checksum"]
+    params = report.get("params") or {}
+    n = len(report["devices"])
+    sharded = f", sharded {report['output_sharding']}" if report["output_sharding"] else ""
+    rows = [
+        ("module", report["module"]),
+        ("backend", f"{report['backend']} ({n} device{'s' if n > 1 else ''})"),
+        ("mesh", report["mesh"] or "none (one device)"),
+        ("inputs", f"{shapes}; {report['dtype']}, computed in {report['compute_dtype']}"),
+        ("output", f"{report['output_shape']}{sharded}"),
+        ("implementation", chosen or "none recorded"),
+        ("compile", ms(report["compile_s"])),
+        ("median step", f"{ms(report['median_step_s'])} of {report['steps']} steps"),
+        ("fastest step", ms(report["min_step_s"])),
+        ("speed", f"{measure.figure(report['gflops_per_s'])} GFLOP/s"),
+        (
+            "XLA memory",
+            f"temporaries {mib(memory.get('temp_size_in_bytes'))}, arguments "
+            f"{mib(memory.get('argument_size_in_bytes'))}, output {mib(memory.get('output_size_in_bytes'))}",
+        ),
+        (
+            "output check",
+            f"{'finite' if checksum['finite'] else 'NOT FINITE'}; sum {checksum['sum']:.6g}, "
+            f"sum of |x| {checksum['abs_sum']:.6g}",
+        ),
+        ("params", params.get("path") or "random init"),
+    ]
+    return [f"{key:>15}: {value}" for key, value in rows]

@@ -234,6 +234,7 @@ def write(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + ("\n" if newline else ""))
     out.with_suffix(".md").write_text(markdown(result))
+    print(f"wrote {out.resolve()} and {out.with_suffix('.md').resolve()}", flush=True)
     return out
 
 

@@ -131,7 +131,7 @@ def test_goals_are_judged_on_auto_forward_median_ratios():
     )
     assert "| a | float32 | 0.12 | 0.110 (0.10-0.13) | yes |" in table
     assert "| a | bfloat16 | 0.12 | 0.125 (0.12-0.13) | no |" in table
-    assert "| a | float32 | forward | xla | 10.00 | 0.050 (0.05-0.05) |" in table
+    assert "| a | float32 | forward | xla | 10.0 | 0.050 (0.05-0.05) |" in table
     assert table.rstrip().endswith("| 1.0 | 1.0e-07 | 12 |  |")
     assert "goal shape" not in benchmark.markdown(rows, [])
 
@@ -222,15 +222,34 @@ def test_resident_memory_probe_reports_a_failing_builder():
         measure.resident_memory(f"{__name__}:_ones_summed", dict(mib=64, typo=1))
 
 
-def _run_benchmark_script(preset, out_dir, *flags):
-    """scripts/benchmark.py with a configs/benchmark.py preset on CPU: (process, results.json)."""
+def _untracked() -> set[str] | None:
+    """The checkout's untracked files that .gitignore does not cover (None outside a git
+    checkout)."""
+    try:
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all"],
+            capture_output=True, text=True, cwd=ROOT, timeout=60,
+        )  # fmt: skip
+    except FileNotFoundError:
+        return None
+    if done.returncode:
+        return None
+    return {line[3:] for line in done.stdout.splitlines() if line.startswith("??")}
+
+
+def test_benchmark_script_smoke():
+    """The documented smoke command as a user runs it (no output_dir): it says it is a smoke run,
+    writes into a fresh temporary folder whose paths it prints, and leaves no file in the
+    checkout that git would show."""
+    before = _untracked()
     result = subprocess.run(
         [
             sys.executable,
             str(ROOT / "scripts" / "benchmark.py"),
-            f"--config={ROOT / 'configs' / 'benchmark.py'}:{preset}",
-            f"--config.output_dir={out_dir}",
-            *flags,
+            f"--config={ROOT / 'configs' / 'benchmark.py'}:smoke",
+            "--config.implementations=('auto',)",  # suite time: each variant is a child process
+            "--config.sweep_lengths=()",  # the sweep's cells are the same code as the tiny one's
+            "--config.triangle_shapes=()",  # suite time: one child process
         ],
         capture_output=True,
         text=True,
@@ -239,18 +258,24 @@ def _run_benchmark_script(preset, out_dir, *flags):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return result, json.loads((out_dir / "results.json").read_text())
-
-
-def test_benchmark_script_smoke(tmp_path):
-    result, results = _run_benchmark_script(
-        "smoke",
-        tmp_path,
-        "--config.implementations=('auto',)",  # suite time: each variant is a child process
-        "--config.modes=('forward',)",  # forward_backward cells: test_run_cell_rows_are_consistent
-        "--config.sweep_lengths=()",  # the sweep's cells are the same code as the tiny one's
-        "--config.triangle_shapes=()",  # suite time: one child process
-    )
+    written = [pathlib.Path(line.strip()) for line in result.stdout.splitlines()
+               if line.startswith("  /")]  # fmt: skip
+    assert {p.name for p in written} == {"results.json", "results.md"}, result.stdout[-2000:]
+    out_dir = written[0].parent
+    try:
+        assert f"wrote 2 files to {out_dir}:" in result.stdout
+        assert out_dir.name.startswith("gated_attention_modules_") and ROOT not in out_dir.parents
+        assert "smoke run: this checks that the benchmark runs end to end" in result.stdout
+        assert "smoke run: the harness ran end to end." in result.stdout
+        assert "FLAGGED" not in result.stdout and "| no |" not in result.stdout
+        results = json.loads((out_dir / "results.json").read_text())
+        table = (out_dir / "results.md").read_text()
+    finally:
+        for path in written:
+            path.unlink()
+        out_dir.rmdir()
+    if before is not None:
+        assert _untracked() - before == set()
     shapes = {r["shape"] for r in results["cells"]}
     assert shapes == {"tiny 2x32 c16 h2"}
     # Each cell ran in a child process of its own (child.call), its progress passed on, and the
@@ -261,12 +286,32 @@ def test_benchmark_script_smoke(tmp_path):
     tiny = {r["variant"]: r for r in results["cells"] if r["shape"].startswith("tiny")}
     assert tiny[benchmark.AF2]["rel_diff_vs_af2_float32"] == 0.0
     assert tiny["auto"]["rel_diff_vs_af2_float32"] < 1e-5
-    assert (
-        "| tiny 2x32 c16 h2 | float32 | forward | auto |" in (tmp_path / "results.md").read_text()
-    )
+    assert "| tiny 2x32 c16 h2 | float32 | forward | auto |" in table
     assert "[1/1]" in result.stdout  # progress
-    assert [(g["shape"], g["goal"]) for g in results["goals"]] == [("tiny 2x32 c16 h2", 1.0)]
-    assert "| goal shape (forward, 'auto') |" in (tmp_path / "results.md").read_text()
+    goal = _bench_module().SMOKE_GOAL
+    assert [(g["shape"], g["goal"]) for g in results["goals"]] == [("tiny 2x32 c16 h2", goal)]
+    assert "| goal shape (forward, 'auto') |" in table
+
+
+def test_presets_write_outside_the_checkout_or_where_git_expects_it():
+    """Every preset's output_dir: "" (a *_smoke preset: a fresh temporary folder), or a folder of
+    committed results (a rerun updates them), or one .gitignore covers: a documented run leaves
+    no file that git would show as untracked."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    module = _bench_module()
+    for preset in module.PRESETS:
+        cfg = module.get_config(preset)
+        assert cfg.smoke == preset.endswith("smoke"), preset
+        if cfg.smoke:
+            assert cfg.output_dir == "", preset
+            continue
+        assert not os.path.isabs(cfg.output_dir), (preset, cfg.output_dir)
+        results = f"{cfg.output_dir}/results.json"
+        tracked = subprocess.run(["git", "ls-files", results], capture_output=True, text=True,
+                                 cwd=ROOT).stdout.strip()  # fmt: skip
+        ignored = subprocess.run(["git", "check-ignore", "-q", results], cwd=ROOT).returncode == 0
+        assert tracked or ignored, f"{preset}: {results} is neither committed nor ignored"
 
 
 def test_benchmark_presets_share_one_schema():

@@ -49,6 +49,7 @@ def test_device_check_runs_end_to_end_on_cpu(tmp_path):
         "tests.log", "tests.xml", "results.json", "results.md", "summary.md",
     }  # fmt: skip
     summary = (tmp_path / "summary.md").read_text()
+    assert f"[device_check] wrote {tmp_path.resolve()}: " in result.stdout  # the path it wrote
     assert re.search(r"exit code 0; skipped [1-9]", summary), summary
     assert "x runs the compiled kernels on a GPU; the backend here is 'cpu'" in summary
     results = json.loads((tmp_path / "results.json").read_text())

@@ -63,13 +63,15 @@ def test_summary_table_ranges_over_af2_shapes_and_says_what_was_not_measured():
     ]
     lines = device_summary.table(_results(cells)).splitlines()
     assert lines[0].startswith(f"Measured on one {H100} (jax 0.11.2, 2026-11-26)")
-    colab = next(line for line in lines if line.startswith("| op: ColabFold"))
+    colab = next(line for line in lines if line.startswith("| attention alone, against ColabFold"))
     assert colab.split(" | ")[1:] == ["1.20-1.50x", "0.50x", "not measured", "not measured |"]
-    cudnn = next(line for line in lines if line.startswith("| op: jax.nn's cuDNN"))
+    cudnn = next(
+        line for line in lines if line.startswith("| attention alone, against jax.nn's cuDNN")
+    )
     assert cudnn.split(" | ")[1:3] == ["0.50x", "not measured"]
-    xla = next(line for line in lines if line.startswith("| op: jax.nn's XLA"))
+    xla = next(line for line in lines if line.startswith("| attention alone, against jax.nn's XLA"))
     assert xla.split(" | ")[1] == "not measured"
-    share = next(line for line in lines if "% of the hardware floor" in line)
+    share = next(line for line in lines if "peak rate it reaches" in line)
     fwd = floor.floor(MSA_ROW, "bfloat16", "forward", H100)["floor_ms"]
     low = min(100 * fwd / 1.5, 100 * floor.floor(tri, "bfloat16", "forward", H100)["floor_ms"] / 6)
     assert share.split(" | ")[1].startswith(f"{low:.0f}-")
@@ -129,3 +131,27 @@ def test_peer_adapters_compute_the_op_and_its_gradients(variant, package):
     for got, want in zip(steps[variant](*args), steps["jax_nn_xla"](*args), strict=True):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_summary_ratios_are_the_results_files_ratios():
+    """A ratio in the summary is the one results.md gives where the run has it (the median of the
+    per-round ratios, not the ratio of the medians): the H100 run's module cell is 1.030 there
+    (1.02 as a ratio of medians)."""
+    import json
+    import pathlib
+
+    path = (
+        pathlib.Path(__file__).resolve().parents[2] / "benchmark_results/device/h100/results.json"
+    )
+    results = json.loads(path.read_text())
+    module = next(line for line in device_summary.table(results).splitlines()
+                  if line.startswith("| AF2's Attention module"))  # fmt: skip
+    [cell] = [c for c in results["cells"] if (c["level"], c["variant"], c.get("time_ms") is not None)
+              == ("module", "ours", True)]  # fmt: skip
+    assert f"{cell['ratio_to_baseline']:.3f}" == "1.030"
+    assert module.split(" | ")[2] == f"{cell['ratio_to_baseline']:.2f}x" == "1.03x"
+    rounds = [dict(_row("auto", 3.0), rounds_ms=[1.0, 3.0, 5.0]),
+              dict(_row("af2_colabfold", 3.0), rounds_ms=[1.0, 1.0, 5.0])]  # fmt: skip
+    colab = next(line for line in device_summary.table(_results(rounds)).splitlines()
+                 if "ColabFold" in line)  # fmt: skip
+    assert colab.split(" | ")[1] == "1.00x"  # per round 1, 3, 1: median 1 (medians: 3 / 1)

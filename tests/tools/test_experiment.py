@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -204,7 +205,9 @@ def test_run_forward_script_end_to_end(tmp_path):
     )
     assert report["output_checksum"]["finite"] and report["median_step_s"] > 0
     assert report["memory"]["temp_size_in_bytes"] is not None
-    assert "implementations" in result.stdout and "compile_s" in result.stdout
+    assert " implementation: auto -> " in result.stdout and "        compile: " in result.stdout
+    assert f"wrote the report, raw values and the config, to {out}" in result.stdout
+    assert re.search(r"    median step: \d[\d,.]* ms of 2 steps", result.stdout), result.stdout
     # Each choice logged once, though init and apply both trace the op.
     logged = [line for line in result.stderr.splitlines() if "dot_product_attention: " in line]
     assert len(logged) == len(set(line.split("] ", 1)[-1] for line in logged)) >= 1, logged
