@@ -1,6 +1,7 @@
 """What runs around the attention kernel in a family module compiled for a GPU without one: the
 row loops (XLA while loops) and the copy passes (transposes, slices, copies and
-dynamic-update-slices of activation-sized tensors, and fusions of nothing else), read from the
+dynamic-update-slices of activation-sized tensors, and fusions of nothing else; a fill of a
+constant, which reads no data, is not one), read from the
 optimized HLO of a deviceless compile (targets.py). Nothing runs: no time is measured.
 
   python -m gated_attention_tools.module_passes                      # model_1's cells, H100
@@ -74,7 +75,7 @@ def count(hlo: str, min_elements: int) -> dict[str, Any]:
             if op == "fusion":
                 called = re.findall(r"calls=%([\w.-]+)", rest)
                 ops = {o for c in called for _, _, o, _ in comps.get(c, ())}
-                if ops and ops <= MOVES:
+                if ops and ops <= MOVES and ops - FREE != {"broadcast"}:  # a fill copies nothing
                     passes.append((f"fusion({'+'.join(sorted(ops - FREE))})", shape.split("{")[0]))
             elif op in MOVES:
                 passes.append((op, shape.split("{")[0]))

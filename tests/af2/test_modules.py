@@ -648,3 +648,15 @@ def test_rows_per_tile_is_one_call_on_a_gpu_when_all_rows_fit():
     assert _rows(1000, budget=1000 * MIB, tile_row=MIB) == 500  # CPU: half the budget a tile
     assert _rows(1000, budget=500 * MIB, tile_row=MIB, platform="gpu", itemsize=2) is None
     assert _rows(1000, budget=500 * MIB, tile_row=MIB, platform="gpu") == 250
+
+
+def test_pair_bias_tiles_are_one_on_a_gpu_when_all_rows_fit():
+    """The pair bias's tiles follow the modules' rule: on a GPU one tile where every pair row's
+    working set (six float32 arrays of a row) fits the whole budget, else a quarter a tile."""
+    from gated_attention.af2 import pair_bias
+    from gated_attention.core import memory
+
+    shape, row = (1024, 1024, 128), memory.pair_bias_row_bytes(1024, 128)
+    assert pair_bias.tile_rows(shape, 1024 * row, "gpu") == 1024
+    assert pair_bias.tile_rows(shape, 1024 * row, "cpu") == 256
+    assert pair_bias.tile_rows(shape, 1023 * row, "gpu") == 255

@@ -28,12 +28,18 @@ HloModule m
   ROOT %t = bf16[32,4,8]{2,1,0} transpose(%p0), dimensions={1,0,2}
 }
 
+%fused_fill () -> bf16[64,32,8] {
+  %z = bf16[] constant(0)
+  ROOT %b = bf16[64,32,8]{2,1,0} broadcast(%z), dimensions={}
+}
+
 ENTRY %main (x: bf16[64,32,8], s: bf16[4,32,8]) -> bf16[32,64,8] {
   %x = bf16[64,32,8]{2,1,0} parameter(0)
   %s = bf16[4,32,8]{2,1,0} parameter(1)
   %g = bf16[64,32,8]{2,1,0} fusion(%x, %x), kind=kLoop, calls=%fused_gate
   %small = bf16[32,4,8]{2,1,0} fusion(%s), kind=kLoop, calls=%fused_small
   %c = bf16[64,32,8]{2,1,0} copy(%g)
+  %f = bf16[64,32,8]{2,1,0} fusion(), kind=kLoop, calls=%fused_fill
   %w = (s32[], bf16[64,32,8]) while(%tuple), condition=%cond, body=%body
   ROOT %t = bf16[32,64,8]{2,1,0} fusion(%c), kind=kLoop, calls=%fused_transpose
 }
@@ -42,7 +48,8 @@ ENTRY %main (x: bf16[64,32,8], s: bf16[4,32,8]) -> bf16[32,64,8] {
 
 def test_the_reader_counts_loops_and_data_moves_of_activation_size_only():
     """A transpose fusion and a copy of 16,384 elements are passes; the gate's fusion computes,
-    a row tile's transpose is small, and neither is one; the while loop is counted."""
+    a row tile's transpose is small, a fill of zeros reads nothing, and none is one; the while
+    loop is counted."""
     found = module_passes.count(HLO, min_elements=64 * 32 * 8 // 2)
     assert found["loops"] == 1
     assert found["passes"] == [("copy", "bf16[64,32,8]"), ("fusion(transpose)", "bf16[32,64,8]")]
