@@ -34,6 +34,8 @@ FIELDS = {
     "q_len": "T, the queries",
     "k_len": "S, the keys",
     "heads": "N, the query heads",
+    "positions_first": "q, k and v [T|S, B, N, head_dim] and the op's positions_first: the "
+    "kernels' in-place column reads",
 }
 REQUIRED = ("dtype", "head_dim", "bias", "mask")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -115,18 +117,19 @@ def case_name(case: dict[str, Any], sizes: Sizes = Sizes(), batch: bool = False)
         + (f"B={sizes.batch} " if batch else "")
         + f"T={sizes.q_len} S={sizes.k_len}"
         + (" +options" if case.get("options") else "")
+        + (" +positions_first" if case.get("positions_first") else "")
     )
 
 
 def case_program(
     impl, dtype, head_dim, bias, mask, precision=None, options=False, batch=2, q_len=200,
-    k_len=136, heads=2,
+    k_len=136, heads=2, positions_first=False,
 ):  # fmt: skip
     """(step, abstract args) of one GPU case: the op's forward and vjp through
     ga.dot_product_attention with `impl`. `bias` a BIASES form, `mask` a MASKS form (BIAS_SHAPES,
     MASK_SHAPES); with `options`, the op's further arguments too: one key/value head under the
     query heads, causal, a (96, 0) window, both sequence lengths (traced), a soft cap and the
-    residual."""
+    residual; with `positions_first`, q, k, v and the cotangent [T|S, B, N, head_dim]."""
     import jax
     import jax.numpy as jnp
 
@@ -134,8 +137,9 @@ def case_program(
 
     dt = jnp.dtype(dtype)
     sizes = Sizes(batch, q_len, k_len, heads)
-    qkv = jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), dt)
-    kv = jax.ShapeDtypeStruct((batch, k_len, 1 if options else heads, head_dim), dt)
+    rows = lambda length: (length, batch) if positions_first else (batch, length)
+    qkv = jax.ShapeDtypeStruct((*rows(q_len), heads, head_dim), dt)
+    kv = jax.ShapeDtypeStruct((*rows(k_len), 1 if options else heads, head_dim), dt)
     lengths = jax.ShapeDtypeStruct((batch,), jnp.int32) if options else None
     biases = tuple(jax.ShapeDtypeStruct(sizes.shape(s), dt) for s in BIAS_SHAPES[bias])
     mask_spec = None
@@ -156,7 +160,8 @@ def case_program(
         def attend(q, k, v, biases):  # -> (out, residual or None)
             result = ga.dot_product_attention(
                 q, k, v, list(biases) or None, mask, implementation=impl, compute_dtype="input",
-                precision=precision, return_residual=options, **extra,
+                precision=precision, return_residual=options, positions_first=positions_first,
+                **extra,
             )  # fmt: skip
             return result if options else (result, None)
 

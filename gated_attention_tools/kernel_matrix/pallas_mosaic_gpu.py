@@ -85,7 +85,7 @@ def compile_cases(target: str, cases: list[dict[str, Any]]) -> list[dict[str, An
 
 def _compile(
     target, dtype, head_dim, bias, mask, precision="default", options=False, batch=2, q_len=200,
-    k_len=136, heads=2,
+    k_len=136, heads=2, positions_first=False,
 ):  # fmt: skip
     """Compiles one case's forward and vjp; returns the kernels' shared memory (bytes)."""
     import jax.numpy as jnp
@@ -99,14 +99,17 @@ def _compile(
     dt = jnp.dtype(dtype)
     impl = mosaic.MosaicAttention()
     step, args = common.case_program(
-        impl, dtype, head_dim, bias, mask, None, options, batch, q_len, k_len, heads
-    )
+        impl, dtype, head_dim, bias, mask, None, options, batch, q_len, k_len, heads,
+        positions_first,
+    )  # fmt: skip
     qkv, kv, _, biases, mask_spec, lengths, _ = args
+    if positions_first:  # the shapes check() and the plan see: batch first
+        qkv, kv = base.batch_first(qkv), base.batch_first(kv)
     structure, further = masking.NONE, {}
     if options:
         structure = masking.StructuredMask(True, (96, 0), q_lengths=lengths, kv_lengths=lengths)
         further = dict(logits_soft_cap=30.0, return_residual=True)
-    settings = base.Options(structure=structure, **further)
+    settings = base.Options(structure=structure, positions_first=positions_first, **further)
     with targets.abstract_gpu(target):  # check() as the op's GPU branch runs it: its own reason
         impl.check(
             qkv, kv, kv, biases, mask_spec, compute_dtype=dt, options=settings, platform="gpu"

@@ -57,10 +57,12 @@ def kernel_stats(
     heads: int = 2,
     tuning: dict | None = None,
     options: bool = False,
+    positions_first: bool = False,
 ) -> dict[str, Any]:
     """Compiles the case for the target and returns {kernel name: figures} (a child's function).
     With `options`, the op's further arguments too: one key/value head under the query heads,
-    causal, a window, both sequence lengths (traced), a soft cap and the residual."""
+    causal, a window, both sequence lengths (traced), a soft cap and the residual; with
+    `positions_first`, q, k and v [T|S, B, N, head_dim], read in place."""
     import jax.numpy as jnp
 
     import gated_attention as ga
@@ -72,8 +74,9 @@ def kernel_stats(
     dots = gpu_common.dot_precision(lax_precision, dt, impl.interpret)
     tiles = impl.tiles(dt, dots, head_dim, options, (bias, mask))
     step, args = common.case_program(
-        impl, dtype, head_dim, bias, mask, lax_precision, options, batch, q_len, k_len, heads
-    )
+        impl, dtype, head_dim, bias, mask, lax_precision, options, batch, q_len, k_len, heads,
+        positions_first,
+    )  # fmt: skip
     spec = targets.target(target)
     with tempfile.TemporaryDirectory() as dump:
         start = time.perf_counter()

@@ -5,7 +5,7 @@ kernel of a case compiles with 0 spill bytes, within the target's shared memory,
 tensor-core MMA instructions wherever the precision allows them. A covering subset of the matrix
 (every dtype, every padded head dim, every bias and mask form, both targets, lengths that are not
 multiples of the tiles, float32 at each precision, and the op's further arguments: GQA, causal,
-window, lengths, soft cap); benchmark_results/gpu_kernels/ has the whole matrix."""
+window, lengths, soft cap), and AF2's form positions first (the columns read in place); benchmark_results/gpu_kernels/ has the whole matrix."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ CASES = {
         dict(dtype="float16", head_dim=16, bias="per_row", mask="none"),
         dict(dtype="bfloat16", head_dim=64, bias="both", mask="full"),
         dict(dtype="bfloat16", head_dim=32, bias="both", mask="key", options=True),
+        dict(dtype="bfloat16", head_dim=32, bias="shared", mask="key", positions_first=True),
     ],
     "h100": [
         dict(dtype="float32", head_dim=32, bias="none", mask="full"),
@@ -61,10 +62,12 @@ def test_kernels_compile_without_spills_and_use_the_tensor_cores():
             assert all(k["mma"] != ieee for k in stats["kernels"].values()), (target, case)
 
 
-# AF2's form in bfloat16, and float32 (TF32 wgmma) with both bias forms, a full mask and every
-# further argument; the whole matrix: benchmark_results/mosaic_kernels/h100.md.
+# AF2's form in bfloat16 (as the column-wise modules hand it too: positions first), and float32
+# (TF32 wgmma) with both bias forms, a full mask and every further argument; the whole matrix:
+# benchmark_results/mosaic_kernels/h100.md.
 MOSAIC_CASES = [
     dict(dtype="bfloat16", head_dim=32, bias="shared", mask="key"),
+    dict(dtype="bfloat16", head_dim=32, bias="shared", mask="key", positions_first=True),
     dict(dtype="float32", head_dim=16, bias="both", mask="full", options=True),
 ]
 
