@@ -313,7 +313,8 @@ def _family_config(preset):
     # Our modules' global_config.remat_policy in the training cells, one cell per policy.
     cfg.remat_policies = ("nothing",)
     # Our modules' global_config.memory_budget_mib, one cell per budget (None: the default). On a
-    # GPU, e.g. (None, 16384.0): the default's row tiles against one tile (time against memory).
+    # GPU, e.g. (None, 256.0): the default (one call where the module fits 0.1 of the device's
+    # memory) against the CPU's 256 MiB row tiles (time against memory).
     cfg.memory_budgets_mib = (None,)
     cfg.family_variants = ()  # (): each cell's own (AF2, ours, and the floor for blocks)
     cfg.model_dtype = "float32"  # the whole model's cell (AF2's monomer default)
