@@ -90,15 +90,15 @@ def msa_stack(msa, pair, msa_mask, pair_mask):
 
 def _inputs(name, dtype):
     """(inputs, which of them are differentiated): unit-normal activations, masks with PADDED
-    tokens padded."""
+    tokens padded (in the activations' dtype, as AF3's trunk casts them)."""
     rng = np.random.default_rng(0)
     act = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
-    seq_mask = jnp.asarray(np.arange(N) < N - PADDED, jnp.float32)
+    seq_mask = jnp.asarray(np.arange(N) < N - PADDED, dtype)  # in the activations' dtype, as AF3's
     pair_mask = seq_mask[:, None] * seq_mask[None]
     if name == "pairformer":
         return (act(N, N, C_Z), pair_mask, act(N, C_S), seq_mask), (0, 2)
     if name == "template_stack":
-        return (act(N, N, C_Z), pair_mask.astype(dtype)), (0,)  # as TemplateEmbedding's
+        return (act(N, N, C_Z), pair_mask), (0,)
     msa_mask = jnp.broadcast_to(seq_mask, (S, N))
     return (act(S, N, C_M), act(N, N, C_Z), msa_mask, pair_mask), (0, 1)
 
