@@ -7,14 +7,18 @@ bfloat16_context, AF3's GlobalConfig otherwise (its triangle attention runs over
 below 1,536 tokens). Modes: 'inference' (the block's outputs) and 'gradient' (the gradient of the
 block with respect to the pair, what binder design takes; the outputs' cotangents are arguments).
 Variants: 'af3' (flash_attention_implementation='xla', AF3's attention on a TPU and what it runs
-without tokamax), 'ours' (the swap, 'auto'), 'ours:<implementation>', and 'floor' (AF3's attention
-function replaced by a stand-in that returns the values: the same projections and shapes, no
-logits). The peak is XLA's memory_analysis (arguments + outputs + temporaries); each cell compiles
+without tokamax), 'ours' (the swap, 'auto'), 'ours:<implementation>', 'floor' and 'floor_qkv' (AF3's
+attention function replaced by a stand-in with its shapes and no logits, FLOORS), and 'no_inline'
+(AF3's inline self_attention, the single and diffusion transformers', replaced by one projection:
+the rest's cost, so the inline attention's share). what='diffusion': the diffusion head's token
+transformer (24 blocks, inline attention only), inference. The peak is XLA's memory_analysis (arguments + outputs + temporaries); each cell compiles
 in a child process. `--longest` searches the longest token count whose peak fits the device, in
 steps of `--step` tokens.
 
   python -m gated_attention_tools.af3_memory --targets=h100 --tokens=1024 --modes=gradient
   python -m gated_attention_tools.af3_memory --targets=h100,rtx4090,v5e --longest --modes=gradient
+  python -m gated_attention_tools.af3_memory --what=diffusion --modes=inference --variants=af3,no_inline
+  python -m gated_attention_tools.af3_memory --cpu_time --what=diffusion --variants=af3,no_inline
 """
 
 from __future__ import annotations
@@ -25,9 +29,19 @@ import json
 import time
 from typing import Any
 
-VARIANTS = ("af3", "ours", "floor")
+VARIANTS = ("af3", "ours", "floor", "floor_qkv", "no_inline")
 MODES = ("inference", "gradient")
-PAIR, SINGLE = 128, 384  # AF3's trunk channels
+WHATS = ("trunk", "diffusion")
+PAIR, SINGLE, TOKEN = 128, 384, 768  # AF3's trunk channels, the diffusion transformer's
+
+
+def _no_logits(x, mask, pair_logits, config, global_config, single_cond=None, name="", **kwargs):
+    """A stand-in for AF3's inline self_attention with its shapes and no logits: one projection of
+    x (the 'no_inline' variant: what the rest costs, so the share of the inline attention)."""
+    import haiku as hk
+
+    del mask, pair_logits, config, global_config, single_cond, kwargs
+    return hk.Linear(x.shape[-1], name=f"{name}no_logits")(x)
 
 
 def _swap(variant: str):
@@ -38,10 +52,11 @@ def _swap(variant: str):
     name, _, implementation = variant.partition(":")
     if name == "ours":
         return ga.af3.use_gated_attention(implementation or "auto")
-    if name == "floor":
-        attention = af3_model.load().attention
-        stand_in = lambda q, k, v, **kwargs: v  # noqa: E731 (no logits: the values, as they are)
-        return _patched(attention, "dot_product_attention", stand_in)
+    if name in ("floor", "floor_qkv"):
+        stand_in = FLOORS[name]
+        return _patched(af3_model.load().attention, "dot_product_attention", stand_in)
+    if name == "no_inline":
+        return _patched(af3_model.load().diffusion_transformer, "self_attention", _no_logits)
     if name != "af3":
         raise ValueError(
             f"variant must be one of {VARIANTS} or 'ours:<implementation>', got {variant!r}"
@@ -49,24 +64,81 @@ def _swap(variant: str):
     return contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def _patched(module, name, value):
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
+# Stand-ins for AF3's attention function with its shapes and no logits: 'floor' returns the values
+# (q and k are then dead code, their projections too); 'floor_qkv' their elementwise product, so
+# the gradient keeps q, k and v as an attention's must (AF3's q/k/v heads have one width).
+FLOORS = {
+    "floor": lambda q, k, v, **kwargs: v,
+    "floor_qkv": lambda q, k, v, **kwargs: q * k * v,
+}
 
 
-def problem(variant: str, n_tokens: int, mode: str):
-    """(fn, abstract args): AF3's trunk block in `variant`, inference or its pair gradient."""
+class _patched(contextlib.ContextDecorator):  # noqa: N801 (a context, named as one)
+    """module.name = value while active; reusable (the init's trace and the apply's)."""
+
+    def __init__(self, module, name, value):
+        self.module, self.name, self.value = module, name, value
+
+    def __enter__(self):
+        self.original = getattr(self.module, self.name)
+        setattr(self.module, self.name, self.value)
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.original)
+
+
+def _diffusion_problem(variant: str, n_tokens: int, mode: str):
+    """(fn, abstract args): the diffusion head's token transformer (24 blocks of inline self
+    attention with the pair's logits), one sampling step's call, in bfloat16."""
     import haiku as hk
     import jax
     import jax.numpy as jnp
 
     from gated_attention_tools import af3_model
 
+    if mode != "inference":
+        raise ValueError(f"the diffusion transformer is measured for inference, got {mode=}")
+    af3 = af3_model.load()
+    config = af3.diffusion_head.DiffusionHead.Config().transformer
+    global_config = af3.model_config.GlobalConfig(flash_attention_implementation="xla")
+
+    def transformer(act, mask, single_cond, pair_cond):
+        with af3.utils.bfloat16_context():
+            stack = af3.diffusion_transformer.Transformer(config, global_config)
+            return stack(act=act, mask=mask, single_cond=single_cond, pair_cond=pair_cond)
+
+    t = hk.transform(transformer)
+    n, bf16 = n_tokens, jnp.bfloat16
+    args = [
+        jax.ShapeDtypeStruct((n, TOKEN), bf16),
+        jax.ShapeDtypeStruct((n,), bf16),
+        jax.ShapeDtypeStruct((n, SINGLE), bf16),
+        jax.ShapeDtypeStruct((n, n, PAIR), bf16),
+    ]
+    swap = _swap(variant)
+    with swap:
+        params = jax.eval_shape(t.init, jax.random.PRNGKey(0), *args)
+
+    def inference(params, *args):
+        with swap:
+            return t.apply(params, None, *args)
+
+    return inference, [params, *args]
+
+
+def problem(variant: str, n_tokens: int, mode: str, what: str = "trunk"):
+    """(fn, abstract args): AF3's trunk block (or, what='diffusion', its diffusion transformer)
+    in `variant`, inference or its pair gradient."""
+    import haiku as hk
+    import jax
+    import jax.numpy as jnp
+
+    from gated_attention_tools import af3_model
+
+    if what not in WHATS:
+        raise ValueError(f"what must be one of {WHATS}, got {what!r}")
+    if what == "diffusion":
+        return _diffusion_problem(variant, n_tokens, mode)
     af3 = af3_model.load()
     config = af3.evoformer.Evoformer.Config().pairformer
     global_config = af3.model_config.GlobalConfig(flash_attention_implementation="xla")
@@ -84,9 +156,10 @@ def problem(variant: str, n_tokens: int, mode: str):
     pair = jax.ShapeDtypeStruct((n, n, PAIR), bf16)
     single = jax.ShapeDtypeStruct((n, SINGLE), bf16)
     masks = jax.ShapeDtypeStruct((n, n), bf16), jax.ShapeDtypeStruct((n,), bf16)  # as AF3's trunk
-    params = jax.eval_shape(t.init, jax.random.PRNGKey(0), pair, masks[0], single, masks[1])
-    key = jax.random.PRNGKey(1)
     swap = _swap(variant)
+    with swap:  # no_inline's stand-in has parameters of its own
+        params = jax.eval_shape(t.init, jax.random.PRNGKey(0), pair, masks[0], single, masks[1])
+    key = jax.random.PRNGKey(1)
 
     def inference(params, pair, pair_mask, single, seq_mask):
         with swap:
@@ -104,12 +177,14 @@ def problem(variant: str, n_tokens: int, mode: str):
     return gradient, [params, pair, masks[0], single, masks[1], (pair, single)]
 
 
-def compile_cell(variant: str, n_tokens: int, mode: str, target: str) -> dict[str, Any]:
+def compile_cell(
+    variant: str, n_tokens: int, mode: str, target: str, what: str = "trunk"
+) -> dict[str, Any]:
     """The child: one cell compiled for its target; its memory and what 'auto' chose there."""
     import gated_attention as ga
     from gated_attention_tools import measure, targets
 
-    fn, args = problem(variant, n_tokens, mode)
+    fn, args = problem(variant, n_tokens, mode, what)
     start = time.perf_counter()
     with ga.record_implementation_choices() as choices:
         compiled = targets.compile(fn, *args, target=target)
@@ -122,12 +197,14 @@ def compile_cell(variant: str, n_tokens: int, mode: str, target: str) -> dict[st
     )
 
 
-def measure_cell(variant: str, n_tokens: int, mode: str, target: str, log=print) -> dict:
+def measure_cell(
+    variant: str, n_tokens: int, mode: str, target: str, log=print, what: str = "trunk"
+) -> dict:
     """compile_cell in a child process: the row, with whether the peak fits, or the error."""
     from gated_attention_tools import targets
 
-    row = dict(variant=variant, n_tokens=n_tokens, mode=mode, target=target)
-    kwargs = dict(variant=variant, n_tokens=n_tokens, mode=mode, target=target)
+    kwargs = dict(variant=variant, n_tokens=n_tokens, mode=mode, target=target, what=what)
+    row = dict(kwargs)
     try:
         got = targets.in_child("gated_attention_tools.af3_memory:compile_cell", kwargs, log)
     except RuntimeError as e:  # a compiler's error (a TPU's RESOURCE_EXHAUSTED: does not fit)
@@ -136,21 +213,71 @@ def measure_cell(variant: str, n_tokens: int, mode: str, target: str, log=print)
     return row | got | dict(fits=fits)
 
 
-def longest(variant: str, mode: str, target: str, start: int, step: int, log=print) -> list:
+def longest(
+    variant: str, mode: str, target: str, start: int, step: int, log=print, what: str = "trunk"
+) -> list:
     """Rows from `start` tokens up (while they fit) or down (while they don't) in `step`s: the
     last fitting one is the longest, to `step` tokens."""
-    rows = [measure_cell(variant, start, mode, target, log)]
+    rows = [measure_cell(variant, start, mode, target, log, what)]
     direction = step if rows[0]["fits"] else -step
     while start + direction > 0:
         start += direction
-        rows.append(measure_cell(variant, start, mode, target, log))
+        rows.append(measure_cell(variant, start, mode, target, log, what))
         if rows[-1]["fits"] != rows[-2]["fits"]:
             break
     return rows
 
 
+def cpu_time(variants, n_tokens: int, what: str, rounds: int = 5) -> dict[str, Any]:
+    """Seconds per inference call on this CPU, in float32 (XLA:CPU emulates bfloat16), each
+    variant compiled first, then called in turn `rounds` times (interleaved: the machine is
+    shared); the median per variant, and each variant's share against the first."""
+    import jax
+    import numpy as np
+
+    calls = {}
+    for variant in variants:
+        fn, specs = problem(variant, n_tokens, "inference", what)
+        cast = lambda s: jax.ShapeDtypeStruct(s.shape, np.float32)  # noqa: E731
+        specs = jax.tree.map(cast, specs)
+        rng = np.random.default_rng(0)
+        inputs = [jax.device_put(rng.standard_normal(s.shape).astype(s.dtype)) for s in specs[1:]]
+        jitted = jax.jit(fn)
+        t = hk_transformed_params(specs[0], rng)
+        jax.block_until_ready(jitted(t, *inputs))  # compiled
+        calls[variant] = (jitted, t, inputs)
+    seconds = {v: [] for v in variants}
+    for _ in range(rounds):
+        for variant, (jitted, params, inputs) in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(jitted(params, *inputs))
+            seconds[variant].append(time.perf_counter() - start)
+    median = {v: float(np.median(s)) for v, s in seconds.items()}
+    return dict(
+        what=what,
+        n_tokens=n_tokens,
+        dtype="float32",
+        seconds=median,
+        over_first={v: median[v] / median[variants[0]] for v in variants},
+    )
+
+
+def hk_transformed_params(shapes, rng):
+    """Random parameters of these shapes (weights ~ N(0, 1/fan_in), vectors ~ 1 + N(0, 0.01))."""
+    import jax
+    import numpy as np
+
+    def draw(s):
+        scale = s.shape[0] ** -0.5 if len(s.shape) > 1 else 0.1
+        return (scale * rng.standard_normal(s.shape) + (len(s.shape) == 1)).astype(np.float32)
+
+    return jax.device_put(jax.tree.map(draw, shapes))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--what", default="trunk", choices=WHATS)
+    parser.add_argument("--cpu_time", action="store_true", help="CPU time instead (cpu_time)")
     parser.add_argument("--targets", default="h100")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--modes", default="gradient")
@@ -160,15 +287,24 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="a JSON lines file the rows are appended to")
     flags = parser.parse_args(argv)
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    quiet = lambda _: None  # noqa: E731
     tokens = [int(x) for x in split(flags.tokens)]
+    if flags.cpu_time:
+        for n in tokens:
+            row = cpu_time(split(flags.variants), n, flags.what)
+            print(json.dumps(row), flush=True)
+            if flags.out:
+                with open(flags.out, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+        return
     for target in split(flags.targets):
         for mode in split(flags.modes):
             for variant in split(flags.variants):
                 for n in tokens:
                     if flags.longest:
-                        rows = longest(variant, mode, target, n, flags.step, log=lambda _: None)
+                        rows = longest(variant, mode, target, n, flags.step, quiet, flags.what)
                     else:
-                        rows = [measure_cell(variant, n, mode, target, log=lambda _: None)]
+                        rows = [measure_cell(variant, n, mode, target, quiet, flags.what)]
                     for row in rows:
                         print(json.dumps(row), flush=True)
                         if flags.out:

@@ -25,6 +25,7 @@ MODULES = (
     "alphafold3.model.network.evoformer",
     "alphafold3.model.network.template_modules",
     "alphafold3.model.network.diffusion_transformer",
+    "alphafold3.model.network.diffusion_head",
     "alphafold3.model.components.attention",
     "alphafold3.model.components.utils",
 )
