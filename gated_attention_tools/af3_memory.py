@@ -274,6 +274,49 @@ def hk_transformed_params(shapes, rng):
     return jax.device_put(jax.tree.map(draw, shapes))
 
 
+def table(rows: list[dict]) -> str:
+    """Markdown: every compiled cell (peak in GB = 1e9 bytes, against the target's memory), then
+    the longest fitting token count per target, mode and variant where a search ran."""
+    from gated_attention_tools import targets
+
+    lines = [
+        "| target | what | mode | variant | tokens | peak GB | fits | 'auto' chose |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    compiled = [r for r in rows if "target" in r]
+    for r in compiled:
+        peak = f"{r['memory']['peak'] / 1e9:.2f}" if "memory" in r else r.get("error", "")[:60]
+        chosen = ", ".join(r.get("chosen", [])) or "-"
+        what = r.get("what", "trunk")
+        lines.append(
+            f"| {r['target']} | {what} | {r['mode']} | {r['variant']} | {r['n_tokens']} | {peak} "
+            f"| {'yes' if r['fits'] else 'no'} | {chosen} |"
+        )
+    groups: dict[tuple, list] = {}
+    for r in compiled:
+        groups.setdefault(
+            (r["target"], r.get("what", "trunk"), r["mode"], r["variant"]), []
+        ).append(r)
+    longest_rows = []
+    for (target, what, mode, variant), found in groups.items():
+        fit = [r["n_tokens"] for r in found if r["fits"]]
+        over = [r["n_tokens"] for r in found if not r["fits"]]
+        if fit and over:
+            memory = targets.target(target).memory_bytes / 1e9
+            longest_rows.append(
+                f"| {target} ({memory:.1f} GB) | {what} | {mode} | {variant} | {max(fit)} "
+                f"| {min(n for n in over if n > max(fit))} |"
+            )
+    if longest_rows:
+        lines += [
+            "",
+            "| target | what | mode | variant | longest that fits | shortest that does not |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *longest_rows,
+        ]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--what", default="trunk", choices=WHATS)
@@ -285,7 +328,12 @@ def main(argv=None) -> None:
     parser.add_argument("--longest", action="store_true")
     parser.add_argument("--step", type=int, default=128)
     parser.add_argument("--out", default=None, help="a JSON lines file the rows are appended to")
+    parser.add_argument("--table", default=None, help="print a JSON lines file's rows as tables")
     flags = parser.parse_args(argv)
+    if flags.table:
+        with open(flags.table) as f:
+            print(table([json.loads(line) for line in f if line.strip()]))
+        return
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     quiet = lambda _: None  # noqa: E731
     tokens = [int(x) for x in split(flags.tokens)]
