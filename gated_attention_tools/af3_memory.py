@@ -7,24 +7,28 @@ bfloat16_context, AF3's GlobalConfig otherwise (its triangle attention runs over
 below 1,536 tokens). Modes: 'inference' (the block's outputs) and 'gradient' (the gradient of the
 block with respect to the pair, what binder design takes; the outputs' cotangents are arguments).
 Variants: 'af3' (flash_attention_implementation='xla', AF3's attention on a TPU and what it runs
-without tokamax), 'ours' (the swap, 'auto'), 'ours:<implementation>', 'floor' and 'floor_qkv' (AF3's
+without tokamax; 'af3:triton' or 'af3:cudnn' names AF3's others), 'ours' (the swap, 'auto'), 'ours:<implementation>', 'floor' and 'floor_qkv' (AF3's
 attention function replaced by a stand-in with its shapes and no logits, FLOORS), and 'no_inline'
 (AF3's inline self_attention, the single and diffusion transformers', replaced by one projection:
 the rest's cost, so the inline attention's share). what='diffusion': the diffusion head's token
-transformer (24 blocks, inline attention only), inference. The peak is XLA's memory_analysis (arguments + outputs + temporaries); each cell compiles
-in a child process. `--longest` searches the longest token count whose peak fits the device, in
+transformer (24 blocks, inline attention only), inference. The peak is XLA's memory_analysis
+(arguments + outputs + temporaries); each cell compiles in a child process. `--time` runs the
+variants on this machine's device instead (time_cells). `--longest` searches the longest token count whose peak fits the device, in
 steps of `--step` tokens.
 
   python -m gated_attention_tools.af3_memory --targets=h100 --tokens=1024 --modes=gradient
   python -m gated_attention_tools.af3_memory --targets=h100,rtx4090,v5e --longest --modes=gradient
   python -m gated_attention_tools.af3_memory --what=diffusion --modes=inference --variants=af3,no_inline
-  python -m gated_attention_tools.af3_memory --cpu_time --what=diffusion --variants=af3,no_inline
+  python -m gated_attention_tools.af3_memory --time --what=diffusion --variants=af3,no_inline
+  python -m gated_attention_tools.af3_memory --time --modes=gradient,inference \\
+      --variants=af3:triton,ours,af3:xla --tokens=768,1024     # on a GPU: against tokamax's Triton
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import time
 from typing import Any
@@ -32,16 +36,21 @@ from typing import Any
 VARIANTS = ("af3", "ours", "floor", "floor_qkv", "no_inline")
 MODES = ("inference", "gradient")
 WHATS = ("trunk", "diffusion")
+AF3_IMPLEMENTATIONS = ("xla", "triton", "cudnn")  # 'af3:<name>': AF3's own, by its name
 PAIR, SINGLE, TOKEN = 128, 384, 768  # AF3's trunk channels, the diffusion transformer's
 
 
 def _no_logits(x, mask, pair_logits, config, global_config, single_cond=None, name="", **kwargs):
-    """A stand-in for AF3's inline self_attention with its shapes and no logits: one projection of
-    x (the 'no_inline' variant: what the rest costs, so the share of the inline attention)."""
+    """A stand-in for AF3's inline self_attention with its projections (q, k, v, gate and output,
+    of x's width) and no logits: q * k * v gated and projected (the 'no_inline' variant: what the
+    rest costs, so the share of the logits, softmax and weighted average; no layer norm)."""
     import haiku as hk
+    import jax
 
     del mask, pair_logits, config, global_config, single_cond, kwargs
-    return hk.Linear(x.shape[-1], name=f"{name}no_logits")(x)
+    width = x.shape[-1]
+    q, k, v, gate = (hk.Linear(width, name=f"{name}no_logits_{p}")(x) for p in "qkvg")
+    return hk.Linear(width, name=f"{name}no_logits_o")(q * k * v * jax.nn.sigmoid(gate))
 
 
 def _swap(variant: str):
@@ -57,9 +66,10 @@ def _swap(variant: str):
         return _patched(af3_model.load().attention, "dot_product_attention", stand_in)
     if name == "no_inline":
         return _patched(af3_model.load().diffusion_transformer, "self_attention", _no_logits)
-    if name != "af3":
+    if name != "af3" or (implementation and implementation not in AF3_IMPLEMENTATIONS):
         raise ValueError(
-            f"variant must be one of {VARIANTS} or 'ours:<implementation>', got {variant!r}"
+            f"variant must be one of {VARIANTS}, 'ours:<implementation>' or 'af3:<name>' with a "
+            f"name of {AF3_IMPLEMENTATIONS}, got {variant!r}"
         )
     return contextlib.nullcontext()
 
@@ -87,6 +97,14 @@ class _patched(contextlib.ContextDecorator):  # noqa: N801 (a context, named as 
         setattr(self.module, self.name, self.original)
 
 
+def _global_config(af3, variant: str):
+    """AF3's GlobalConfig with the attention AF3 names in 'af3:<name>' ('xla' otherwise: under
+    the swap AF3's name only matters for implementation='af3')."""
+    name, _, implementation = variant.partition(":")
+    chosen = implementation if name == "af3" and implementation else "xla"
+    return af3.model_config.GlobalConfig(flash_attention_implementation=chosen)
+
+
 def _diffusion_problem(variant: str, n_tokens: int, mode: str):
     """(fn, abstract args): the diffusion head's token transformer (24 blocks of inline self
     attention with the pair's logits), one sampling step's call, in bfloat16."""
@@ -100,7 +118,7 @@ def _diffusion_problem(variant: str, n_tokens: int, mode: str):
         raise ValueError(f"the diffusion transformer is measured for inference, got {mode=}")
     af3 = af3_model.load()
     config = af3.diffusion_head.DiffusionHead.Config().transformer
-    global_config = af3.model_config.GlobalConfig(flash_attention_implementation="xla")
+    global_config = _global_config(af3, variant)
 
     def transformer(act, mask, single_cond, pair_cond):
         with af3.utils.bfloat16_context():
@@ -141,7 +159,7 @@ def problem(variant: str, n_tokens: int, mode: str, what: str = "trunk"):
         return _diffusion_problem(variant, n_tokens, mode)
     af3 = af3_model.load()
     config = af3.evoformer.Evoformer.Config().pairformer
-    global_config = af3.model_config.GlobalConfig(flash_attention_implementation="xla")
+    global_config = _global_config(af3, variant)
 
     def block(pair, pair_mask, single, seq_mask):
         with af3.utils.bfloat16_context():
@@ -228,24 +246,29 @@ def longest(
     return rows
 
 
-def cpu_time(variants, n_tokens: int, what: str, rounds: int = 5) -> dict[str, Any]:
-    """Seconds per inference call on this CPU, in float32 (XLA:CPU emulates bfloat16), each
-    variant compiled first, then called in turn `rounds` times (interleaved: the machine is
-    shared); the median per variant, and each variant's share against the first."""
+def time_cells(
+    variants, n_tokens: int, what: str = "trunk", mode: str = "inference", rounds: int = 5
+) -> dict[str, Any]:
+    """Seconds per call on this machine's default device (float32 on a CPU, where XLA emulates
+    bfloat16; bfloat16 elsewhere), each variant compiled first, then called in turn `rounds`
+    times (interleaved: a shared machine drifts); the median per variant, its ratio to the
+    first's, and on a GPU or TPU the device's peak bytes in use after all."""
     import jax
     import numpy as np
 
+    on_cpu = jax.default_backend() == "cpu"
     calls = {}
     for variant in variants:
-        fn, specs = problem(variant, n_tokens, "inference", what)
-        cast = lambda s: jax.ShapeDtypeStruct(s.shape, np.float32)  # noqa: E731
-        specs = jax.tree.map(cast, specs)
+        fn, specs = problem(variant, n_tokens, mode, what)
+        if on_cpu:
+            specs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32), specs)
         rng = np.random.default_rng(0)
-        inputs = [jax.device_put(rng.standard_normal(s.shape).astype(s.dtype)) for s in specs[1:]]
+        draw = lambda s: rng.standard_normal(s.shape).astype(s.dtype)  # noqa: E731, B023
+        inputs = jax.device_put(jax.tree.map(draw, specs[1:]))
+        params = hk_transformed_params(specs[0], rng)
         jitted = jax.jit(fn)
-        t = hk_transformed_params(specs[0], rng)
-        jax.block_until_ready(jitted(t, *inputs))  # compiled
-        calls[variant] = (jitted, t, inputs)
+        jax.block_until_ready(jitted(params, *inputs))  # compiled
+        calls[variant] = (jitted, params, inputs)
     seconds = {v: [] for v in variants}
     for _ in range(rounds):
         for variant, (jitted, params, inputs) in calls.items():
@@ -253,12 +276,16 @@ def cpu_time(variants, n_tokens: int, what: str, rounds: int = 5) -> dict[str, A
             jax.block_until_ready(jitted(params, *inputs))
             seconds[variant].append(time.perf_counter() - start)
     median = {v: float(np.median(s)) for v, s in seconds.items()}
+    stats = None if on_cpu else jax.devices()[0].memory_stats()
     return dict(
         what=what,
+        mode=mode,
         n_tokens=n_tokens,
-        dtype="float32",
+        backend=jax.default_backend(),
+        dtype="float32" if on_cpu else "bfloat16",
         seconds=median,
         over_first={v: median[v] / median[variants[0]] for v in variants},
+        peak_bytes_in_use=None if stats is None else stats.get("peak_bytes_in_use"),
     )
 
 
@@ -320,7 +347,7 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--what", default="trunk", choices=WHATS)
-    parser.add_argument("--cpu_time", action="store_true", help="CPU time instead (cpu_time)")
+    parser.add_argument("--time", action="store_true", help="run and time (time_cells) instead")
     parser.add_argument("--targets", default="h100")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--modes", default="gradient")
@@ -337,9 +364,9 @@ def main(argv=None) -> None:
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     quiet = lambda _: None  # noqa: E731
     tokens = [int(x) for x in split(flags.tokens)]
-    if flags.cpu_time:
-        for n in tokens:
-            row = cpu_time(split(flags.variants), n, flags.what)
+    if flags.time:
+        for mode, n in itertools.product(split(flags.modes), tokens):
+            row = time_cells(split(flags.variants), n, flags.what, mode)
             print(json.dumps(row), flush=True)
             if flags.out:
                 with open(flags.out, "a") as f:
