@@ -7,7 +7,8 @@ bfloat16_context, AF3's GlobalConfig otherwise (its triangle attention runs over
 below 1,536 tokens). Modes: 'inference' (the block's outputs) and 'gradient' (the gradient of the
 block with respect to the pair, what binder design takes; the outputs' cotangents are arguments).
 Variants: 'af3' (flash_attention_implementation='xla', AF3's attention on a TPU and what it runs
-without tokamax; 'af3:triton' or 'af3:cudnn' names AF3's others), 'ours' (the swap, 'auto'), 'ours:<implementation>', 'floor' and 'floor_qkv' (AF3's
+without tokamax; 'af3:triton' or 'af3:cudnn' names AF3's others), 'ours' (the swap, 'auto'), 'ours_inline' (with
+its inline half too), 'ours:<implementation>', 'floor' and 'floor_qkv' (AF3's
 attention function replaced by a stand-in with its shapes and no logits, FLOORS), and 'no_inline'
 (AF3's inline self_attention, the single and diffusion transformers', replaced by one projection:
 the rest's cost, so the inline attention's share). what='diffusion': the diffusion head's token
@@ -33,7 +34,7 @@ import json
 import time
 from typing import Any
 
-VARIANTS = ("af3", "ours", "floor", "floor_qkv", "no_inline")
+VARIANTS = ("af3", "ours", "ours_inline", "floor", "floor_qkv", "no_inline")
 MODES = ("inference", "gradient")
 WHATS = ("trunk", "diffusion")
 AF3_IMPLEMENTATIONS = ("xla", "triton", "cudnn")  # 'af3:<name>': AF3's own, by its name
@@ -59,8 +60,9 @@ def _swap(variant: str):
     from gated_attention_tools import af3_model
 
     name, _, implementation = variant.partition(":")
-    if name == "ours":
-        return ga.af3.use_gated_attention(implementation or "auto")
+    if name in ("ours", "ours_inline"):
+        inline = name == "ours_inline"
+        return ga.af3.use_gated_attention(implementation or "auto", inline=inline)
     if name in ("floor", "floor_qkv"):
         stand_in = FLOORS[name]
         return _patched(af3_model.load().attention, "dot_product_attention", stand_in)

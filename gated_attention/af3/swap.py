@@ -30,8 +30,9 @@ as af2_package's: on first use each entry point becomes a dispatcher that calls 
 ours by the swap active in the calling thread (a JAX config state, thread-local and part of jax.jit's
 trace context), so another thread meanwhile, and code outside the swap, get AF3's attention, and a
 function jitted on one side of the swap is traced again on the other, never served from the cache.
-The single and diffusion transformers' attention (diffusion_transformer.self_attention and
-cross_attention) is written inline in AF3 and stays AF3's.
+AF3's inline self attention (diffusion_transformer.self_attention, which the single and diffusion
+transformers call) is swapped with inline=True (inline.py; opt-in, use_gated_attention says
+why); the atom transformers' cross_attention stays AF3's.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from gated_attention.af3 import inline as inline_attention
 from gated_attention.attention import api
 from gated_attention.core import compat
 
@@ -53,6 +55,8 @@ ENTRY_POINTS = (
     ("alphafold3.model.components.attention", "dot_product_attention"),
     ("tokamax", "dot_product_attention"),
 )
+# AF3's inline attention (the single and diffusion transformers'): inline.py's function.
+INLINE = (("alphafold3.model.network.diffusion_transformer", "self_attention"),)
 TESTED_WITH = "alphafold3-colabfold==3.1.18"
 
 # implementation='af3': AF3's name for its attention -> ours. 'volta' (ColabFold's Volta/Turing
@@ -73,7 +77,8 @@ _ACTIVE = compat.trace_context_state(
     None,
     "The gated_attention AF3 swap active in this thread (af3.use_gated_attention).",
 )
-_SWAPS: dict[str, Any] = {}  # key -> the implementation argument of that swap
+# key -> (the implementation argument of that swap, the entry points it answers)
+_SWAPS: dict[str, tuple[Any, frozenset]] = {}
 _ORIGINAL = "gated_attention_af3_original"  # a dispatcher's attribute: the function it stands for
 
 
@@ -127,18 +132,33 @@ def attention(
     return api.dot_product_attention(query, key, value, bias, mask, implementation=ours, **kwargs)
 
 
-def _dispatcher(original: Callable) -> Callable:
-    """A stand-in for AF3's `original` that calls ours under a swap in this thread, else AF3's."""
+def _inline(
+    original: Callable, setting: Any, x, mask, pair_logits, config, global_config, *a, **kw
+):
+    """AF3's inline self_attention answered by inline.py's, with the swap's implementation (for
+    'af3': AF3's name in global_config)."""
+    name = global_config.flash_attention_implementation
+    implementation = af3_implementation(name, setting)
+    args = (x, mask, pair_logits, config, global_config, *a)
+    return inline_attention.self_attention(original, implementation, *args, **kw)
+
+
+def _dispatcher(original: Callable, entry: tuple[str, str]) -> Callable:
+    """A stand-in for AF3's `original` (the entry point (module name, attribute)) that calls ours
+    under a swap of this entry point in this thread, else AF3's."""
 
     @functools.wraps(original)
-    def dot_product_attention(*args, **kwargs):
+    def dispatcher(*args, **kwargs):
         key = _ACTIVE.value
-        if key is None:
+        if key is None or entry not in _SWAPS[key][1]:
             return original(*args, **kwargs)
-        return attention(*args, swap_implementation=_SWAPS[key], **kwargs)
+        setting = _SWAPS[key][0]
+        if entry[1] == "self_attention":
+            return _inline(original, setting, *args, **kwargs)
+        return attention(*args, swap_implementation=setting, **kwargs)
 
-    setattr(dot_product_attention, _ORIGINAL, original)
-    return dot_product_attention
+    setattr(dispatcher, _ORIGINAL, original)
+    return dispatcher
 
 
 def entry_module(name: str) -> ModuleType:
@@ -164,10 +184,10 @@ def _install(entry_points) -> None:
             f"(tested with {TESTED_WITH})"
         )
     with _LOCK:
-        for module, _, attr in modules:
+        for module, name, attr in modules:
             function = getattr(module, attr)
             if not hasattr(function, _ORIGINAL):
-                setattr(module, attr, _dispatcher(function))
+                setattr(module, attr, _dispatcher(function, (name, attr)))
 
 
 def original_function(module: str, attr: str = "dot_product_attention") -> Callable:
@@ -179,7 +199,7 @@ def original_function(module: str, attr: str = "dot_product_attention") -> Calla
 def active_implementation() -> Any:
     """The implementation setting of the swap active in this thread, or None outside a swap."""
     key = _ACTIVE.value
-    return None if key is None else _SWAPS[key]
+    return None if key is None else _SWAPS[key][0]
 
 
 def _check_implementation(implementation: Any) -> None:
@@ -203,12 +223,13 @@ class _Swap(contextlib.ContextDecorator):
     def __enter__(self) -> Any:
         _install(self._entry_points)
         setting = self._implementation
-        # One key per setting: jax.jit's cache then serves a swap's trace to the same setting.
+        # One key per setting and entry points: jax.jit serves a trace to the same swap only.
         name = (
             setting if isinstance(setting, str) else f"{type(setting).__qualname__}@{id(setting):x}"
         )
-        key = f"af3:{name}"
-        _SWAPS[key] = setting
+        entries = frozenset(self._entry_points)
+        key = f"af3:{name}:" + ",".join(f"{m}.{a}" for m, a in sorted(entries))
+        _SWAPS[key] = (setting, entries)
         state = _ACTIVE(key)
         state.__enter__()
         self._stack().append(state)
@@ -223,17 +244,27 @@ class _Swap(contextlib.ContextDecorator):
         return self._entered.stack
 
 
-def use_gated_attention(implementation: Any = "auto", *, entry_points=ENTRY_POINTS) -> _Swap:
+def use_gated_attention(
+    implementation: Any = "auto", *, inline: bool = False, entry_points=None
+) -> _Swap:
     """AF3's pair attention answered by this library's op, as a context manager or a decorator.
 
     Args:
       implementation: 'auto' (default): every call to our 'auto'; 'af3': AF3's name mapped by
         AF3_NAMES; or our op's implementation argument (a name of IMPLEMENTATIONS, an
         Implementation, an Auto, a sequence), used for every call.
-      entry_points: (module name, attribute) pairs to replace; ENTRY_POINTS by default.
+      inline: also AF3's inline self attention (INLINE: the single and diffusion transformers'),
+        opt-in: its forward matches AF3's in float32 and bfloat16 and its float32 gradients do,
+        but its bfloat16 gradients of q and k are further from float32 than AF3's own
+        (tests/af3/test_parity.py).
+      entry_points: (module name, attribute) pairs to replace; None: ENTRY_POINTS (and INLINE).
 
     Returns:
       A reusable, re-entrant context manager (entering it returns the implementation setting)
       that is also a decorator: the swap holds while the decorated function runs.
     """
+    if not isinstance(inline, bool):
+        raise TypeError(f"inline must be a bool, got {inline!r}")
+    if entry_points is None:
+        entry_points = ENTRY_POINTS + (INLINE if inline else ())
     return _Swap(implementation, entry_points)

@@ -28,12 +28,13 @@ import gated_attention as ga
 from gated_attention_tools import family_benchmark
 from tests.af3 import af3_modules
 
-N, S, C_Z, C_S, C_M, HEADS = 16, 4, 16, 32, 16, 2  # tokens, MSA rows, channels, heads
+N, S, C_Z, C_S, C_M, C_T, HEADS = 16, 4, 16, 32, 16, 32, 2  # tokens, MSA rows, channels, heads
 PADDED = 3  # the last tokens are padding (masked)
 TOL_F32 = 1e-5
 # Two blocks stacked, whose gradients (of the first block's q/k projections) AF3 itself computes in
 # float32 only to ~4e-5 of float64: there the bound is AF3's own float32 rounding.
-FLOAT64_ARBITER = ("template_stack",)
+# The diffusion transformer's two blocks (random conditioning): AF3's float32 is ~7e-4 from float64.
+FLOAT64_ARBITER = ("template_stack", "diffusion")
 BF16_MARGIN = 1.05  # the largest difference is in AF3's own layers (the same to 6 digits)
 
 
@@ -99,15 +100,33 @@ def _inputs(name, dtype):
         return (act(N, N, C_Z), pair_mask, act(N, C_S), seq_mask), (0, 2)
     if name == "template_stack":
         return (act(N, N, C_Z), pair_mask), (0,)
+    if name == "diffusion":
+        return (act(N, C_T), seq_mask, act(N, C_S), act(N, N, C_Z)), (0, 2, 3)
     msa_mask = jnp.broadcast_to(seq_mask, (S, N))
     return (act(S, N, C_M), act(N, N, C_Z), msa_mask, pair_mask), (0, 1)
 
 
-BLOCKS = {"pairformer": pairformer, "template_stack": template_stack, "msa_stack": msa_stack}
-# Our op's recorded calls in a swapped trace: each block has two triangle attentions (the template
-# stack's two layers are one scanned body), and each records two calls (measured: a forward trace of
-# PairFormerIteration alone records four); AF3's own trace: none.
-CALLS = 4
+def diffusion(act, mask, single_cond, pair_cond):
+    """The diffusion head's token transformer (two blocks of inline self attention with the
+    pair's logits: ours when swapped), its conditioning AF3's."""
+    af3 = _af3()
+    config = af3.diffusion_transformer.Transformer.Config(
+        num_blocks=2, super_block_size=2, attention={"num_head": HEADS}
+    )
+    stack = af3.diffusion_transformer.Transformer(config, _global_config())
+    return stack(act=act, mask=mask, single_cond=single_cond, pair_cond=pair_cond)
+
+
+BLOCKS = {
+    "pairformer": pairformer,
+    "template_stack": template_stack,
+    "msa_stack": msa_stack,
+    "diffusion": diffusion,
+}
+# Our op's recorded calls in a swapped trace (AF3's own: none): each triangle attention records two
+# (measured: a forward trace of PairFormerIteration's two records four), the inline attention one
+# (the trunk's single attention; the diffusion transformer's, one per scanned block body).
+CALLS = {"pairformer": 5, "template_stack": 4, "msa_stack": 4, "diffusion": 1}
 
 
 def _step(fn, differentiated, swap, calls):
@@ -147,7 +166,9 @@ def _run(name, dtype, swapped, params=None, swap=None):
     import contextlib
 
     inputs, differentiated = _inputs(name, dtype)
-    swap = swap or (ga.af3.use_gated_attention() if swapped else contextlib.nullcontext())
+    swap = swap or (
+        ga.af3.use_gated_attention(inline=True) if swapped else contextlib.nullcontext()
+    )
     calls = []
     t, step = _step(BLOCKS[name], differentiated, swap, calls)
     if params is None:
@@ -158,7 +179,7 @@ def _run(name, dtype, swapped, params=None, swap=None):
         jnp.asarray(rng.normal(size=s.shape), jnp.float32) for s in jax.tree.leaves(shapes)
     ]
     result = step(params, cotangents, *inputs)
-    assert calls == [CALLS if swapped else 0], (name, dtype, swapped, calls)
+    assert calls == [CALLS[name] if swapped else 0], (name, dtype, swapped, calls)
     return params, result
 
 
@@ -192,6 +213,32 @@ def test_bfloat16_within_af3s_own_bfloat16_difference(name):
     ours_diff = family_benchmark.relative_diff(ours, reference)
     print(f"{name}: bfloat16 ours {ours_diff:.3g} AF3 {af3_diff:.3g}")
     assert ours_diff <= BF16_MARGIN * af3_diff, (name, ours_diff, af3_diff)
+
+
+def test_bfloat16_inline_forward_within_af3s_own_bfloat16_difference():
+    """The diffusion transformer's output (sampling: no gradient) in bfloat16."""
+    params, reference = _af3_float32("diffusion")
+    _, (af3, _) = _run("diffusion", jnp.bfloat16, swapped=False, params=params)
+    _, (ours, _) = _run("diffusion", jnp.bfloat16, swapped=True, params=params)
+    af3_diff = family_benchmark.relative_diff(af3, reference[0])
+    ours_diff = family_benchmark.relative_diff(ours, reference[0])
+    print(f"diffusion: bfloat16 forward ours {ours_diff:.3g} AF3 {af3_diff:.3g}")
+    assert ours_diff <= BF16_MARGIN * af3_diff, (ours_diff, af3_diff)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: through the diffusion transformer's inline attention our op's bfloat16 "
+    "gradients of q and k are ~8x further from float32 than AF3's own (whose are ~100% off "
+    "too); why the swap's inline half is opt-in (use_gated_attention(inline=True))",
+)
+def test_bfloat16_inline_gradients_within_af3s_own_bfloat16_difference():
+    params, reference = _af3_float32("diffusion")
+    _, af3 = _run("diffusion", jnp.bfloat16, swapped=False, params=params)
+    _, ours = _run("diffusion", jnp.bfloat16, swapped=True, params=params)
+    af3_diff = family_benchmark.relative_diff(af3[1], reference[1])
+    ours_diff = family_benchmark.relative_diff(ours[1], reference[1])
+    assert ours_diff <= BF16_MARGIN * af3_diff, (ours_diff, af3_diff)
 
 
 def test_a_one_percent_scale_error_fails():

@@ -175,3 +175,24 @@ def test_af3s_entry_points_are_where_the_swap_expects_them():
     with ga.af3.use_gated_attention():
         assert [_who(m) for m in entries] == ["ours", "ours"]
     assert [_who(m) for m in entries] == ["af3", "af3"]
+
+
+def test_the_inline_half_is_opt_in():
+    """AF3's diffusion transformer (inline attention only) runs ours under inline=True, AF3's
+    under the default swap; inline must be a bool."""
+    import haiku as hk
+    import jax.numpy as jnp
+
+    from tests.af3 import test_parity
+
+    inputs, _ = test_parity._inputs("diffusion", jnp.float32)
+    t = hk.transform(test_parity.diffusion)
+    params = jax.eval_shape(t.init, jax.random.PRNGKey(0), *inputs)
+    counts = []
+    for swap in (ga.af3.use_gated_attention(), ga.af3.use_gated_attention(inline=True)):
+        with swap, ga.record_implementation_choices() as record:
+            jax.eval_shape(t.apply, params, jax.random.PRNGKey(0), *inputs)
+        counts.append(len(record))
+    assert counts == [0, 1], counts
+    with pytest.raises(TypeError, match="inline must be a bool, got 'yes'"):
+        ga.af3.use_gated_attention(inline="yes")
