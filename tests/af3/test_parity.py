@@ -188,6 +188,12 @@ def _af3_float32(name):
     return _run(name, jnp.float32, swapped=False)
 
 
+@functools.cache
+def _bfloat16(name, swapped):
+    """(outputs, gradients) in bfloat16 with _af3_float32's parameters (one compile per side)."""
+    return _run(name, jnp.bfloat16, swapped=swapped, params=_af3_float32(name)[0])[1]
+
+
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_float32_matches_af3(name):
     params, expected = _af3_float32(name)
@@ -206,9 +212,8 @@ def test_float32_matches_af3(name):
 # is the trunk's without the single track, whose bfloat16 is checked here; float32 checks it.
 @pytest.mark.parametrize("name", ["pairformer", "msa_stack"])
 def test_bfloat16_within_af3s_own_bfloat16_difference(name):
-    params, reference = _af3_float32(name)
-    _, af3 = _run(name, jnp.bfloat16, swapped=False, params=params)
-    _, ours = _run(name, jnp.bfloat16, swapped=True, params=params)
+    _, reference = _af3_float32(name)
+    af3, ours = _bfloat16(name, False), _bfloat16(name, True)
     af3_diff = family_benchmark.relative_diff(af3, reference)
     ours_diff = family_benchmark.relative_diff(ours, reference)
     print(f"{name}: bfloat16 ours {ours_diff:.3g} AF3 {af3_diff:.3g}")
@@ -217,11 +222,10 @@ def test_bfloat16_within_af3s_own_bfloat16_difference(name):
 
 def test_bfloat16_inline_forward_within_af3s_own_bfloat16_difference():
     """The diffusion transformer's output (sampling: no gradient) in bfloat16."""
-    params, reference = _af3_float32("diffusion")
-    _, (af3, _) = _run("diffusion", jnp.bfloat16, swapped=False, params=params)
-    _, (ours, _) = _run("diffusion", jnp.bfloat16, swapped=True, params=params)
-    af3_diff = family_benchmark.relative_diff(af3, reference[0])
-    ours_diff = family_benchmark.relative_diff(ours, reference[0])
+    _, reference = _af3_float32("diffusion")
+    af3, ours = _bfloat16("diffusion", False), _bfloat16("diffusion", True)
+    af3_diff = family_benchmark.relative_diff(af3[0], reference[0])
+    ours_diff = family_benchmark.relative_diff(ours[0], reference[0])
     print(f"diffusion: bfloat16 forward ours {ours_diff:.3g} AF3 {af3_diff:.3g}")
     assert ours_diff <= BF16_MARGIN * af3_diff, (ours_diff, af3_diff)
 
@@ -233,9 +237,8 @@ def test_bfloat16_inline_forward_within_af3s_own_bfloat16_difference():
     "too); why the swap's inline half is opt-in (use_gated_attention(inline=True))",
 )
 def test_bfloat16_inline_gradients_within_af3s_own_bfloat16_difference():
-    params, reference = _af3_float32("diffusion")
-    _, af3 = _run("diffusion", jnp.bfloat16, swapped=False, params=params)
-    _, ours = _run("diffusion", jnp.bfloat16, swapped=True, params=params)
+    _, reference = _af3_float32("diffusion")
+    af3, ours = _bfloat16("diffusion", False), _bfloat16("diffusion", True)
     af3_diff = family_benchmark.relative_diff(af3[1], reference[1])
     ours_diff = family_benchmark.relative_diff(ours[1], reference[1])
     assert ours_diff <= BF16_MARGIN * af3_diff, (ours_diff, af3_diff)
