@@ -14,7 +14,9 @@ modules, parameters and configs stay AF3's:
 
     @ga.af3.use_gated_attention()        # or: with ga.af3.use_gated_attention():
     def trunk_block(pair, pair_mask, single, seq_mask):
-        block = modules.PairFormerIteration(config, global_config, with_single=True)
+        block = modules.PairFormerIteration(
+            config, global_config, with_single=True, name="trunk_pairformer"
+        )
         return block(pair, pair_mask, single_act=single, seq_mask=seq_mask)
 
     fn = hk.transform(trunk_block)          # traced inside the decorator: AF3 with our attention
