@@ -257,8 +257,8 @@ def use_gated_attention(
         Implementation, an Auto, a sequence), used for every call.
       inline: also AF3's inline self attention (INLINE: the single and diffusion transformers'),
         opt-in: its forward matches AF3's in float32 and bfloat16 and its float32 gradients do,
-        but its bfloat16 gradients of q and k are further from float32 than AF3's own
-        (tests/af3/test_parity.py).
+        but through the diffusion transformer its bfloat16 gradients of q and k are further
+        from float32 than AF3's own, cause not found (tests/af3/test_parity.py's xfail).
       entry_points: (module name, attribute) pairs to replace; None: ENTRY_POINTS (and INLINE).
 
     Returns:
