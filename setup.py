@@ -1,6 +1,7 @@
 """Installs the library, gated_attention, alone: `pip install -e .[test,targets]` for the tests,
-`.[af2]` for AlphaFold 2 (alphafold-colabfold) beside it, `.[bench]` for the benchmark (AF2's package as the baseline, plots), `.[targets]` for compiling for
-GPUs and TPUs on a machine without them, `.[gpu-bench]` (with JAX's CUDA build) for the GPU
+`.[af2]` for AlphaFold 2 (alphafold-colabfold) beside it, `.[af3]` for AlphaFold 3's own model
+(Python >= 3.12; in `test` too), `.[bench]` for the benchmark (AF2's package as the baseline,
+plots), `.[targets]` for compiling for GPUs and TPUs on a machine without them, `.[gpu-bench]` (with JAX's CUDA build) for the GPU
 benchmark's other kernels. The tooling behind scripts/, configs/ and tests/ (gated_attention_tools:
 the experiment schema, the benchmarks, the deviceless compiles) is not in the wheel: it runs from a
 checkout, as scripts/ and configs/ do (`python -m gated_attention_tools.<tool>` from its root)."""
@@ -14,6 +15,13 @@ VERSION = re.search(
     r'__version__ = "([^"]+)"',
     Path(__file__).with_name("gated_attention").joinpath("__init__.py").read_text(),
 ).group(1)
+
+# AlphaFold 3 as ColabFold packages it (Python >= 3.12 only): the package and what it imports but
+# does not declare (tokamax, RDKit). tests/af3 runs its modules with our attention; skipped on 3.11.
+AF3 = [
+    f"{requirement}; python_version >= '3.12'"
+    for requirement in ("alphafold3-colabfold==3.1.18", "tokamax==0.0.17", "rdkit==2026.9.1")
+]
 
 setup(
     name="gated_attention",
@@ -58,7 +66,9 @@ setup(
             "colabfold-kernels==0.9.0",
             # The device benchmark's cuEquivariance adapter, tested on its JAX path (pure Python).
             "cuequivariance-jax==0.13.0",
+            *AF3,
         ],
+        "af3": AF3,
         # Deviceless compiles for GPUs and TPUs (gated_attention_tools/targets.py): JAX's CUDA
         # plugin and PJRT at the installed jax's version (jax's cuda12-local extra pins them, with
         # no CUDA libraries), ptxas, and the libtpu that jax's tpu extra pins. Linux x86-64 wheels.

@@ -68,6 +68,8 @@ TARGETS = {
     for t in (
         Target("h100", "gpu", 80 * GIB, 232_448, arch="sm_90a", config="h100_sxm.txtpb"),
         Target("a100", "gpu", 80 * GIB, 166_912, arch="sm_80", config="a100_sxm_80.txtpb"),
+        # A 24 GB GPU (AlphaFold 3's users on consumer cards): the config's device_memory_size.
+        Target("rtx4090", "gpu", 25_757_220_864, 101_376, arch="sm_89", config="rtx4090.txtpb"),
         # Memory and opt-in shared memory per block: the config's device_memory_size and
         # shared_memory_per_block_optin (178.4 GiB; the same 227 KiB as the H100).
         Target("b200", "gpu", 191_514_411_008, 232_448, arch="sm_100a", config="b200.txtpb"),

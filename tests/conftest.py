@@ -70,6 +70,7 @@ LONG_TESTS = {
     "tests/test_docs.py::test_python_blocks_run": 38,
     "tests/af2/test_af2_package.py::test_whole_model": 26,
     "tests/tools/test_module_passes.py::test_the_modules_compile_for_a_gpu_without_a_row_loop": 25,
+    "tests/test_docs.py::test_alphafold3_block_runs": 13,
     "tests/tools/test_targets.py::test_auto_chooses_for_the_target_not_the_host": 20,
     "tests/attention/test_pallas_mosaic_tpu.py::TestPallasTpuInterpreted::test_reference_and_mask_contract": 18,
     "tests/parallel/test_row_parallel.py::test_two_processes_match_one": 18,

@@ -13,6 +13,10 @@ Conventions the pages follow:
   without one (gated_attention_tools/targets.py), so it runs in a process of its own started as
   targets.CHILD_ENV says (JAX_PLATFORMS=cpu: the CUDA plugin registers only then); skipped where
   the `targets` extra is missing.
+* `<!-- docs-test: alphafold3 -->` on the line before a block: it runs AlphaFold 3's own model
+  (alphafold3-colabfold, Python >= 3.12), in a process of its own that first imports AF3's modules
+  as the tests do (gated_attention_tools/af3_model.py: empty chemical-component tables where the
+  package has none); skipped with that reason where AF3 is not installed (the Python 3.11 stack).
 * Fences are ```python (run), ```bash / ```text (shown, never run); any other language fails
   test_fences_are_known, so that no block escapes by a typo (```py).
 
@@ -47,6 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHARED = "<!-- docs-test: shared-namespace -->"
 DEVICELESS = "<!-- docs-test: deviceless -->"
+ALPHAFOLD3 = "<!-- docs-test: alphafold3 -->"
+NEEDS_AF3 = "needs alphafold3-colabfold (Python >= 3.12: the af3 extra, in the test extra there)"
 SKIP = re.compile(r"<!--\s*skip:\s*(.+?)\s*-->")  # a line of its own
 FENCE = re.compile(r"^```(\S*)\s*$")
 LANGUAGES = {"python", "bash", "text"}
@@ -62,6 +68,7 @@ class Block:
     source: str
     skip: str | None  # the reason, or None
     deviceless: bool  # run in a process of its own, set up for deviceless compiles
+    alphafold3: bool = False  # run in a process of its own with AF3's modules imported first
 
     @property
     def name(self) -> str:
@@ -82,7 +89,8 @@ def blocks(page: Path) -> list[Block]:
         skip = SKIP.fullmatch(previous)
         source = "\n".join(lines[i + 1 : end]) + "\n"
         reason, deviceless = (skip.group(1) if skip else None), previous == DEVICELESS
-        found.append(Block(page, i + 1, opening.group(1), source, reason, deviceless))
+        af3 = previous == ALPHAFOLD3
+        found.append(Block(page, i + 1, opening.group(1), source, reason, deviceless, af3))
         i = end + 1
     return found
 
@@ -96,7 +104,7 @@ def groups() -> list[list[Block]]:
     found = []
     for page in PAGES:
         runnable = [b for b in blocks(page) if b.language == "python"]
-        runnable = [b for b in runnable if not (b.skip or b.deviceless)]
+        runnable = [b for b in runnable if not (b.skip or b.deviceless or b.alphafold3)]
         if SHARED in page.read_text():
             found += [runnable] if runnable else []
         else:
@@ -216,6 +224,32 @@ def test_deviceless_block_runs(block, tmp_path):
     assert done.returncode == 0, f"{block.name} failed:\n{done.stdout}\n{done.stderr[-6000:]}"
 
 
+# What an alphafold3 block's process runs first: AF3's modules, imported as the tests import them.
+_AF3_PRELUDE = "from gated_attention_tools import af3_model\naf3_model.load()\n"
+
+
+@pytest.mark.parametrize("block", [b for b in _python() if b.alphafold3], ids=lambda b: b.name)
+def test_alphafold3_block_runs(block, tmp_path):
+    from gated_attention_tools import af3_model
+
+    if not af3_model.installed():
+        pytest.skip(f"{block.name}: {NEEDS_AF3}")
+    script = tmp_path / "block.py"
+    script.write_text(_AF3_PRELUDE + "\n" * (block.line - 2) + block.source)  # the page's lines
+    done = _child([str(script)], {**os.environ, "JAX_PLATFORMS": "cpu"}, tmp_path)
+    assert done.returncode == 0, f"{block.name} failed:\n{done.stdout}\n{done.stderr[-6000:]}"
+
+
+def test_the_alphafold3_marker_is_read(tmp_path):
+    """A block after the alphafold3 marker is an alphafold3 block, kept out of the shared
+    process's groups; the next block is not."""
+    page = tmp_path / "page.md"
+    page.write_text(f"{ALPHAFOLD3}\n```python\nimport alphafold3\n```\n\n```python\nx = 1\n```\n")
+    first, second = blocks(page)
+    assert first.alphafold3 and not first.skip and not second.alphafold3
+    assert first.source == "import alphafold3\n"
+
+
 @pytest.mark.parametrize("block", [b for b in _python() if b.skip], ids=lambda b: b.name)
 def test_skipped_block(block):
     """Each block a page marks `<!-- skip: reason -->`, reported as skipped with that reason."""
@@ -234,7 +268,7 @@ def test_block_markers_sit_on_a_block():
     for page in PAGES:
         lines = page.read_text().splitlines()
         for i, line in enumerate(lines):
-            if SKIP.fullmatch(line.strip()) or line.strip() == DEVICELESS:
+            if SKIP.fullmatch(line.strip()) or line.strip() in (DEVICELESS, ALPHAFOLD3):
                 following = next((x for x in lines[i + 1 :] if x.strip()), "")
                 assert following.startswith("```python"), f"{page.name}:{i + 1}: {line}"
         if SHARED in lines:

@@ -5,6 +5,7 @@
   attention/  the op: api (entry) over dispatch over the implementations, each kernel family a
               folder of the same roles (implementation, plan, kernels, and a pipeline or tile table)
   af2/        the Haiku modules, AlphaFold 2's family, parameters, configs and package
+  af3/        AlphaFold 3's own model (alphafold3-colabfold) on the op: the swap of its attention
 
 and a module imports its own folder and those below, never one above; a kernel family imports no
 other family, so either can be removed by deleting its folder and its registry line. Files are of
@@ -22,7 +23,7 @@ import gated_attention
 PACKAGE = pathlib.Path(gated_attention.__file__).parent
 MAX_LINES = 600
 MAX_FUNCTION_LINES = 80
-LAYERS = ("core", "parallel", "attention", "af2")  # lowest first
+LAYERS = ("core", "parallel", "attention", "af2", "af3")  # lowest first
 FAMILIES = ("xla_chunked", "pallas_triton", "pallas_mosaic_gpu", "pallas_mosaic_tpu")
 ENTRY = ("attention.api", "attention.dispatch")  # the op's entry, above its implementations
 ROLES = ("implementation.py", "plan.py")  # and kernels*.py, in every family folder

@@ -1,0 +1,48 @@
+"""gated_attention_tools.af3_memory: its problems trace (abstractly: nothing compiles) for each
+variant with the attention each says, and its table reads the rows its cells write."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import gated_attention as ga
+from gated_attention_tools import af3_memory
+from tests.af3 import af3_modules
+
+
+@pytest.mark.parametrize(
+    "variant, mode, what, ours",
+    [
+        ("af3", "gradient", "trunk", False),
+        ("ours", "gradient", "trunk", True),
+        ("floor_qkv", "gradient", "trunk", False),
+        ("no_inline", "inference", "trunk", False),
+        ("af3", "inference", "diffusion", False),
+    ],
+)
+def test_problems_trace_with_their_attention(variant, mode, what, ours):
+    af3_modules.load()
+    fn, args = af3_memory.problem(variant, 16, mode, what)
+    with ga.record_implementation_choices() as record:
+        out = jax.eval_shape(fn, *args)
+    assert bool(record) == ours, (variant, len(record))
+    if mode == "gradient":
+        assert out.shape == args[1].shape  # the pair's gradient
+
+
+def test_unknown_variants_and_modes_are_refused():
+    with pytest.raises(ValueError, match=r"variant must be one of .*'af3:<name>'"):
+        af3_memory._swap("af3:flash")
+    with pytest.raises(ValueError, match="what must be one of"):
+        af3_memory.problem("af3", 16, "inference", "confidence")
+
+
+def test_table_lists_cells_and_the_longest_that_fits():
+    row = lambda n, fits: dict(  # noqa: E731
+        variant="ours", n_tokens=n, mode="gradient", target="rtx4090", what="trunk",
+        memory=dict(peak=int(n * 1e7)), chosen=["pallas"], fits=fits,
+    )  # fmt: skip
+    text = af3_memory.table([row(1280, True), row(1344, True), row(1408, False)])
+    assert "| rtx4090 | trunk | gradient | ours | 1344 | 13.44 | yes | pallas |" in text
+    assert "| rtx4090 (25.8 GB) | trunk | gradient | ours | 1344 | 1408 |" in text
