@@ -39,7 +39,6 @@ AF2's module config).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import threading
@@ -255,7 +254,7 @@ def dap_layouts(target: ModuleType) -> dict[str, type]:
     return dict(TriangleMultiplication=TriangleMultiplication, OuterProductMean=OuterProductMean)
 
 
-class _Swap(contextlib.ContextDecorator):
+class _Swap(compat.TracedSwap):
     """Context manager and decorator: AF2's attention classes replaced, in this thread, while it
     is active (the module docstring)."""
 
@@ -275,7 +274,7 @@ class _Swap(contextlib.ContextDecorator):
             )
         self._replacements = replacements
         self._target = target
-        self._entered = threading.local()  # this thread's open entries (re-entrant)
+        super().__init__(_ACTIVE, _SWAPS)
 
     def __enter__(self) -> ModuleType:
         target = self._target or alphafold_modules()
@@ -297,19 +296,8 @@ class _Swap(contextlib.ContextDecorator):
             f"{name}={cls.__module__}.{cls.__qualname__}@{id(cls):x}"
             for name, cls in sorted(classes.items())
         )
-        _SWAPS[key] = (target, classes)
-        state = _ACTIVE(key)
-        state.__enter__()
-        self._stack().append(state)
+        self._activate(key, (target, classes))
         return target
-
-    def __exit__(self, *exc) -> None:
-        self._stack().pop().__exit__(*exc)
-
-    def _stack(self) -> list:
-        if not hasattr(self._entered, "stack"):
-            self._entered.stack = []
-        return self._entered.stack
 
 
 def use_gated_attention(

@@ -39,7 +39,6 @@ why); the atom transformers' cross_attention stays AF3's.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import threading
@@ -212,7 +211,7 @@ def _check_implementation(implementation: Any) -> None:
         )
 
 
-class _Swap(contextlib.ContextDecorator):
+class _Swap(compat.TracedSwap):
     """Context manager and decorator: AF3's attention entry points answered by ours, in this
     thread, while it is active (the module docstring)."""
 
@@ -220,7 +219,7 @@ class _Swap(contextlib.ContextDecorator):
         _check_implementation(implementation)
         self._implementation = implementation
         self._entry_points = tuple(entry_points)
-        self._entered = threading.local()  # this thread's open entries (re-entrant)
+        super().__init__(_ACTIVE, _SWAPS)
 
     def __enter__(self) -> Any:
         _install(self._entry_points)
@@ -231,19 +230,8 @@ class _Swap(contextlib.ContextDecorator):
         )
         entries = frozenset(self._entry_points)
         key = f"af3:{name}:" + ",".join(f"{m}.{a}" for m, a in sorted(entries))
-        _SWAPS[key] = (setting, entries)
-        state = _ACTIVE(key)
-        state.__enter__()
-        self._stack().append(state)
+        self._activate(key, (setting, entries))
         return setting
-
-    def __exit__(self, *exc) -> None:
-        self._stack().pop().__exit__(*exc)
-
-    def _stack(self) -> list:
-        if not hasattr(self._entered, "stack"):
-            self._entered.stack = []
-        return self._entered.stack
 
 
 def use_gated_attention(

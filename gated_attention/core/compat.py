@@ -86,6 +86,33 @@ def trace_context_state(name: str, default: Any, help: str):  # noqa: A002 (JAX'
     )
 
 
+class TracedSwap(contextlib.ContextDecorator):
+    """A swap active in the entering thread while entered (re-entrant), seen by jax.jit: each
+    entry registers what it swaps in `registry` under a key that names it and enters `state` (a
+    trace_context_state) at that key, so a jit trace is served to the same swap only. Subclasses
+    compute the key and what it swaps in __enter__ and call _activate (af2_package's, af3's)."""
+
+    def __init__(self, state, registry: dict):
+        import threading
+
+        self._state, self._registry = state, registry
+        self._entered = threading.local()  # this thread's open entries
+
+    def _activate(self, key: str, swapped: Any) -> None:
+        self._registry[key] = swapped
+        entry = self._state(key)
+        entry.__enter__()
+        self._stack().append(entry)
+
+    def __exit__(self, *exc) -> None:
+        self._stack().pop().__exit__(*exc)
+
+    def _stack(self) -> list:
+        if not hasattr(self._entered, "stack"):
+            self._entered.stack = []
+        return self._entered.stack
+
+
 def registered_backends() -> set[str]:
     """The platforms whose backend factories JAX registered (plugins included, started or not):
     jax._src.xla_bridge._backend_factories, which no public API lists."""
