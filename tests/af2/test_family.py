@@ -721,15 +721,15 @@ def test_training_step_holds_no_pair_sized_temporary():
 
 @pytest.mark.parametrize(
     "variant, implementation",
-    [("msa_column", "pallas"), ("triangle_end", "xla"), ("triangle_end", "pallas"),
-     ("triangle_end", "mosaic")],
+    [("msa_column", "pallas"), ("triangle_end", "xla"), ("triangle_end", "pallas")],
 )  # fmt: skip
 def test_column_modules_hand_the_op_their_columns_as_they_lie(variant, implementation, monkeypatch):
     """Where a module reads in place (a GPU, one call: modules.reads_in_place, made true here on
     the CPU) MSA column and ending-node attention hand the op the MSA or pair as it lies,
     positions first, and the bias of the pair transposed: values and gradients against the
-    float64 reference, with the Pallas kernels (interpreted) reading the columns in place and
-    XLA given the transposes."""
+    float64 reference, with the Triton kernel (interpreted) reading the columns in place and XLA
+    given the transposes (the Mosaic kernel's in-place reads: tests/attention/
+    test_positions_first.py)."""
     from gated_attention.af2 import modules
     from gated_attention.attention import base, dispatch
 

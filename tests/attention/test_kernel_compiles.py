@@ -20,7 +20,6 @@ CASES = {
         dict(dtype="float16", head_dim=16, bias="per_row", mask="none"),
         dict(dtype="bfloat16", head_dim=64, bias="both", mask="full"),
         dict(dtype="bfloat16", head_dim=32, bias="both", mask="key", options=True),
-        dict(dtype="bfloat16", head_dim=32, bias="shared", mask="key", positions_first=True),
     ],
     "h100": [
         dict(dtype="float32", head_dim=32, bias="none", mask="full"),

@@ -56,22 +56,21 @@ def test_the_reader_counts_loops_and_data_moves_of_activation_size_only():
     assert module_passes.count(HLO, min_elements=10**6) == dict(loops=1, passes=[])
 
 
-def test_the_modules_compile_for_a_gpu_without_a_row_loop():
+def test_the_modules_compile_for_a_gpu_as_one_call():
     """On an 80 GB H100 (deviceless, bfloat16, model_1's channels) a module whose rows fit the
     GPU's share of memory (global_config.gpu_memory_fraction) is one call: no row loop, and in
     the row orientation no pass but XLA's slices of q, k and v out of a projection it merged
-    (which the packed projection read in place is to remove). The CPU's 256 MiB budget looped
-    128 MSA rows of 256 residues in tiles (2 loops, and the loop's zeroed buffer and
-    dynamic-update-slices as passes)."""
+    (which the packed projection read in place is to remove). With the CPU's 256 MiB budget
+    (b512478) the MSA row module ran 64 rows of 128 residues as two tiles, assembled by a pad and
+    a dynamic-update-slice of the whole update (at model_1's sizes: 2-3 while loops,
+    benchmark_results/module_passes/)."""
     reason = targets.missing("h100")
     if reason:
         pytest.skip(f"cannot compile for h100: {reason}")
     cells = [
-        dict(what="msa_row", mode="inference", n_seq=128, n_res=256, target="h100"),
-        dict(what="msa_row", mode="training", n_seq=128, n_res=256, target="h100"),
-        dict(what="triangle_end", mode="inference", n_seq=1, n_res=256, target="h100"),
+        dict(what="msa_row", mode="training", n_seq=64, n_res=128, target="h100"),
+        dict(what="triangle_end", mode="inference", n_seq=1, n_res=128, target="h100"),
     ]
     rows = targets.in_child("gated_attention_tools.module_passes:compile_cells", dict(cells=cells))
-    assert [r["loops"] for r in rows] == [0, 0, 0], rows
-    for row in rows[:2]:
-        assert {op for op, _ in row["passes"]} <= {"fusion(slice)"}, row
+    assert [r["loops"] for r in rows] == [0, 0], rows
+    assert {op for op, _ in rows[0]["passes"]} <= {"fusion(slice)"}, rows[0]
