@@ -759,8 +759,8 @@ def test_column_modules_hand_the_op_their_columns_as_they_lie(variant, implement
             out = reference.msa_column_attention(params, act, mask, xp=jnp)
         return jnp.sum(jnp.sin(out))
 
-    out = module.apply(params, *inputs)
-    grads = jax.grad(loss, argnums=(0, 1))(params, inputs[0])
+    out = jax.jit(module.apply)(params, *inputs)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, inputs[0])
     assert layouts and all(o.positions_first for o in layouts)
     assert_close(out, ref_fn(params64, *inputs64), reference.tolerance("float32", family=True))
     with jax.enable_x64(True):
