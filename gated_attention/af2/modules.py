@@ -205,7 +205,7 @@ def rows_per_tile(
     bound = memory.module_tile_budget(memory_budget_bytes, subbatch_size, row_bytes)
     rows = mapping.subbatch_size_for_budget(batch, tile_row_bytes, bound)
     platform = platforms.host() if platform is None else platform
-    if platform == "gpu" and batch * tile_row_bytes <= memory_budget_bytes:
+    if memory.one_call(platform, batch * tile_row_bytes, memory_budget_bytes):
         return None
     if row_logits is not None and platform == "cpu":
         cache_rows = memory.logits_rows(TILE_BYTES, row_logits)

@@ -65,7 +65,7 @@ def of_pair(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget: Callab
     (config.Resolved.budget_bytes), decided for each kind the program may be compiled for."""
     weights = feat_2d_weights(pair_act.shape[-1], num_head, dtype)
     args = [pair_act, *(x[None] for x in norm), weights[None]]  # size 1: shared by the tiles
-    rows = lambda kind: tile_rows(pair_act.shape, budget(kind), kind)
+    rows = functools.partial(_tile_rows_on, pair_act.shape, budget)
     return platforms.by_platform(rows, lambda rows: functools.partial(_of_rows, rows), *args)
 
 
@@ -82,13 +82,18 @@ def feat_2d_weights(c_z: int, num_head: int, dtype: Any) -> jax.Array:
     return hk.get_parameter("feat_2d_weights", (c_z, num_head), dtype, init=init)
 
 
+def _tile_rows_on(shape, budget: Callable[[str], int], kind: str) -> int:
+    """tile_rows on a platform kind, with that kind's budget."""
+    return tile_rows(shape, budget(kind), kind)
+
+
 def tile_rows(shape: tuple[int, ...], budget_bytes: int, platform: str = "cpu") -> int:
     """Pair rows per bias tile: about six float32 arrays of a row (the normed pair, LayerNorm
     temporaries, cotangents) in a quarter of the budget; the rest holds the attention's tiles and
     the pair's cotangent (memory.pair_bias_tile_rows). On a GPU every row in one tile where they
     fit the whole budget, as the modules' row tiles (modules.rows_per_tile)."""
     q_len, k_len, c_z = shape
-    if platform == "gpu" and q_len * memory.pair_bias_row_bytes(k_len, c_z) <= budget_bytes:
+    if memory.one_call(platform, q_len * memory.pair_bias_row_bytes(k_len, c_z), budget_bytes):
         return q_len
     return memory.pair_bias_tile_rows(q_len, k_len, c_z, budget_bytes / memory.MIB)
 
@@ -101,7 +106,7 @@ def with_pair(pair_act: jax.Array, norm, num_head: int, dtype: Any, budget: Call
     the attention's and add the two: one more pair-sized temporary in a training step. budget:
     as of_pair's."""
     weights = feat_2d_weights(pair_act.shape[-1], num_head, dtype)
-    rows = lambda kind: tile_rows(pair_act.shape, budget(kind), kind)
+    rows = functools.partial(_tile_rows_on, pair_act.shape, budget)
     build = lambda rows: lambda *args: _fused(*args, rows)
     return platforms.by_platform(rows, build, pair_act, *norm, weights)
 

@@ -157,6 +157,13 @@ def module_tile_budget(memory_budget_bytes: int, subbatch_size, row_bytes: int) 
     return bound
 
 
+def one_call(platform: str, working_set_bytes: int, budget_bytes: int) -> bool:
+    """Whether a module's tiled work runs as one call: on a GPU where its whole working set fits
+    the whole budget (one call assembles nothing, and a loop of tiles only serializes kernels that
+    fill the device); elsewhere the tile rules decide (modules.rows_per_tile, pair-bias tiles)."""
+    return platform == "gpu" and working_set_bytes <= budget_bytes
+
+
 def pair_bias_row_bytes(k_len: int, c_z: int) -> int:
     """One pair row's working set while its bias is computed: about PAIR_BIAS_ROW_ARRAYS (6)
     float32 arrays of the row (the normed pair, LayerNorm temporaries, cotangents):
