@@ -8,6 +8,7 @@ Public API (everything else is internal):
                                          dropout on those updates, as AlphaFold 2's Evoformer.
   ModuleConfig, GlobalConfig             validated configs (modules also take AF2's ConfigDicts).
   dot_product_attention                  the attention op in jax.nn's layout.
+  packed_dot_product_attention           the same over one packed [..., T, 3, N, H] q/k/v array.
   Implementation, XlaAttention, ChunkedAttention, CudnnAttention, MosaicAttention,
   PallasAttention, PallasTpuAttention, Auto, IMPLEMENTATIONS
                                          its implementations (instances carry their tuning).
@@ -44,6 +45,7 @@ from gated_attention.attention.api import (
     IMPLEMENTATIONS,
     Auto,
     dot_product_attention,
+    packed_dot_product_attention,
     record_implementation_choices,
 )
 from gated_attention.attention.base import Implementation
@@ -85,6 +87,7 @@ __all__ = [
     "dropout_wrapper",
     "head_parallel_specs",
     "load_af2_params",
+    "packed_dot_product_attention",
     "record_implementation_choices",
     "save_af2_params",
 ]

@@ -81,7 +81,7 @@ class _AttentionModule(hk.Module):
 
     def _run(
         self, make_forward, params, dtype, args, subbatch_size, placement, axis=0,
-        positions_first=False, **row,
+        positions_first=False, packable=False, **row,
     ):  # fmt: skip
         """make_forward(implementation, compute dtype, params cast to it) -> forward,
         called on args in tiles of rows along `axis` (the batch rows) by rows_per_tile(**row).
@@ -90,6 +90,9 @@ class _AttentionModule(hk.Module):
         first). Compiled for a GPU as one call, forward reads them as they lie
         (make_forward(..., positions_first=True): the kernel reads the columns in place);
         elsewhere, and in tiles, they are transposed to batch first and the output back.
+        packable: make_forward also takes packed=True, a forward that projects q, k and v as
+        one packed array the kernel reads in place (Attention's self-attention): taken where
+        the call is one pass on a GPU, as positions_first's reading in place.
 
         The compute dtype (numerics.compute_dtype), the budget and the tile rule follow the platform the
         program is compiled for, as the op's choice does (platforms.py): decided for every kind
@@ -111,7 +114,8 @@ class _AttentionModule(hk.Module):
             def in_tiles(params, *args):
                 p = numerics.cast_floats(params, compute)
                 if in_place:
-                    return make_forward(implementation, compute, p, positions_first=True)(*args)
+                    layout = dict(positions_first=positions_first, packed=packable)
+                    return make_forward(implementation, compute, p, **layout)(*args)
                 if positions_first:
                     args = (swap(args[0]), swap(args[1]), *args[2:])
                 forward = make_forward(implementation, compute, p)
@@ -136,7 +140,8 @@ class _AttentionModule(hk.Module):
                 tiles = rows_per_tile(
                     batch, subbatch_size, budget, platform=kind, itemsize=size, **row
                 )
-                return compute, tiles, positions_first and reads_in_place(kind, tiles)
+                one_pass = positions_first or packable
+                return compute, tiles, one_pass and reads_in_place(kind, tiles)
 
             plans = {kind: plan(kind) for kind in platforms.candidates(args)}
             branches = {kind: branch(*plan) for kind, plan in plans.items()}
@@ -215,10 +220,11 @@ def rows_per_tile(
 
 
 def reads_in_place(kind: str, rows: int | None) -> bool:
-    """Whether a positions-first module call compiled for this platform kind hands the op its
-    data as it lies: on a GPU in one call (rows None), where the kernels read the columns in
-    place; on CPU and TPU, and in row tiles, it is transposed to batch first (XLA's fast layout
-    there, and the tiles' axis)."""
+    """Whether a module call compiled for this platform kind hands the op its data as it lies:
+    on a GPU in one call (rows None), where the kernels read positions-first columns and packed
+    q/k/v in place; on CPU and TPU, and in row tiles, positions-first data is transposed to
+    batch first (XLA's fast layout there, and the tiles' axis) and q, k and v are projected
+    apart (XLA:CPU's dots and fusions take them so)."""
     return kind == "gpu" and rows is None
 
 
@@ -311,6 +317,8 @@ class Attention(_AttentionModule):
             q_channels=a, m_channels=m, output_dim=self.output_dim, **dims
         )
         args = [q_data, None if m_data is q_data else m_data, mask, *biases]
+        # Self-attention with one head dim: q, k and v can be one projection (_attention_forward).
+        packable = m_data is q_data and key_dim == value_dim and placement.keys is None
         return self._run(
             make_forward,
             params,
@@ -319,6 +327,7 @@ class Attention(_AttentionModule):
             subbatch_size,
             placement,
             positions_first=positions_first,
+            packable=packable,
             row_bytes=row_bytes,
             tile_row_bytes=tile_row_bytes,
             row_queries=queries,
@@ -327,29 +336,36 @@ class Attention(_AttentionModule):
 
 
 def _attention_forward(
-    input_transform, scale, keys_over, implementation, compute, p, positions_first=False
-):
+    input_transform, scale, keys_over, implementation, compute, p, positions_first=False,
+    packed=False,
+):  # fmt: skip
     """Attention's forward over one tile, parameters p closed over (a pure function);
-    positions_first: q_data and m_data [positions, batch, channels], as the op takes them."""
+    positions_first: q_data and m_data [positions, batch, channels], as the op takes them;
+    packed: self-attention (m_data None) whose q, k and v are one product with AF2's three
+    weights stacked [a, 3, h, c], read by the op in place (packed_dot_product_attention)."""
 
     def forward(q_data, m_data, mask, *biases):
         q_data, m_data = _transformed(input_transform, q_data, m_data)
         out_dtype = q_data.dtype
         q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
-        q = _project(q_data, p["query_w"])  # [..., b, q, h, c]
-        k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # [.., k, h, c]
-        weighted_avg = attention.dot_product_attention(
-            q,
-            k,
-            v,
-            biases or None,
-            mask,
+        common = dict(
             scale=scale,
             implementation=implementation,
             compute_dtype="input",  # cast to `compute` above: the policy is decided once
-            shard_keys_over=keys_over,
             positions_first=positions_first,
-        )  # [..., b, q, h, cv]
+        )
+        if packed:
+            stacked = jnp.stack([p["query_w"], p["key_w"], p["value_w"]], axis=1)
+            qkv = _project(q_data, stacked)  # [..., b, q, 3, h, c]
+            weighted_avg = attention.packed_dot_product_attention(
+                qkv, biases or None, mask, **common
+            )
+        else:
+            q = _project(q_data, p["query_w"])  # [..., b, q, h, c]
+            k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # [.., k, h, c]
+            weighted_avg = attention.dot_product_attention(
+                q, k, v, biases or None, mask, shard_keys_over=keys_over, **common
+            )  # [..., b, q, h, cv]
         return _gated_output(weighted_avg, q_data, p).astype(out_dtype)  # [..., b, q, o]
 
     return forward

@@ -34,6 +34,7 @@ __all__ = [
     "Auto",
     "describe",
     "dot_product_attention",
+    "packed_dot_product_attention",
     "record_implementation_choices",
     "resolve",
 ]
@@ -122,15 +123,16 @@ def _options(
     )
 
 
-def _flatten_batch(x, batch_dims: tuple[int, ...]):
-    """[..., x, y, z] with leading dims 1 or equal to batch_dims -> [B or 1, x, y, z]."""
-    lead = tuple(x.shape[:-3])
+def _flatten_batch(x, batch_dims: tuple[int, ...], trailing: int = 3):
+    """[..., x, y, z] with leading dims 1 or equal to batch_dims -> [B or 1, x, y, z] (the last
+    `trailing` dimensions kept: 4 for a packed [..., T, 3, N, H])."""
+    lead, tail = tuple(x.shape[:-trailing]), tuple(x.shape[-trailing:])
     if all(d == 1 for d in lead):
-        return x.reshape((1, *x.shape[-3:]))
+        return x.reshape((1, *tail))
     if lead != batch_dims:
         # Mixed broadcasting over several leading axes: materialize only those axes.
-        x = jnp.broadcast_to(x, (*batch_dims, *x.shape[-3:]))
-    return x.reshape((-1, *x.shape[-3:]))
+        x = jnp.broadcast_to(x, (*batch_dims, *tail))
+    return x.reshape((-1, *tail))
 
 
 def dot_product_attention(
@@ -281,6 +283,88 @@ def dot_product_attention(
     return call.attend(*args) if out is None else out
 
 
+def packed_dot_product_attention(
+    qkv: jax.Array,
+    bias: jax.Array | Sequence[jax.Array] | None = None,
+    mask: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    implementation: Spec = None,
+    compute_dtype: str = "auto",
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    return_residual: bool = False,
+    logits_soft_cap: float | None = None,
+    precision: jax.lax.Precision | str | None = None,
+    positions_first: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Self-attention over query, key and value packed in one array, as one projection makes them.
+
+    dot_product_attention(qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :], ...) with
+    the same arguments and results, where the Pallas GPU kernels (Triton and Mosaic) read each
+    slot's tiles from the packed array in place, so no slice of it is copied, and the Triton
+    kernel writes the gradients of all three into one array of qkv's shape; the other
+    implementations get the three slices. This is the layout a projection by AF2's query, key
+    and value weights stacked as [C, 3, N, H] produces (the modules' one-pass entry on a GPU).
+
+    Args:
+      qkv: [..., T, 3, N, H]: slot 0 the queries, 1 the keys, 2 the values (N heads of head dim
+        H each); with positions_first, [T, B, 3, N, H].
+      bias, mask, scale, implementation, compute_dtype, is_causal, query_seq_lengths,
+        key_value_seq_lengths, local_window_size, return_residual, logits_soft_cap, precision,
+        positions_first: as dot_product_attention's (S = T, K = N, Hv = H).
+
+    Returns:
+      [..., T, N, H] in qkv's dtype ([T, B, N, H] positions first); with return_residual, (that,
+      the residual [..., T, N]).
+
+    Raises:
+      TypeError: a non-float or 8-bit qkv, and as dot_product_attention.
+      ValueError: qkv not of rank >= 4 with 3 slots ([..., T, 3, N, H]; positions first rank 5),
+        and as dot_product_attention.
+      NotImplementedError: a named implementation that cannot take these inputs here.
+    """
+    checks.check_bool("positions_first", positions_first)
+    checks.check_float_array("qkv", qkv)
+    rank = 5 if positions_first else 4
+    if (qkv.ndim != rank if positions_first else qkv.ndim < rank) or qkv.shape[-3] != 3:
+        layout = "[T, B, 3, N, H] (positions_first)" if positions_first else "[..., T, 3, N, H]"
+        raise ValueError(f"qkv must be {layout}: 3 slots, query, key and value, got {qkv.shape}")
+    one = base.slot_shape(qkv) if positions_first else jax.ShapeDtypeStruct(
+        (*qkv.shape[:-3], *qkv.shape[-2:]), qkv.dtype
+    )  # fmt: skip
+    shape = base.batch_first(one) if positions_first else one
+    return _attend(
+        (qkv, qkv, qkv), (shape, shape, shape), bias, mask, scale=scale,
+        implementation=implementation, compute_dtype=compute_dtype,
+        options=_options(
+            shape, is_causal=is_causal, window=local_window_size, q_lengths=query_seq_lengths,
+            kv_lengths=key_value_seq_lengths, soft_cap=logits_soft_cap, precision=precision,
+            residual=return_residual, logits_dtype=None,
+        ),
+        layout=dict(positions_first=positions_first, packed=True),
+    )  # fmt: skip
+
+
+def _attend(arrays, shapes, bias, mask, *, scale, implementation, compute_dtype, options, layout):
+    """The positions-first or packed call: validated shapes `shapes` (batch-first, unpacked) of
+    `arrays` as given; one device, one batch of rows (no sharding arguments)."""
+    checks.check_qkv(*shapes)
+    biases, mask = _validated_pair(*shapes[:2], bias, mask, 1)
+    checks.check_one_of("compute_dtype", compute_dtype, numerics.POLICIES)
+    call = _Call(
+        resolved=dispatch.resolve(implementation),
+        requested=dispatch.describe(implementation),
+        kinds=platforms.candidates((*arrays, biases, mask)),
+        policy=compute_dtype,
+        scale=shapes[0].shape[-1] ** -0.5 if scale is None else scale,
+        options=dataclasses.replace(options, **layout),
+    )
+    return call.attend(*arrays, biases, mask, options.structure)
+
+
 def _positions_first(query, key, value, sharded) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The batch-first shapes of positions-first query, key and value, which must have rank 4
     and one batch B; not with shard_rows_over or shard_keys_over (`sharded`)."""
@@ -331,9 +415,11 @@ class _Call:
         """Attention over these arrays (the whole call's or one device's): batch dimensions
         flattened, each kind's implementation chosen and planned once, run, restored."""
         first = self.options.positions_first  # [T, B, N, H]: one batch dimension, second
-        batch_dims = (query.shape[1],) if first else tuple(query.shape[:-3])
+        packed = self.options.packed  # query, key and value one [..., T, 3, N, H] array
+        rank = 4 if packed else 3
+        batch_dims = (query.shape[1],) if first else tuple(query.shape[:-rank])
         flat = (query, key, value) if first else (
-            tuple(_flatten_batch(x, batch_dims) for x in (query, key, value))
+            tuple(_flatten_batch(x, batch_dims, rank) for x in (query, key, value))
         )  # fmt: skip
         flat += (
             tuple(_flatten_batch(b, batch_dims) for b in biases),
@@ -341,7 +427,9 @@ class _Call:
         )
         structure = structure.rows(lambda x: x.reshape(-1))  # [...] -> [B]
         options = dataclasses.replace(self.options, structure=structure)
-        shapes = (*(base.batch_first(x) for x in flat[:3]), *flat[3:]) if first else flat
+        shapes = tuple(base.slot_shape(x) for x in flat[:3]) if packed else flat[:3]
+        shapes = tuple(base.batch_first(x) for x in shapes) if first else shapes
+        shapes = (*shapes, *flat[3:])
         choices = dispatch.choose_per_platform(
             self.resolved, self.kinds, shapes, self.policy, options, self.scale
         )

@@ -53,6 +53,10 @@ class Options:
       positions_first: query [T, B, N, H], key and value [S, B, K, H], out [T, B, N, Hv]: an
         implementation with "positions_first" in TAKES reads and writes them as they lie (the
         op hands the others the batch-first transposes); biases and mask stay batch-first.
+      packed: query, key and value are one array [B, T, 3, N, H] ([T, B, 3, N, H] positions
+        first), slots 0, 1, 2 (packed_dot_product_attention): an implementation with "packed"
+        in TAKES reads each slot in place and returns its gradient as one array of that shape;
+        the op hands the others the three slices (`run`).
     """
 
     structure: masking.StructuredMask = masking.NONE
@@ -61,6 +65,7 @@ class Options:
     return_residual: bool = False
     residual_gradient: bool = False
     positions_first: bool = False
+    packed: bool = False
 
     def asked(self, query, key) -> dict[str, str]:
         """What these options and shapes ask beyond plain attention: capability -> description."""
@@ -94,6 +99,7 @@ jax.tree_util.register_dataclass(
         "return_residual",
         "residual_gradient",
         "positions_first",
+        "packed",
     ],  # fmt: skip
 )
 
@@ -196,9 +202,14 @@ class Implementation(abc.ABC):
 
 def run(impl: Implementation, query, key, value, biases, mask, *, options, **kwargs):
     """impl(query, key, value, biases, mask, options=options, **kwargs) in the options' layout:
-    positions-first arrays (Options.positions_first) go as they lie to an implementation with
-    "positions_first" in TAKES; any other gets their batch-first transposes, its output turned
-    back. The one place that decides it (the op's branches, PerMode's two members)."""
+    a packed array (Options.packed, given as query, key and value alike) goes whole to an
+    implementation with "packed" in TAKES, any other gets its three slots; positions-first
+    arrays (Options.positions_first) go as they lie to an implementation with "positions_first"
+    in TAKES; any other gets their batch-first transposes, its output turned back. The one place
+    that decides it (the op's branches, PerMode's two members)."""
+    if options.packed and "packed" not in impl.TAKES:
+        query, key, value = unpacked(query)
+        options = dataclasses.replace(options, packed=False)
     if not options.positions_first or "positions_first" in impl.TAKES:
         return impl(query, key, value, biases, mask, options=options, **kwargs)
     swap = lambda x: jax.numpy.swapaxes(x, 0, 1)
@@ -207,6 +218,30 @@ def run(impl: Implementation, query, key, value, biases, mask, *, options, **kwa
         swap(query), swap(key), swap(value), biases, mask, options=batch_first_options, **kwargs
     )
     return (swap(out[0]), out[1]) if options.return_residual else swap(out)
+
+
+def unpacked(qkv) -> tuple:
+    """(query, key, value): the slots of a packed [B, T, 3, N, H] ([T, B, 3, N, H]) array."""
+    return tuple(qkv[:, :, slot] for slot in range(3))
+
+
+def slot_shape(x) -> jax.ShapeDtypeStruct:
+    """The shape (a jax.ShapeDtypeStruct) of one slot of a packed [B, T, 3, N, H] array."""
+    return jax.ShapeDtypeStruct((*x.shape[:2], *x.shape[3:]), x.dtype)
+
+
+def unpacked_shapes(query, key, value, options) -> list:
+    """[query, key, value] as batch-first unpacked shapes: what a kernel taking Options.packed
+    and Options.positions_first plans with."""
+    if options.packed:
+        query, key, value = slot_shape(query), slot_shape(key), slot_shape(value)
+    return [batch_first(x) if options.positions_first else x for x in (query, key, value)]
+
+
+def values_of(value, options, live_q):
+    """The values numerics.finish_rows_without_key averages for rows without a key: the value
+    slot of a packed array, sliced only where some row may have no key (live_q not None)."""
+    return value[:, :, 2] if options.packed and live_q is not None else value
 
 
 def batch_first(x) -> jax.ShapeDtypeStruct:
@@ -364,7 +399,10 @@ def kernel_attention(forward: Callable, backward: Callable) -> Callable:
     """attention(plan, q, k, v, biases, extras) -> (out, log-sum-exp) for a kernel pair, as a
     custom VJP: forward(plan, q, k, v, biases, extras) -> (out, lse); backward(plan, residuals,
     (d_out, d_lse)) -> (dq, dk, dv, dbiases, None), residuals (q, k, v, biases, extras, out, lse).
-    d_lse is the log-sum-exp's cotangent (zero unless options.residual_gradient); plan is static."""
+    d_lse is the log-sum-exp's cotangent (zero unless options.residual_gradient); plan is static.
+
+    With plan.packed, q, k and v are one packed array (Options.packed), passed to the kernels
+    three times, and the backward's first result is its whole gradient (dk, dv None)."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def attention(plan, q, k, v, biases, extras):
@@ -375,4 +413,24 @@ def kernel_attention(forward: Callable, backward: Callable) -> Callable:
         return (out, lse), (q, k, v, biases, extras, out, lse)
 
     attention.defvjp(attention_fwd, backward)
-    return attention
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def packed(plan, qkv, biases, extras):
+        return forward(plan, qkv, qkv, qkv, biases, extras)
+
+    def packed_fwd(plan, qkv, biases, extras):
+        out, lse = forward(plan, qkv, qkv, qkv, biases, extras)
+        return (out, lse), (qkv, qkv, qkv, biases, extras, out, lse)
+
+    def packed_bwd(plan, residuals, cotangents):
+        d_qkv, _, _, dbiases, d_extras = backward(plan, residuals, cotangents)
+        return d_qkv, dbiases, d_extras
+
+    packed.defvjp(packed_fwd, packed_bwd)
+
+    def attend(plan, q, k, v, biases, extras):
+        if getattr(plan, "packed", False):
+            return packed(plan, q, biases, extras)
+        return attention(plan, q, k, v, biases, extras)
+
+    return attend

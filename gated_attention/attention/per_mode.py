@@ -29,8 +29,8 @@ class PerMode(base.Implementation):
     inference: base.Implementation
     training: base.Implementation
 
-    # Positions-first inputs reach each member as it takes them (base.run).
-    TAKES = base.ALL_OPTIONS | {"positions_first"}
+    # Positions-first and packed inputs reach each member as it takes them (base.run).
+    TAKES = base.ALL_OPTIONS | {"positions_first", "packed"}
 
     @property
     def name(self) -> str:  # the record of what ran: both, by mode

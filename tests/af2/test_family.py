@@ -719,24 +719,33 @@ def test_training_step_holds_no_pair_sized_temporary():
     assert compiled.memory_analysis().temp_size_in_bytes <= pair.nbytes // 2
 
 
+def _reference_with(variant, xp):
+    """The variant's float64 reference over `xp` (jnp: differentiable)."""
+    fns = dict(
+        msa_row=lambda p, m, mask, z: reference.msa_row_attention_with_pair_bias(p, m, mask, z, xp=xp),
+        msa_column=lambda p, m, mask: reference.msa_column_attention(p, m, mask, xp=xp),
+        triangle_start=lambda p, z, mask: reference.triangle_attention(p, z, mask, orientation="per_row", xp=xp),
+        triangle_end=lambda p, z, mask: reference.triangle_attention(p, z, mask, orientation="per_column", xp=xp),
+    )  # fmt: skip
+    return fns[variant]
+
+
 @pytest.mark.parametrize(
     "variant, implementation",
-    [("msa_column", "pallas"), ("triangle_end", "xla"), ("triangle_end", "pallas")],
+    [("msa_row", "pallas"), ("msa_column", "pallas"), ("triangle_start", "xla"),
+     ("triangle_end", "pallas")],
 )  # fmt: skip
-def test_column_modules_hand_the_op_their_columns_as_they_lie(variant, implementation, monkeypatch):
-    """Where a module reads in place (a GPU, one call: modules.reads_in_place, made true here on
-    the CPU) MSA column and ending-node attention hand the op the MSA or pair as it lies,
-    positions first, and the bias of the pair transposed: values and gradients against the
-    float64 reference, with the Triton kernel (interpreted) reading the columns in place and XLA
-    given the transposes (the Mosaic kernel's in-place reads: tests/attention/
-    test_positions_first.py)."""
+def test_one_pass_modules_hand_the_op_one_packed_projection(variant, implementation, monkeypatch):
+    """Where a module is one pass (a GPU, one call: modules.reads_in_place, made true here on
+    the CPU) each family module projects q, k and v as one packed array that the op reads as it
+    lies (packed_dot_product_attention), the column modules positions first with the bias of the
+    pair transposed: values and gradients against the float64 reference, with the Triton kernel
+    (interpreted) reading the slots and columns in place and XLA given the slices (the Mosaic
+    kernel's in-place reads: tests/attention/test_positions_first.py)."""
     from gated_attention.af2 import modules
     from gated_attention.attention import base, dispatch
 
-    interpreted = dict(
-        pallas=ga.PallasAttention(block_q=16, block_k=16, interpret=True),
-        mosaic=ga.MosaicAttention(bias_grad_programs=2, interpret=True),
-    )
+    interpreted = dict(pallas=ga.PallasAttention(block_q=16, block_k=16, interpret=True))
     if implementation in interpreted:
         table = {**dispatch.IMPLEMENTATIONS, implementation: interpreted[implementation]}
         monkeypatch.setattr(dispatch, "IMPLEMENTATIONS", table)
@@ -748,20 +757,18 @@ def test_column_modules_hand_the_op_their_columns_as_they_lie(variant, implement
     global_config = dict(GLOBAL, subbatch_size=None, attention_implementation=implementation)
     module = _transform(module_cls, config, global_config)
     name = _default_name(module_cls)
+    ref_with = _reference_with(variant, jnp)
 
     def loss(params, act):
-        return jnp.sum(jnp.sin(module.apply(params, act, inputs[1])))
+        return jnp.sum(jnp.sin(module.apply(params, act, *inputs[1:])))
 
-    def ref_loss(params, act, mask):
-        if variant == "triangle_end":
-            out = reference.triangle_attention(params, act, mask, orientation="per_column", xp=jnp)
-        else:
-            out = reference.msa_column_attention(params, act, mask, xp=jnp)
-        return jnp.sum(jnp.sin(out))
+    def ref_loss(params, act, *rest):
+        return jnp.sum(jnp.sin(ref_with(params, act, *rest)))
 
     out = jax.jit(module.apply)(params, *inputs)
     grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, inputs[0])
-    assert layouts and all(o.positions_first for o in layouts)
+    assert layouts and all(o.packed for o in layouts)
+    assert all(o.positions_first == (config is COLUMN) for o in layouts)
     assert_close(out, ref_fn(params64, *inputs64), reference.tolerance("float32", family=True))
     with jax.enable_x64(True):
         ref_params, ref_act = jit_reference(jax.grad(ref_loss, argnums=(0, 1)))(params64, *inputs64)

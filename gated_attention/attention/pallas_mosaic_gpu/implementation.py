@@ -81,7 +81,8 @@ class MosaicAttention(base.Implementation):
     bias_grad_programs: int = 512
     interpret: bool = False
 
-    TAKES = base.ALL_OPTIONS | {"positions_first"}  # reads [T, B, N, H] in place (Plan.columns)
+    # Reads [T, B, N, H] (Plan.columns) and packed q/k/v (Plan.packed) in place.
+    TAKES = base.ALL_OPTIONS | {"positions_first", "packed"}
 
     def __post_init__(self):
         value = checks.check_int("block_k", self.block_k, minimum=64, optional=True)
@@ -176,12 +177,22 @@ class MosaicAttention(base.Implementation):
     ):
         structure = options.structure
         first = options.positions_first
-        shapes = [base.batch_first(x) if first else x for x in (query, key, value)]
+        shapes = base.unpacked_shapes(query, key, value, options)
         (batch, q_len), k_len = shapes[0].shape[:2], shapes[1].shape[1]
         live_q, live_k = structure.live(mask, q_len, k_len)
         if plan is None:
             plan = self._make(*shapes, biases, mask, scale, compute_dtype, options)
         zero = live_q is not None and not plan.live  # float32: in the transposed copies' pass
+        if plan.packed and not _in_place(plan, query, q_len, k_len, zero):
+            # Inputs the kernels cannot read as they lie are prepared (cast, padded) per slot.
+            query, key, value = base.unpacked(query)
+            plan = dataclasses.replace(plan, packed=False)
+        if plan.packed:
+            out, lse = _attention(plan, query, query, query, *_pair_and_extras(
+                plan, biases, mask, live_q, live_k, structure, batch, q_len, k_len
+            ))  # fmt: skip
+            values = base.values_of(value, options, live_q)
+            return self._finish(out, lse, plan, query, values, live_q, q_len, options)
         group = query.shape[2] // key.shape[2]
         if zero and group > 1 and live_k.shape[1] > 1:
             # Keys are zeroed where no query of a head sees them: each query head gets its own
@@ -192,23 +203,45 @@ class MosaicAttention(base.Implementation):
         q = rows(query, live_q if zero else None, plan.q_pad, plan.head_dim)
         k = rows(key, live_k if zero else None, plan.k_pad, plan.head_dim)
         v = rows(value, live_k if zero else None, plan.k_pad, plan.value_dim)
-        pair = tuple(_pair(x, shape) for x, shape in zip(biases, plan.bias_shapes, strict=True))
-        extras = []
-        if mask is not None:
-            extras.append(_pair(mask, plan.mask_shape).astype(plan.mask_dtype))
-        if plan.live:  # int32 [B|1, N|1, L] padded: dead rows zeroed inside the kernels
-            for x, real, length in ((live_q, q_len, plan.q_pad), (live_k, k_len, plan.k_pad)):
-                x = jnp.broadcast_to(x, (*x.shape[:2], real))  # [.., 1] from a key mask
-                pad = ((0, 0), (0, 0), (0, length - real))
-                extras.append(jnp.pad(x.astype(jnp.int32), pad))
-        if not structure.trivial:
-            extras.append(structure.meta(batch))
-        out, lse = _attention(plan, q, k, v, pair, tuple(extras))
+        out, lse = _attention(plan, q, k, v, *_pair_and_extras(
+            plan, biases, mask, live_q, live_k, structure, batch, q_len, k_len
+        ))  # fmt: skip
+        return self._finish(out, lse, plan, query, value, live_q, q_len, options)
+
+    @staticmethod
+    def _finish(out, lse, plan, query, value, live_q, q_len, options):
+        """The kernels' padded output as the op returns it."""
+        first = options.positions_first
         out = out[:q_len] if first else out[:, :q_len]
         out = out[..., : value.shape[-1]].astype(query.dtype)
         return numerics.finish_rows_without_key(
             out, lse[:, :, :q_len], value, live_q, options.return_residual, positions_first=first
         )
+
+
+def _in_place(plan: Plan, qkv, q_len: int, k_len: int, zero: bool) -> bool:
+    """Whether the kernels read a packed array as it lies: in the compute dtype, in whole tiles
+    and head dims wgmma takes, with no rows to zero beforehand (float32's TF32 reads transposed
+    copies, so half precision only)."""
+    whole = plan.q_pad == q_len and plan.k_pad == k_len and plan.head_dim == qkv.shape[-1]
+    return whole and qkv.dtype == jnp.dtype(plan.compute_dtype) and not plan.tf32 and not zero
+
+
+def _pair_and_extras(plan: Plan, biases, mask, live_q, live_k, structure, batch, q_len, k_len):
+    """(biases, extras) as the kernels take them: padded to the plan's tiles, the mask in its
+    dtype, the live vectors (Plan.live) and the structure's meta."""
+    pair = tuple(_pair(x, shape) for x, shape in zip(biases, plan.bias_shapes, strict=True))
+    extras = []
+    if mask is not None:
+        extras.append(_pair(mask, plan.mask_shape).astype(plan.mask_dtype))
+    if plan.live:  # int32 [B|1, N|1, L] padded: dead rows zeroed inside the kernels
+        for x, real, length in ((live_q, q_len, plan.q_pad), (live_k, k_len, plan.k_pad)):
+            x = jnp.broadcast_to(x, (*x.shape[:2], real))  # [.., 1] from a key mask
+            pad = ((0, 0), (0, 0), (0, length - real))
+            extras.append(jnp.pad(x.astype(jnp.int32), pad))
+    if not structure.trivial:
+        extras.append(structure.meta(batch))
+    return pair, tuple(extras)
 
 
 def _rows(x, live, length: int, width: int, dtype, positions_first: bool = False):

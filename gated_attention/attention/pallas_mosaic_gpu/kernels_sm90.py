@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gated_attention.attention import base
 from gated_attention.attention.gpu_common import LOG2E, softmax_delta, sum_bias_partials
 from gated_attention.attention.pallas_mosaic_gpu.pipeline import (
     Stream,
@@ -39,6 +40,8 @@ from gated_attention.attention.pallas_mosaic_gpu.plan import (
 )
 from gated_attention.core import numerics
 
+Q, K, V = 0, 1, 2  # the slots of a packed q/k/v array (Plan.packed)
+
 
 def _weights(s, shift, q_axis: int):
     """exp(s - shift) of a tile of logits, shift (the row max or the log-sum-exp) along the
@@ -60,12 +63,12 @@ def _forward_kernel(*refs, plan: Plan):
     lo, hi = key_blocks(plan, st, i)
 
     def k_source(r, j):
-        return plan.rows(k_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv)
+        return plan.rows(k_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, K)
 
     def v_source(r, j):
         if plan.tf32:  # v transposed: [B, K, Dv, S]
             return v_ref.at[b, kv, :, pl.ds(j * plan.block_k, plan.block_k)]
-        return plan.rows(v_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv)
+        return plan.rows(v_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, V)
 
     pair, bias_slots, mask_slots = pair_streams(
         plan, bias_refs, mask_ref, scratch, lambda r: b, lambda r: n, lambda r, j: i,
@@ -80,7 +83,7 @@ def _forward_kernel(*refs, plan: Plan):
 
     def begin(r):
         plgpu.copy_gmem_to_smem(
-            plan.rows(q_ref, b, pl.ds(i * plan.block_q, plan.block_q), n), q_smem, q_bar.at[0]
+            plan.rows(q_ref, b, pl.ds(i * plan.block_q, plan.block_q), n, Q), q_smem, q_bar.at[0]
         )
         plgpu.barrier_wait(q_bar.at[0])
         acc = ops.zeros((plan.block_q, plan.value_dim))
@@ -249,7 +252,7 @@ def _dkdv_kernel(*refs, plan: Plan):
     ks = pl.ds(j * plan.block_k, plan.block_k)
     qs = lambda i: pl.ds(i * plan.block_q, plan.block_q)  # noqa: E731
     streams = [
-        Stream(lambda r, i: plan.rows(q_ref, b, qs(i), head(r)), q_buf, q_bar),
+        Stream(lambda r, i: plan.rows(q_ref, b, qs(i), head(r), Q), q_buf, q_bar),
         Stream(lambda r, i: plan.rows(do_ref, b, qs(i), head(r)), do_buf, do_bar),
         Stream(lambda r, i: lse_ref.at[b, head(r), qs(i)], lse_buf, lse_bar),
         Stream(lambda r, i: delta_ref.at[b, head(r), qs(i)], delta_buf, delta_bar),
@@ -272,7 +275,7 @@ def _dkdv_kernel(*refs, plan: Plan):
 
     @pl.when(lax.axis_index("wg") == 0)
     def _():
-        tiles = [(plan.rows(k_ref, b, ks, kv), k_smem), (plan.rows(v_ref, b, ks, kv), v_smem)]
+        tiles = [(plan.rows(k_ref, b, ks, kv, K), k_smem), (plan.rows(v_ref, b, ks, kv, V), v_smem)]
         _load_whole(tiles, kv_bar)
 
     def begin(r):
@@ -400,8 +403,8 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
     qs = pl.ds(i * plan.block_q, plan.block_q)
     ks = lambda j: pl.ds(j * plan.block_k, plan.block_k)  # noqa: E731
     streams = [
-        Stream(lambda r, j: plan.rows(k_ref, b_of(r), ks(j), kv), k_buf, k_bar),
-        Stream(lambda r, j: plan.rows(v_ref, b_of(r), ks(j), kv), v_buf, v_bar),
+        Stream(lambda r, j: plan.rows(k_ref, b_of(r), ks(j), kv, K), k_buf, k_bar),
+        Stream(lambda r, j: plan.rows(v_ref, b_of(r), ks(j), kv, V), v_buf, v_bar),
     ]
     if plan.tf32:
         streams.append(Stream(lambda r, j: kt_ref.at[b_of(r), kv, :, ks(j)], kt_buf, kt_bar))
@@ -418,7 +421,7 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
 
     def begin(r):
         b = b_of(r)
-        tiles = [(plan.rows(q_ref, b, qs, n), q_smem), (plan.rows(do_ref, b, qs, n), do_smem)]
+        tiles = [(plan.rows(q_ref, b, qs, n, Q), q_smem), (plan.rows(do_ref, b, qs, n), do_smem)]
         tiles += [(lse_ref.at[b, n, qs], lse_smem), (delta_ref.at[b, n, qs], delta_smem)]
         _load_whole(tiles, row_bar)
         _zero_dbias(plan, rmw, dbias_tile, r, b)
@@ -522,11 +525,13 @@ def backward(plan: Plan, residuals, cotangents):
     pair_t = (*(flip(x) for x in biases), *(() if mask is None else (flip(mask),)))
     perm = (1, 2, 3, 0) if plan.columns else (0, 2, 3, 1)  # -> [B, N, D, L]
     tr = lambda *xs: tuple(jnp.transpose(x, perm) for x in xs) if plan.tf32 else ()  # noqa: E731
+    one = base.slot_shape(q) if plan.packed else None  # dq, dk, dv: stacked at the end
+    k_shape, v_shape, q_shape = (one.shape,) * 3 if plan.packed else (k.shape, v.shape, q.shape)
     dk, dv = plan.launch(
         _dkdv_kernel,
         (batch, plan.kv_heads, plan.k_blocks),
         ("b", "n", "j"),
-        (jax.ShapeDtypeStruct(k.shape, cdt), jax.ShapeDtypeStruct(v.shape, cdt)),
+        (jax.ShapeDtypeStruct(k_shape, cdt), jax.ShapeDtypeStruct(v_shape, cdt)),
         dkdv_scratch(plan),
         (q, k, v, d_out, lse, delta, *tr(q, d_out), *pair_t, *after_mask),
         "gated_attention_mosaic_dkdv",
@@ -547,11 +552,13 @@ def backward(plan: Plan, residuals, cotangents):
         (plan.row_groups, heads, plan.q_blocks),
         ("g", "n", "i"),
         (
-            jax.ShapeDtypeStruct(q.shape, cdt),
+            jax.ShapeDtypeStruct(q_shape, cdt),
             *(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes),
         ),
         dq_scratch(plan),
         (q, k, v, d_out, lse, delta, *tr(k), *biases, *extras),
         "gated_attention_mosaic_dq_dbias",
     )
+    if plan.packed:  # one gradient for the packed array: the kernels write three, stacked
+        dq, dk, dv = jnp.stack((dq, dk, dv), axis=2), None, None
     return dq, dk, dv, sum_bias_partials(biases, partials), tuple(None for _ in extras)

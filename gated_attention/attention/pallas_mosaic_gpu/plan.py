@@ -90,10 +90,16 @@ class Plan(base.KernelPlan):
     # Positions first (Options.positions_first): q, k, v, out and their gradients [L, B, N, D],
     # each tile copied in place along the batch's columns (rows) by the TMA.
     columns: bool = False
+    # Packed (Options.packed): q, k and v are slots 0, 1, 2 of one [B, L, 3, N, D] array ([L, B,
+    # 3, N, D] with columns), each tile copied from its slot in place.
+    packed: bool = False
 
-    def rows(self, ref, b, span, n):
-        """ref [B, L, N, D] ([L, B, N, D] with columns) at batch row b, rows span, head n."""
-        return ref.at[span, b, n] if self.columns else ref.at[b, span, n]
+    def rows(self, ref, b, span, n, slot: int | None = None):
+        """ref [B, L, N, D] ([L, B, N, D] with columns) at batch row b, rows span, head n; `slot`
+        of a packed [B, L, 3, N, D] ref (Plan.packed: q 0, k 1, v 2; None for the others)."""
+        rows = (span, b) if self.columns else (b, span)
+        slots = (slot,) if self.packed and slot is not None else ()
+        return ref.at[(*rows, *slots, n)]
 
     @property
     def q_blocks(self) -> int:
@@ -186,6 +192,7 @@ class Plan(base.KernelPlan):
             row_groups=groups,
             warpgroups=INTERPRET_WARPGROUPS if impl.interpret else 2,
             columns=options.positions_first,
+            packed=options.packed,
         )
 
 

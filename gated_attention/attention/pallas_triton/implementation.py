@@ -84,7 +84,8 @@ class PallasAttention(base.Implementation):
     rows_per_program: int | None = None
     interpret: bool = False
 
-    TAKES = base.ALL_OPTIONS | {"positions_first"}  # reads [T, B, N, H] in place (Plan.columns)
+    # Reads [T, B, N, H] (Plan.columns) and packed q/k/v (Plan.packed) in place.
+    TAKES = base.ALL_OPTIONS | {"positions_first", "packed"}
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -185,7 +186,7 @@ class PallasAttention(base.Implementation):
     ):
         structure = options.structure
         first = options.positions_first
-        shapes = [base.batch_first(x) if first else x for x in (query, key, value)]
+        shapes = base.unpacked_shapes(query, key, value, options)
         (batch, q_len), k_len = shapes[0].shape[:2], shapes[1].shape[1]
         # Live queries [B|1, N|1, T|1] and keys [B|1, N|1, S|1] under the mask and the structure.
         live_q, live_k = structure.live(mask, q_len, k_len)
@@ -200,7 +201,12 @@ class PallasAttention(base.Implementation):
             plan = self._make(*shapes, biases, mask, scale, compute_dtype, options)
         out, lse = _attention(plan, query, key, value, tuple(biases), tuple(extras))
         return numerics.finish_rows_without_key(
-            out, lse, value, live_q, options.return_residual, positions_first=first
+            out,
+            lse,
+            base.values_of(value, options, live_q),
+            live_q,
+            options.return_residual,
+            positions_first=first,
         )
 
 

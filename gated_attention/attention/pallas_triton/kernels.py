@@ -99,6 +99,9 @@ def _index(ref, axis: int, i):
     return i if ref.shape[axis] > 1 else jnp.zeros((), jnp.int32)
 
 
+Q, K, V = 0, 1, 2  # the slots of a packed q/k/v array (Plan.packed) and of its gradient
+
+
 class _Extras(NamedTuple):
     """The optional refs after the biases (None where absent)."""
 
@@ -123,11 +126,13 @@ class _Tiles:
         self.plan, self.batch, self.q_len, self.k_len = plan, batch, q_len, k_len
         self.n_bias = n_bias
 
-    def at(self, ref, b, index, n, padded: int):
+    def at(self, ref, b, index, n, padded: int, slot: int | None = None):
         """The view of ref [B, L, N, D] ([L, B, N, D] with Plan.columns) at batch row b, the rows
-        `index` and head n, padded columns."""
+        `index` and head n, padded columns; `slot` of a packed [B, L, 3, N, D] ref (Plan.packed:
+        q, k, v and their gradients; None for the arrays that are never packed)."""
         rows = (index, b) if self.plan.columns else (b, index)
-        return ref.at[(*rows, n, _ds(0, padded))]
+        slots = (jnp.int32(slot),) if self.plan.packed and slot is not None else ()
+        return ref.at[(*rows, *slots, n, _ds(0, padded))]
 
     def split(self, refs):
         """refs after q, k, v (and any per-kernel ones) -> (bias refs, _Extras, rest)."""
@@ -171,14 +176,14 @@ class _Tiles:
         ids = index * block + jnp.arange(block, dtype=jnp.int32)
         return _ds(index * block, block), ids < length
 
-    def rows(self, ref, b, span, n, width: int, live=None):
-        """ref [B, L, N, D] (at) rows span of batch row b and head n -> [block, padded D], cast to
-        compute."""
+    def rows(self, ref, b, span, n, width: int, live=None, slot: int | None = None):
+        """ref [B, L, N, D] (at; `slot` of a packed one) rows span of batch row b and head n ->
+        [block, padded D], cast to compute."""
         pl, plgpu = _pallas()
         index, ok = span
         padded = _pow2_tile(width)
         mask = ok[:, None] & (jnp.arange(padded, dtype=jnp.int32) < width)[None, :]
-        x = plgpu.load(self.at(ref, b, index, n, padded), mask=mask, other=0)
+        x = plgpu.load(self.at(ref, b, index, n, padded, slot), mask=mask, other=0)
         x = x.astype(self.plan.compute_dtype)
         if live is not None:
             x = jnp.where(live[:, None] != 0, x, jnp.zeros((), x.dtype))
@@ -187,7 +192,7 @@ class _Tiles:
     def queries(self, q_ref, extras, b, n, q_span):
         """(q [bq, padded H] with dead queries zeroed, live_q or None) of one query block."""
         live_q = None if extras.live_q is None else self.vector(extras.live_q, b, n, q_span)
-        return self.rows(q_ref, b, q_span, n, self.plan.head_dim, live_q), live_q
+        return self.rows(q_ref, b, q_span, n, self.plan.head_dim, live_q, Q), live_q
 
     def keys_values(self, k_ref, v_ref, extras, b, n, k_span, zero_keys: bool = True):
         """(k, v of key/value head n // group with the keys query head n does not see zeroed,
@@ -196,16 +201,16 @@ class _Tiles:
         live_k = None if extras.live_k is None else self.vector(extras.live_k, b, n, k_span)
         kv = n // self.plan.q_heads_per_kv_head
         k_live = live_k if zero_keys else None
-        k = self.rows(k_ref, b, k_span, kv, self.plan.head_dim, k_live)
-        v = self.rows(v_ref, b, k_span, kv, self.plan.value_dim, live_k)
+        k = self.rows(k_ref, b, k_span, kv, self.plan.head_dim, k_live, K)
+        v = self.rows(v_ref, b, k_span, kv, self.plan.value_dim, live_k, V)
         return k, v, live_k
 
-    def store_rows(self, ref, b, span, n, width: int, x):
+    def store_rows(self, ref, b, span, n, width: int, x, slot: int | None = None):
         pl, plgpu = _pallas()
         index, ok = span
         padded = _pow2_tile(width)
         mask = ok[:, None] & (jnp.arange(padded, dtype=jnp.int32) < width)[None, :]
-        plgpu.store(self.at(ref, b, index, n, padded), x.astype(ref.dtype), mask=mask)
+        plgpu.store(self.at(ref, b, index, n, padded, slot), x.astype(ref.dtype), mask=mask)
 
     @staticmethod
     def vector(ref, b, n, span, other=0):
@@ -341,7 +346,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: 
     """dk, dv of one key block of key/value head `kv`, summed over its group's query heads."""
     pl, _ = _pallas()
     plan = tiles.plan
-    bias_refs, extras, (dk_ref, dv_ref) = tiles.split(refs)
+    bias_refs, extras, outs = tiles.split(refs)
+    dk_ref, dv_ref = outs * 2 if plan.packed else outs  # packed: one [B, S, 3, K, D] gradient
     b, kv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k_span = tiles.span(j, plan.block_k, tiles.k_len)
     st = tiles.structure(extras, b)
@@ -371,8 +377,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: 
     dk = dk * plan.scale
     if seen is not None:  # keys no query sees were zeroed: no gradient reaches them
         dk, dv = (jnp.where(seen[:, None] != 0, x, 0.0) for x in (dk, dv))
-    tiles.store_rows(dk_ref, b, k_span, kv, plan.head_dim, dk)
-    tiles.store_rows(dv_ref, b, k_span, kv, plan.value_dim, dv)
+    tiles.store_rows(dk_ref, b, k_span, kv, plan.head_dim, dk, K)
+    tiles.store_rows(dv_ref, b, k_span, kv, plan.value_dim, dv, V)
 
 
 def _dq_dbias_kernel(
@@ -382,7 +388,8 @@ def _dq_dbias_kernel(
     pl, plgpu = _pallas()
     plan = tiles.plan
     bias_refs, extras, rest = tiles.split(refs)
-    rest = rest[len(shapes) :]  # the zero-filled buffers aliased to the outputs below
+    # The zero-filled buffers (and a packed gradient's dk/dv) aliased to the outputs below.
+    rest = rest[len(shapes) + plan.packed :]
     dq_ref, dbias_refs = rest[0], rest[1:]
     g, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     batch = tiles.batch
@@ -426,7 +433,7 @@ def _dq_dbias_kernel(
         dq = lax.fori_loop(*tiles.key_blocks(st, i), body, init) * plan.scale
         if live_q is not None:
             dq = jnp.where(live_q[:, None] != 0, dq, 0.0)
-        tiles.store_rows(dq_ref, b, q_span, n, plan.head_dim, dq)
+        tiles.store_rows(dq_ref, b, q_span, n, plan.head_dim, dq, Q)
         return carry
 
     rows = (batch - g + plan.row_groups - 1) // plan.row_groups  # rows g, g + groups, ... < batch
@@ -434,14 +441,15 @@ def _dq_dbias_kernel(
 
 
 def _lengths(plan: Plan, q, k) -> tuple[int, int, int]:
-    """(B, T, S) of q [B, T, N, H] and k [B, S, K, H] (Plan.columns: [T, B, N, H], [S, B, K, H])."""
+    """(B, T, S) of q [B, T, N, H] and k [B, S, K, H] (Plan.columns: [T, B, N, H], [S, B, K, H];
+    Plan.packed: [.., 3, N, H])."""
     (batch, q_len), k_len = q.shape[:2], k.shape[1]
     return (q_len, batch, k.shape[0]) if plan.columns else (batch, q_len, k_len)
 
 
 def forward(plan: Plan, q, k, v, biases, extras):
     batch, q_len, k_len = _lengths(plan, q, k)
-    heads = q.shape[2]
+    heads = q.shape[-2]
     tiles = _Tiles(plan, batch, q_len, k_len, len(biases))
     grid = (
         -(-batch // plan.rows_per_program),
@@ -449,7 +457,7 @@ def forward(plan: Plan, q, k, v, biases, extras):
         -(-q_len // plan.block_q),
     )  # batch rows vary fastest: bias tiles stay in L2
     out_shape = (
-        jax.ShapeDtypeStruct((*q.shape[:3], v.shape[-1]), q.dtype),
+        jax.ShapeDtypeStruct((*q.shape[:2], heads, v.shape[-1]), q.dtype),
         jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
     )
     args = (q, k, v, *biases, *extras)
@@ -461,15 +469,16 @@ def backward(plan, residuals, cotangents):
     q, k, v, biases, extras, out, lse = residuals
     d_out, d_lse = cotangents
     batch, q_len, k_len = _lengths(plan, q, k)
-    heads = q.shape[2]
+    heads = q.shape[-2]
     tiles = _Tiles(plan, batch, q_len, k_len, len(biases))
     delta = softmax_delta(out, d_out, d_lse, plan.columns)  # [B, N, T]
     common = (q, k, v, d_out, lse, delta, *biases, *extras)
 
-    dk, dv = plan.call(
+    dkdv_shapes = (k, v) if not plan.packed else (q,)  # packed: slots 1 and 2 of one array
+    dkdv = plan.call(
         functools.partial(_dkdv_kernel, tiles=tiles),
         (batch, plan.kv_heads, -(-k_len // plan.block_k)),
-        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in dkdv_shapes),
         common,
         "gated_attention_dkdv",
     )
@@ -490,6 +499,9 @@ def backward(plan, residuals, cotangents):
         for s in shapes
     )
     first_buffer = len(common)
+    aliases = {first_buffer + t: 1 + t for t in range(len(buffers))}
+    if plan.packed:  # dq written into slot 0 of the dk/dv kernel's packed gradient, in place
+        aliases[first_buffer + len(buffers)] = 0
     dq, *partials = plan.call(
         functools.partial(_dq_dbias_kernel, tiles=tiles, shapes=shapes),
         (plan.row_groups, heads, q_blocks),
@@ -497,8 +509,9 @@ def backward(plan, residuals, cotangents):
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers),
         ),
-        (*common, *buffers),
+        (*common, *buffers, *(dkdv if plan.packed else ())),
         "gated_attention_dq_dbias",
-        aliases={first_buffer + t: 1 + t for t in range(len(buffers))},
+        aliases=aliases,
     )
+    dk, dv = (None, None) if plan.packed else dkdv
     return dq, dk, dv, sum_bias_partials(biases, partials), tuple(None for _ in extras)

@@ -72,6 +72,9 @@ class Plan(base.KernelPlan):
     # Positions first (Options.positions_first): q, k, v, out and their gradients [L, B, N, D],
     # read and written in place along the batch's columns (AF2's column-wise modules).
     columns: bool = False
+    # Packed (Options.packed): q, k and v are slots 0, 1, 2 of one [B, L, 3, N, D] array ([L, B,
+    # 3, N, D] with columns), read in place; the backward writes dq, dk, dv into one such array.
+    packed: bool = False
 
     @classmethod
     def make(
@@ -124,6 +127,7 @@ class Plan(base.KernelPlan):
             ptx=not impl.interpret and "rocm" not in compat.registered_backends(),
             base2=plain,
             columns=options.positions_first,
+            packed=options.packed,
         )
 
     def call(self, kernel, grid, out_shape, args, name, aliases=None):
