@@ -245,8 +245,6 @@ def dot_product_attention(
         shapes = (query, key, value)
     checks.check_qkv(*shapes)
     keys_over = sharding.mesh_axes(shard_keys_over, "shard_keys_over", manual=True)
-    biases, mask = _validated_pair(*shapes[:2], bias, mask, sharding.ring_blocks(keys_over))
-    checks.check_one_of("compute_dtype", compute_dtype, numerics.POLICIES)
     options = _options(
         shapes[0],
         is_causal=is_causal,
@@ -258,14 +256,11 @@ def dot_product_attention(
         residual=return_residual,
         logits_dtype=logits_dtype,
     )
-    call = _Call(
-        resolved=dispatch.resolve(implementation),
-        requested=dispatch.describe(implementation),
-        kinds=platforms.candidates((query, key, value, biases, mask)),
-        policy=compute_dtype,
-        scale=query.shape[-1] ** -0.5 if scale is None else scale,
-        options=dataclasses.replace(options, positions_first=positions_first),
-    )
+    call, biases, mask = _prepare(
+        (query, key, value), shapes, bias, mask, scale=scale, implementation=implementation,
+        compute_dtype=compute_dtype, options=options, ring_blocks=sharding.ring_blocks(keys_over),
+        positions_first=positions_first,
+    )  # fmt: skip
     args = (query, key, value, biases, mask, options.structure)
     if positions_first:
         return call.attend(*args)
@@ -336,23 +331,27 @@ def packed_dot_product_attention(
         (*qkv.shape[:-3], *qkv.shape[-2:]), qkv.dtype
     )  # fmt: skip
     shape = base.batch_first(one) if positions_first else one
-    return _attend(
-        (qkv, qkv, qkv), (shape, shape, shape), bias, mask, scale=scale,
-        implementation=implementation, compute_dtype=compute_dtype,
-        options=_options(
-            shape, is_causal=is_causal, window=local_window_size, q_lengths=query_seq_lengths,
-            kv_lengths=key_value_seq_lengths, soft_cap=logits_soft_cap, precision=precision,
-            residual=return_residual, logits_dtype=None,
-        ),
-        layout=dict(positions_first=positions_first, packed=True),
+    checks.check_qkv(shape, shape, shape)
+    options = _options(
+        shape, is_causal=is_causal, window=local_window_size, q_lengths=query_seq_lengths,
+        kv_lengths=key_value_seq_lengths, soft_cap=logits_soft_cap, precision=precision,
+        residual=return_residual, logits_dtype=None,
     )  # fmt: skip
+    call, biases, mask = _prepare(
+        (qkv, qkv, qkv), (shape, shape, shape), bias, mask, scale=scale,
+        implementation=implementation, compute_dtype=compute_dtype, options=options,
+        positions_first=positions_first, packed=True,
+    )  # fmt: skip
+    return call.attend(qkv, qkv, qkv, biases, mask, options.structure)
 
 
-def _attend(arrays, shapes, bias, mask, *, scale, implementation, compute_dtype, options, layout):
-    """The positions-first or packed call: validated shapes `shapes` (batch-first, unpacked) of
-    `arrays` as given; one device, one batch of rows (no sharding arguments)."""
-    checks.check_qkv(*shapes)
-    biases, mask = _validated_pair(*shapes[:2], bias, mask, 1)
+def _prepare(
+    arrays, shapes, bias, mask, *, scale, implementation, compute_dtype, options, ring_blocks=1,
+    **layout,
+):  # fmt: skip
+    """(_Call, biases, mask) of a call: `shapes` the validated batch-first, unpacked shapes of
+    `arrays` as given, `layout` the Options' positions_first and packed."""
+    biases, mask = _validated_pair(*shapes[:2], bias, mask, ring_blocks)
     checks.check_one_of("compute_dtype", compute_dtype, numerics.POLICIES)
     call = _Call(
         resolved=dispatch.resolve(implementation),
@@ -362,7 +361,7 @@ def _attend(arrays, shapes, bias, mask, *, scale, implementation, compute_dtype,
         scale=shapes[0].shape[-1] ** -0.5 if scale is None else scale,
         options=dataclasses.replace(options, **layout),
     )
-    return call.attend(*arrays, biases, mask, options.structure)
+    return call, biases, mask
 
 
 def _positions_first(query, key, value, sharded) -> tuple[jax.ShapeDtypeStruct, ...]:
