@@ -300,13 +300,16 @@ def packed_dot_product_attention(
     dot_product_attention(qkv[..., 0, :, :], qkv[..., 1, :, :], qkv[..., 2, :, :], ...) with
     the same arguments and results, where the Pallas GPU kernels (Triton and Mosaic) read each
     slot's tiles from the packed array in place, so no slice of it is copied, and the Triton
-    kernel writes the gradients of all three into one array of qkv's shape; the other
-    implementations get the three slices. This is the layout a projection by AF2's query, key
-    and value weights stacked as [C, 3, N, H] produces (the modules' one-pass entry on a GPU).
+    kernel writes the gradient of the whole array as one (Mosaic: its three, stacked); the
+    other implementations get the three slices. This is the layout a projection by AF2's
+    query, key and value weights stacked as [C, 3, N, H] produces, or [C, 4, N, H] with the
+    gate's: the modules' one-pass entry on a GPU, where XLA has no second product of the same
+    activations to merge with this one and slice apart.
 
     Args:
-      qkv: [..., T, 3, N, H]: slot 0 the queries, 1 the keys, 2 the values (N heads of head dim
-        H each); with positions_first, [T, B, 3, N, H].
+      qkv: [..., T, P, N, H], P >= 3: slot 0 the queries, 1 the keys, 2 the values (N heads of
+        head dim H each); slots from 3 on are the caller's (AF2's gate logits), never read here,
+        and the gradient this op gives them is zero. With positions_first, [T, B, P, N, H].
       bias, mask, scale, implementation, compute_dtype, is_causal, query_seq_lengths,
         key_value_seq_lengths, local_window_size, return_residual, logits_soft_cap, precision,
         positions_first: as dot_product_attention's (S = T, K = N, Hv = H).
@@ -317,16 +320,19 @@ def packed_dot_product_attention(
 
     Raises:
       TypeError: a non-float or 8-bit qkv, and as dot_product_attention.
-      ValueError: qkv not of rank >= 4 with 3 slots ([..., T, 3, N, H]; positions first rank 5),
-        and as dot_product_attention.
+      ValueError: qkv not of rank >= 4 with at least 3 slots ([..., T, P, N, H]; positions
+        first rank 5), and as dot_product_attention.
       NotImplementedError: a named implementation that cannot take these inputs here.
     """
     checks.check_bool("positions_first", positions_first)
     checks.check_float_array("qkv", qkv)
     rank = 5 if positions_first else 4
-    if (qkv.ndim != rank if positions_first else qkv.ndim < rank) or qkv.shape[-3] != 3:
-        layout = "[T, B, 3, N, H] (positions_first)" if positions_first else "[..., T, 3, N, H]"
-        raise ValueError(f"qkv must be {layout}: 3 slots, query, key and value, got {qkv.shape}")
+    if (qkv.ndim != rank if positions_first else qkv.ndim < rank) or qkv.shape[-3] < 3:
+        layout = "[T, B, P, N, H] (positions_first)" if positions_first else "[..., T, P, N, H]"
+        raise ValueError(
+            f"qkv must be {layout} with P >= 3 slots (query, key, value, then any of the "
+            f"caller's), got {qkv.shape}"
+        )
     one = base.slot_shape(qkv) if positions_first else jax.ShapeDtypeStruct(
         (*qkv.shape[:-3], *qkv.shape[-2:]), qkv.dtype
     )  # fmt: skip

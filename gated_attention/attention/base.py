@@ -53,10 +53,11 @@ class Options:
       positions_first: query [T, B, N, H], key and value [S, B, K, H], out [T, B, N, Hv]: an
         implementation with "positions_first" in TAKES reads and writes them as they lie (the
         op hands the others the batch-first transposes); biases and mask stay batch-first.
-      packed: query, key and value are one array [B, T, 3, N, H] ([T, B, 3, N, H] positions
-        first), slots 0, 1, 2 (packed_dot_product_attention): an implementation with "packed"
-        in TAKES reads each slot in place and returns its gradient as one array of that shape;
-        the op hands the others the three slices (`run`).
+      packed: query, key and value are one array [B, T, P, N, H] ([T, B, P, N, H] positions
+        first), slots 0, 1, 2 (packed_dot_product_attention; slots 3.. the caller's, their
+        gradient zero): an implementation with "packed" in TAKES reads each slot in place and
+        returns the gradient as one array of that shape; the op hands the others the three
+        slices (`run`).
     """
 
     structure: masking.StructuredMask = masking.NONE
@@ -221,12 +222,12 @@ def run(impl: Implementation, query, key, value, biases, mask, *, options, **kwa
 
 
 def unpacked(qkv) -> tuple:
-    """(query, key, value): the slots of a packed [B, T, 3, N, H] ([T, B, 3, N, H]) array."""
+    """(query, key, value): slots 0, 1, 2 of a packed [B, T, P, N, H] ([T, B, P, N, H]) array."""
     return tuple(qkv[:, :, slot] for slot in range(3))
 
 
 def slot_shape(x) -> jax.ShapeDtypeStruct:
-    """The shape (a jax.ShapeDtypeStruct) of one slot of a packed [B, T, 3, N, H] array."""
+    """The shape (a jax.ShapeDtypeStruct) of one slot of a packed [B, T, P, N, H] array."""
     return jax.ShapeDtypeStruct((*x.shape[:2], *x.shape[3:]), x.dtype)
 
 

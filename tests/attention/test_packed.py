@@ -1,8 +1,9 @@
-"""packed_dot_product_attention: query, key and value as slots 0, 1, 2 of one [..., T, 3, N, H]
-array ([T, B, 3, N, H] positions first), as one projection by AF2's stacked weights makes them.
-The Pallas kernels read each slot in place (Plan.packed) and the Triton kernel writes the three
-gradients into one array; the other implementations get the slices (base.run): every one matches
-the float64 reference, forward and gradients, in both layouts."""
+"""packed_dot_product_attention: query, key and value as slots 0, 1, 2 of one [..., T, P, N, H]
+array ([T, B, P, N, H] positions first; a fourth slot the caller's, AF2's gate), as one projection
+by AF2's stacked weights makes them. The Pallas kernels read each slot in place (Plan.packed) and
+the Triton kernel writes the whole gradient as one array; the other implementations get the slices
+(base.run): every one matches the float64 reference, forward and gradients (the caller's slot's
+zero), in both layouts."""
 
 from __future__ import annotations
 
@@ -28,10 +29,10 @@ IMPLEMENTATIONS = [
 MOSAIC = ga.MosaicAttention(block_k=64, bias_grad_programs=2, interpret=True)
 
 
-def _problem(dtype, t=T, batch=B, heads=N, head_dim=H, positions_first=False):
+def _problem(dtype, t=T, batch=B, heads=N, head_dim=H, positions_first=False, slots=3):
     rng = np.random.default_rng(0)
     draw = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
-    qkv = draw(batch, t, 3, heads, head_dim)
+    qkv = draw(batch, t, slots, heads, head_dim)
     bias = draw(1, heads, t, t)  # shared by the batch, as AF2's pair bias
     mask = jnp.asarray(rng.random((batch, 1, 1, t)) > 0.3).at[1].set(False)  # row 1: no key
     cotangent = draw(batch, t, heads, head_dim)
@@ -47,6 +48,8 @@ def _reference(qkv, bias, mask, positions_first):
 
 
 def _check(implementation, dtype, positions_first, **sizes):
+    """Values and the gradients of the packed array and the bias against the float64 reference
+    (where slots > 3, the caller's slot's gradient is zero as the reference's is)."""
     qkv, bias, mask, cotangent = _problem(dtype, positions_first=positions_first, **sizes)
     attend = lambda qkv, bias: ga.packed_dot_product_attention(
         qkv, bias, mask, implementation=implementation, positions_first=positions_first,
@@ -66,12 +69,15 @@ def _check(implementation, dtype, positions_first, **sizes):
         assert_close(g, r, reference.grad_tolerance(name, r))
 
 
-@pytest.mark.parametrize("positions_first", [False, True], ids=["batch_first", "positions_first"])
+@pytest.mark.parametrize(
+    "positions_first, slots", [(False, 3), (True, 4)], ids=["batch_first", "positions_first_4"]
+)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_packed_against_the_reference(implementation, positions_first):
+def test_packed_against_the_reference(implementation, positions_first, slots):
     """float32, a bias shared by the batch, a key mask with a batch row of no key: values and
-    the gradients of the packed array (all three slots) and the bias."""
-    _check(implementation, jnp.float32, positions_first)
+    the gradients of the packed array (all its slots) and the bias; batch first with q, k and v
+    alone, positions first with a fourth slot (AF2's gate) left to the caller."""
+    _check(implementation, jnp.float32, positions_first, slots=slots)
 
 
 def test_the_mosaic_kernel_reads_a_packed_array_in_place():
@@ -81,7 +87,7 @@ def test_the_mosaic_kernel_reads_a_packed_array_in_place():
     make = ga.MosaicAttention._make
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ga.MosaicAttention, "_make", lambda *a: plans.append(make(*a)) or plans[-1])
-        _check(MOSAIC, jnp.bfloat16, True, t=64, batch=2, heads=1, head_dim=32)
+        _check(MOSAIC, jnp.bfloat16, True, t=64, batch=2, heads=1, head_dim=32, slots=4)
     assert plans and all(p.packed for p in plans)
 
 
@@ -132,9 +138,9 @@ def test_an_implementation_without_it_gets_the_slices():
 @pytest.mark.parametrize(
     "shape, kwargs, error, match",
     [
-        ((T, 3, N), {}, ValueError, r"qkv must be \[\.\.\., T, 3, N, H\]: 3 slots, query, key and value, got \(40, 3, 2\)"),
-        ((B, T, 4, N, H), {}, ValueError, r"3 slots, query, key and value, got \(3, 40, 4, 2, 16\)"),
-        ((2, T, B, 3, N, H), dict(positions_first=True), ValueError, r"qkv must be \[T, B, 3, N, H\] \(positions_first\)"),
+        ((T, 3, N), {}, ValueError, r"qkv must be \[\.\.\., T, P, N, H\] with P >= 3 slots \(query, key, value, then any of the caller's\), got \(40, 3, 2\)"),
+        ((B, T, 2, N, H), {}, ValueError, r"P >= 3 slots .*, got \(3, 40, 2, 2, 16\)"),
+        ((2, T, B, 3, N, H), dict(positions_first=True), ValueError, r"qkv must be \[T, B, P, N, H\] \(positions_first\)"),
         ((B, T, 3, N, H), dict(positions_first=1), TypeError, r"positions_first must be a bool, got 1"),
         ((B, T, 3, N, H), dict(compute_dtype="fast"), ValueError, r"compute_dtype must be one of"),
     ],

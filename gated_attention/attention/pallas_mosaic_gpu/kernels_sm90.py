@@ -560,5 +560,6 @@ def backward(plan: Plan, residuals, cotangents):
         "gated_attention_mosaic_dq_dbias",
     )
     if plan.packed:  # one gradient for the packed array: the kernels write three, stacked
-        dq, dk, dv = jnp.stack((dq, dk, dv), axis=2), None, None
+        rest = [jnp.zeros_like(dq)] * (q.shape[2] - 3)  # the caller's slots (api): zero
+        dq, dk, dv = jnp.stack((dq, dk, dv, *rest), axis=2), None, None
     return dq, dk, dv, sum_bias_partials(biases, partials), tuple(None for _ in extras)

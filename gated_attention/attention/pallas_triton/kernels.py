@@ -99,7 +99,9 @@ def _index(ref, axis: int, i):
     return i if ref.shape[axis] > 1 else jnp.zeros((), jnp.int32)
 
 
-Q, K, V = 0, 1, 2  # the slots of a packed q/k/v array (Plan.packed) and of its gradient
+# The slots of a packed q/k/v array (Plan.packed) and of its gradient; any after V are the
+# caller's (packed_dot_product_attention), whose gradient the dk/dv kernel zeroes.
+Q, K, V = 0, 1, 2
 
 
 class _Extras(NamedTuple):
@@ -379,6 +381,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: 
         dk, dv = (jnp.where(seen[:, None] != 0, x, 0.0) for x in (dk, dv))
     tiles.store_rows(dk_ref, b, k_span, kv, plan.head_dim, dk, K)
     tiles.store_rows(dv_ref, b, k_span, kv, plan.value_dim, dv, V)
+    for slot in range(V + 1, dk_ref.shape[-3] if plan.packed else 0):  # the caller's: zero
+        tiles.store_rows(dk_ref, b, k_span, kv, plan.head_dim, jnp.zeros_like(dk), slot)
 
 
 def _dq_dbias_kernel(
