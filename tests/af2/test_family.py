@@ -592,7 +592,9 @@ def test_family_tiles_by_memory_bound():
         module = _transform(ga.TriangleAttention, ROW, global_config, is_training=is_training)
         with ga.record_implementation_choices() as choices:
             jax.eval_shape(module.apply, params, *inputs)
-        assert [c["query"][0] for c in choices] == expected, global_config
+        # The CPU's calls: where JAX's CUDA plugin is installed a GPU branch is traced too.
+        on_cpu = [c["query"][0] for c in choices if c["platform"] == "cpu"]
+        assert on_cpu == expected, global_config
 
 
 # --------------------------------------------------------------------------------------------
