@@ -187,7 +187,8 @@ class PallasAttention(base.Implementation):
         )  # fmt: skip
         moves = [("block_q", block_q // 2), ("block_q", block_q * 2)]
         moves += [("block_k", block_k // 2), ("block_k", block_k * 2)]
-        moves += [("num_warps", 12 - warps), ("num_stages", stages - 1), ("num_stages", stages + 1)]
+        moves += [("num_warps", 4 if warps == 8 else 8)]
+        moves += [("num_stages", stages - 1), ("num_stages", stages + 1)]
         moves += [("rows_per_program", 3 - rows)] if shared else []
         pair = dtype.itemsize * (2 if bias == "both" else bias != "none") + (mask != "none")
         out = []
