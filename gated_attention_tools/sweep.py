@@ -10,19 +10,20 @@ class, with its options).
 
 A cell is a shape x dtype x mode of the op (device_benchmark.OpShape, its inputs op_inputs: q, k,
 v, a bias shared over the rows unless the shape has none, a key mask; op_step's training step, the
-vjp of q, k, v and the bias at a cotangent passed in as an argument). Per cell, in one process:
-every candidate's program and the float32 reference (our XLA implementation at 'highest'
-precision on the same rounded inputs: jax.nn's dense XLA attention would hold 128 GiB of logits
-at the triangle of 2,048) are lowered one after another, then compiled in cfg.compile_workers
-threads (XLA's compilers release the GIL); each candidate is called once (its largest difference
+vjp of q, k, v and the bias at a cotangent passed in as an argument). Per shape and dtype, in one
+process: every candidate's program of each mode and the float32 reference (our XLA implementation
+at 'highest' precision on the same rounded inputs: jax.nn's dense XLA attention would hold 128 GiB
+of logits at the triangle of 2,048) are lowered one after another, then compiled together in
+cfg.compile_workers threads (XLA's compilers release the GIL; both modes at once keep the threads
+busy past the longest compile); per cell each candidate is called once (its largest difference
 from the reference over the outputs, relative to the reference's largest entry, `accurate` when
 within cfg.tolerance of its dtype), then timed in cfg.rounds interleaved rounds of cfg.steps calls
 (the time is the median over rounds). A candidate that does not build, compile or run on the
 device is a row with the reason (`unavailable`), not a failure.
 
 Budget: the cells run in priority order (bfloat16 first, AF2's dtype on a GPU; per shape the
-training step, then the forward); none starts once cfg.time_budget_s has passed since the start,
-and those left are rows 'not run: the time budget was spent'. The results name the GPU's compute
+training step, then the forward); no shape and dtype starts once cfg.time_budget_s has passed
+since the start, and the cells left are rows 'not run: the time budget was spent'. The results name the GPU's compute
 capability the candidates were chosen for (cfg.capability: '' the device's; the smoke preset
 names an H100's, '9.0', and runs the kernels interpreted).
 """
@@ -36,6 +37,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 import gated_attention as ga
@@ -120,47 +122,80 @@ def _worst(out, reference) -> float:
     return float(worst) if bool(finite) else float("inf")
 
 
-def run_cell(cell, cfg, cap, log=print) -> list[dict[str, Any]]:
-    """One row per candidate of the cell (those that did not build or run with the reason)."""
-    args = device_benchmark.op_inputs(cell.shape, cell.dtype, cell.mode)
-    head = dict(
-        level="op", shape=cell.shape.name, dtype=cell.dtype, mode=cell.mode,
-        shape_dims=dataclasses.asdict(cell.shape),
-    )  # fmt: skip
-    found = cell_candidates(cell, cap, cfg)
-    rows = {
-        c.name: head | dict(variant=c.name, implementation=c.implementation, options=c.as_dict())
-        for c in found
-    }
-    lowered = {}
+def groups(cfg) -> list[list[device_benchmark.Cell]]:
+    """cells(cfg) in groups of one shape and dtype (its modes): a group's programs are compiled
+    together, so the pool's threads stay busy past any one long compile."""
+    out = []
+    for cell in cells(cfg):
+        if out and (out[-1][0].shape, out[-1][0].dtype) == (cell.shape, cell.dtype):
+            out[-1].append(cell)
+        else:
+            out.append([cell])
+    return out
+
+
+def run_group(group, cfg, cap, log=print) -> list[dict[str, Any]]:
+    """One row per candidate of each cell of the group (those that did not build or run with
+    the reason): every program of the group lowered, then compiled at once in threads; each
+    cell's candidates then checked and timed on that cell's inputs."""
     start = time.perf_counter()
-    for c in found:
-        try:
-            fn = device_benchmark.op_step(
-                _attend(c.build(interpret=cfg.interpret_pallas)), cell.mode
-            )
-            lowered[c.name] = jax.jit(fn).lower(*args)
-        except Exception as e:  # refused (NotImplementedError) or failed to lower
-            rows[c.name]["unavailable"] = device_benchmark._reason(e)
-    reference_args = device_benchmark._float32(args)
-    with jax.default_matmul_precision("highest"):
-        step = device_benchmark.op_step(_attend(ga.XlaAttention()), cell.mode)
-        lowered[REFERENCE] = jax.jit(step).lower(*reference_args)
+    prepared, lowered = [], {}
+    for cell in group:
+        args = device_benchmark.op_inputs(cell.shape, cell.dtype, cell.mode)
+        found = cell_candidates(cell, cap, cfg)
+        rows = {c.name: _row(cell, c) for c in found}
+        for c in found:
+            try:
+                impl = c.build(interpret=cfg.interpret_pallas)
+                step = device_benchmark.op_step(_attend(impl), cell.mode)
+                lowered[cell.mode, c.name] = jax.jit(step).lower(*args)
+            except Exception as e:  # refused (NotImplementedError) or failed to lower
+                rows[c.name]["unavailable"] = device_benchmark._reason(e)
+        with jax.default_matmul_precision("highest"):
+            step = device_benchmark.op_step(_attend(ga.XlaAttention()), cell.mode)
+            lowered[cell.mode, REFERENCE] = jax.jit(step).lower(*_float32_specs(args))
+        prepared.append((cell, args, rows))
     lower_s = time.perf_counter() - start
     compiled = device_benchmark._compile_all(lowered, cfg.compile_workers)
     log(
-        f"  {cell.label}: {len(found)} candidates, {len(lowered) - 1} lowered in {lower_s:.1f} s,"
-        f" compiled in {time.perf_counter() - start - lower_s:.1f} s"
+        f"  {group[0].shape.name} {group[0].dtype}: {len(lowered)} programs lowered in "
+        f"{lower_s:.1f} s, compiled in {time.perf_counter() - start - lower_s:.1f} s"
     )
+    out = []
+    for cell, args, rows in prepared:
+        mine = {name: exe for (mode, name), exe in compiled.items() if mode == cell.mode}
+        out += _time_cell(cell, args, rows, mine, cfg, log)
+    log(f"  {group[0].shape.name} {group[0].dtype}: {time.perf_counter() - start:.1f} s in all")
+    return out
+
+
+def _float32_specs(args):
+    """The arguments' shapes with floating dtypes as float32: lowering allocates nothing."""
+    spec = lambda x: jax.ShapeDtypeStruct(
+        x.shape, jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+    )
+    return jax.tree.map(spec, args)
+
+
+def _row(cell, c) -> dict[str, Any]:
+    return dict(
+        level="op", shape=cell.shape.name, dtype=cell.dtype, mode=cell.mode,
+        shape_dims=dataclasses.asdict(cell.shape), variant=c.name,
+        implementation=c.implementation, options=c.as_dict(),
+    )  # fmt: skip
+
+
+def _time_cell(cell, args, rows, compiled, cfg, log) -> list[dict[str, Any]]:
+    """The cell's rows with each compiled candidate's difference from the reference, checked
+    against cfg.tolerance, and its time over interleaved rounds."""
     reference = compiled.pop(REFERENCE)
     try:
         if isinstance(reference, Exception):
             raise reference
-        reference = jax.block_until_ready(reference(*reference_args))
-    except Exception as e:  # the variants are still timed, their accuracy not judged
+        reference = jax.block_until_ready(reference(*device_benchmark._float32(args)))
+    except Exception as e:  # the candidates are still timed, their accuracy not judged
         log(f"  {cell.label}: no float32 reference ({device_benchmark._reason(e)})")
         reference = None
-    del reference_args
     tolerance = cfg.tolerance[cell.dtype]
     ready = {}
     for name, exe in compiled.items():
@@ -191,29 +226,32 @@ def run_cell(cell, cfg, cap, log=print) -> list[dict[str, Any]]:
             rounds_ms=[t * 1e3 for t in times],
             ratio_to_fastest=statistics.median(times) / fastest,
         )
-    log(f"  {cell.label}: {len(ready)} timed in {time.perf_counter() - start:.1f} s in all")
+    log(f"  {cell.label}: {len(ready)} of {len(rows)} candidates timed")
     return list(rows.values())
 
 
 def time_cells(config: dict[str, Any], seconds: float | None) -> dict[str, Any]:
-    """child.call's target: run_cell for every cell until `seconds` have passed (those left are
-    not run): dict(environment, capability, rows)."""
+    """child.call's target: run_group for every group of cells until `seconds` have passed
+    (those left are not run): dict(environment, capability, rows)."""
     cfg = ml_collections.ConfigDict(config)
     deadline = None if seconds is None else time.monotonic() + seconds
     cap = capability(cfg.capability) or platforms.gpu_capability()
-    todo, rows = cells(cfg), []
-    for i, cell in enumerate(todo):
+    todo, rows = groups(cfg), []
+    for i, group in enumerate(todo):
         if cap is None:
-            rows += _not_run(cell, "not run: no GPU here and config.capability names none")
+            why = "not run: no GPU here and config.capability names none"
+            rows += [r for cell in group for r in _not_run(cell, why)]
             continue
         if deadline is not None and time.monotonic() > deadline:
-            rows += _not_run(cell, "not run: the time budget was spent", cap, cfg)
+            why = "not run: the time budget was spent"
+            rows += [r for cell in group for r in _not_run(cell, why, cap, cfg)]
             continue
-        print(f"[{i + 1}/{len(todo)}] {cell.label}", flush=True)
+        print(f"[{i + 1}/{len(todo)}] {group[0].shape.name} {group[0].dtype}", flush=True)
         try:
-            rows += run_cell(cell, cfg, cap, log=lambda line: print(line, flush=True))
+            rows += run_group(group, cfg, cap, log=lambda line: print(line, flush=True))
         except Exception as e:  # its inputs did not fit, say
-            rows += _not_run(cell, device_benchmark._reason(e), cap, cfg)
+            why = device_benchmark._reason(e)
+            rows += [r for cell in group for r in _not_run(cell, why, cap, cfg)]
     return dict(
         environment=device_benchmark.environment(),
         capability=None if cap is None else list(cap),
@@ -226,10 +264,7 @@ def _not_run(cell, why: str, cap=None, cfg=None) -> list[dict]:
                 shape_dims=dataclasses.asdict(cell.shape), unavailable=why)  # fmt: skip
     if cap is None:
         return [head | dict(variant="")]
-    return [
-        head | dict(variant=c.name, implementation=c.implementation, options=c.as_dict())
-        for c in cell_candidates(cell, cap, cfg)
-    ]
+    return [_row(cell, c) | dict(unavailable=why) for c in cell_candidates(cell, cap, cfg)]
 
 
 def run(cfg: ml_collections.ConfigDict, log=print) -> dict:
