@@ -327,6 +327,7 @@ def _sweep_config(preset):
     cfg.capability = ""  # the GPU's compute capability the candidates are for ('': the device's)
     cfg.rounds = 3  # interleaved; the time is the median over rounds
     cfg.steps = 2  # calls per round per candidate; a round keeps their median
+    cfg.long_call_s = 0.05  # a candidate whose first call took longer: one call a round
     # Largest difference from the float32 reference a candidate may have (above: inaccurate, out
     # of the table): 5-10x what the H100 run's kernels had (benchmark_results/device/h100).
     cfg.tolerance = dict(bfloat16=0.05, float32=0.01)
@@ -334,6 +335,11 @@ def _sweep_config(preset):
     cfg.compile_workers = 12  # threads compiling a cell's candidates
     cfg.interpret_pallas = False  # run the Pallas kernels interpreted (CPU smoke runs)
     cfg.compilation_cache_dir = ""  # one process compiles each program once: no cache
+    # The child's XLA flags. XLA's autotuning runs the dots of a program (the XLA candidate's,
+    # the reference's, the XLA ops around the kernels) on the GPU while compiling it, which the
+    # deviceless estimate cannot see and the sweep's budget cannot afford over 28 cells; the
+    # Pallas kernels are not autotuned. So the XLA candidate runs XLA's default algorithms.
+    cfg.xla_flags = "--xla_gpu_autotune_level=0"
     cfg.output_dir = "benchmark_results/device/sweep"
     if preset == "sweep_smoke":  # on CPU, seconds (kernels interpreted): checks the pipeline
         cfg.op_shapes = (("tiny 2x16 h1x16", 2, 16, 1, 16),)
@@ -345,6 +351,7 @@ def _sweep_config(preset):
         cfg.compile_workers = 2
         cfg.interpret_pallas = True
         cfg.time_budget_s = 0.0
+        cfg.xla_flags = ""
         cfg.output_dir = ""
     return cfg
 

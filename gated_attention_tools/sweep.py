@@ -18,7 +18,8 @@ cfg.compile_workers threads (XLA's compilers release the GIL; both modes at once
 busy past the longest compile); per cell each candidate is called once (its largest difference
 from the reference over the outputs, relative to the reference's largest entry, `accurate` when
 within cfg.tolerance of its dtype), then timed in cfg.rounds interleaved rounds of cfg.steps calls
-(the time is the median over rounds). A candidate that does not build, compile or run on the
+(the time is the median over rounds; one call a round where the first took longer than
+cfg.long_call_s). A candidate that does not build, compile or run on the
 device is a row with the reason (`unavailable`), not a failure.
 
 Budget: the cells run in priority order (bfloat16 first, AF2's dtype on a GPU; per shape the
@@ -31,6 +32,7 @@ names an H100's, '9.0', and runs the kernels interpreted).
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -215,9 +217,11 @@ def _time_cell(cell, args, rows, compiled, cfg, log) -> list[dict[str, Any]]:
             rows[name]["unavailable"] = device_benchmark._reason(e)
     del reference
     per_round = {name: [] for name in ready}
+    # A call past cfg.long_call_s is long beside a launch's noise: one a round is enough.
+    steps = {n: 1 if rows[n]["first_call_s"] > cfg.long_call_s else cfg.steps for n in ready}
     for _ in range(cfg.rounds):
         for name, exe in ready.items():
-            seconds, _ = measure.time_calls(exe, args, cfg.steps)
+            seconds, _ = measure.time_calls(exe, args, steps[name])
             per_round[name].append(statistics.median(seconds))
     fastest = min((statistics.median(t) for t in per_round.values()), default=None)
     for name, times in per_round.items():
@@ -273,6 +277,8 @@ def run(cfg: ml_collections.ConfigDict, log=print) -> dict:
     check_config(cfg)
     seconds = cfg.time_budget_s or None
     env = device_benchmark.child_env(cfg)
+    if cfg.xla_flags:
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {cfg.xla_flags}".strip()
     timed = child.call(
         f"{__name__}:time_cells", dict(config=cfg.to_dict(), seconds=seconds), log=log, env=env
     )
