@@ -100,3 +100,25 @@ def test_a_spent_budget_runs_no_cell_and_lists_every_candidate():
 def test_bad_configs_are_refused_before_anything_runs(overrides, match):
     with pytest.raises(ValueError, match=match):
         sweep.run(_config(**overrides))
+
+
+def test_a_candidate_that_does_not_build_is_a_row_with_the_reason(monkeypatch):
+    """cuDNN refused here (no GPU) when its program is lowered, a Triton candidate's compile
+    failing (as a kernel the device's compiler rejects): both rows say why, the rest is timed."""
+    cfg = _config(dtypes=("bfloat16",), implementations=("pallas", "cudnn", "xla"))
+    cfg.candidates_per_implementation = 1
+    compile_all = sweep.device_benchmark._compile_all
+
+    def failing(lowered, workers):
+        out = compile_all(lowered, workers)
+        out["forward", "pallas:bq64,bk64,w4,s2,r2"] = RuntimeError("ptxas: too many resources")
+        return out
+
+    monkeypatch.setattr(sweep.device_benchmark, "_compile_all", failing)
+    [group] = sweep.groups(cfg)
+    rows = {r["variant"]: r for r in sweep.run_group(group, cfg, (9, 0), log=lambda line: None)}
+    assert rows["pallas:bq64,bk64,w4,s2,r2"]["unavailable"] == (
+        "failed: RuntimeError: ptxas: too many resources"
+    )
+    assert "cuDNN attention runs on GPU only" in rows["cudnn"]["unavailable"]
+    assert rows["xla"]["time_ms"] > 0 and rows["xla"]["accurate"]
