@@ -7,6 +7,7 @@
   python scripts/benchmark.py --config=configs/benchmark.py:device  # a GPU/TPU, ~5 min: the issue shapes
   python scripts/benchmark.py --config=configs/benchmark.py:gpu     # on a GPU: every shape below
   python scripts/benchmark.py --config=configs/benchmark.py:peers   # a GPU: AF2's shapes, every peer
+  python scripts/benchmark.py --config=configs/benchmark.py:sweep   # a GPU: every tuning candidate
   python scripts/benchmark.py --config=configs/benchmark.py:family  # AF2's modules and Evoformer
   python scripts/benchmark.py --config=configs/benchmark.py:family_remat  # training: save or recompute
   python scripts/benchmark.py --config=configs/benchmark.py:device_memory  # compiled for H100/v5e
@@ -103,6 +104,19 @@ PEER_VARIANTS = (
     "auto", "mosaic", "pallas", "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold", "tokamax_mosaic",
     "tokamax_triton", "tokamax_cudnn", "tokamax_xla_chunked", "cuequivariance",
 )  # fmt: skip
+# The sweep preset's (gated_attention_tools/sweep.py): AF2's attention cells (model_1, N_res 384
+# unless named), in priority order (a time budget cuts from the end), as in PEER_SHAPES.
+SWEEP_SHAPES = (
+    ("msa_row 512x384 h8x32", 512, 384, 8, 32),  # MSA row with pair bias (512 clusters)
+    ("triangle 1024 h4x32", 1024, 1024, 4, 32),
+    ("triangle 512 h4x32", 512, 512, 4, 32),
+    # The extra MSA stack's row attention (c_e 64 in 8 heads of 8) over the 5,120 extra sequences
+    # model_1 to model_5 take at inference (their data.common.max_extra_msa; training crops 1,024).
+    ("extra_msa 5120x384 h8x8", 5120, 384, 8, 8),
+    ("msa_column 384x512 h8x32", 384, 512, 8, 32, False),  # down the 512 sequences, no bias
+    ("template 384 h4x16", 384, 384, 4, 16),  # the template pair stack's triangle: c_t 64
+    ("triangle 2048 h4x32", 2048, 2048, 4, 32),  # last: the longest to compile and run
+)
 # The gpu preset's, a longer sweep:
 GPU_SHAPES = (
     ("msa_row 512x384 h8x32", 512, 384, 8, 32),  # MSA row attention with pair bias
@@ -167,6 +181,8 @@ PRESETS = (
     "device_smoke",
     "gpu",
     "peers",
+    "sweep",
+    "sweep_smoke",
     "family",
     "family_smoke",
     "family_remat",
@@ -193,6 +209,8 @@ def get_config(preset="full"):
 
 
 def _config(preset):
+    if preset in ("sweep", "sweep_smoke"):
+        return _sweep_config(preset)
     if preset in ("device", "device_smoke", "gpu", "peers"):
         return _device_config(preset)
     if preset in ("family", "family_smoke", "family_remat", "family_gpu"):
@@ -291,6 +309,49 @@ def _device_config(preset):
         cfg.compile_workers = 2
         cfg.interpret_pallas = True
         cfg.time_budget_s = 0.0
+        cfg.output_dir = ""
+    return cfg
+
+
+def _sweep_config(preset):
+    """Every tuning candidate the GPU takes at AF2's cells (sweep.py), within 5 minutes on an
+    H100 (benchmark_results/device/README.md: the estimate); its table is tuning.json's entries
+    for that device. scripts/device_check.py --preset=sweep runs it."""
+    cfg = ml_collections.ConfigDict()
+    cfg.suite = "sweep"
+    cfg.op_shapes = SWEEP_SHAPES
+    cfg.dtypes = ("bfloat16", "float32")  # in priority order: AF2 runs bfloat16 on a GPU
+    cfg.modes = ("forward_backward", "forward")
+    cfg.implementations = ("mosaic", "pallas", "cudnn", "xla")  # whose candidates are timed
+    cfg.candidates_per_implementation = 0  # the first that many of each (0: every one)
+    cfg.capability = ""  # the GPU's compute capability the candidates are for ('': the device's)
+    cfg.rounds = 3  # interleaved; the time is the median over rounds
+    cfg.steps = 2  # calls per round per candidate; a round keeps their median
+    cfg.long_call_s = 0.05  # a candidate whose first call took longer: one call a round
+    # Largest difference from the float32 reference a candidate may have (above: inaccurate, out
+    # of the table): 5-10x what the H100 run's kernels had (benchmark_results/device/h100).
+    cfg.tolerance = dict(bfloat16=0.05, float32=0.01)
+    cfg.time_budget_s = 240.0  # no cell starts past it (0: no budget)
+    cfg.compile_workers = 12  # threads compiling a cell's candidates
+    cfg.interpret_pallas = False  # run the Pallas kernels interpreted (CPU smoke runs)
+    cfg.compilation_cache_dir = ""  # one process compiles each program once: no cache
+    # The child's XLA flags. XLA's autotuning runs the dots of a program (the XLA candidate's,
+    # the reference's, the XLA ops around the kernels) on the GPU while compiling it, which the
+    # deviceless estimate cannot see and the sweep's budget cannot afford over 28 cells; the
+    # Pallas kernels are not autotuned. So the XLA candidate runs XLA's default algorithms.
+    cfg.xla_flags = "--xla_gpu_autotune_level=0"
+    cfg.output_dir = "benchmark_results/device/sweep"
+    if preset == "sweep_smoke":  # on CPU, seconds (kernels interpreted): checks the pipeline
+        cfg.op_shapes = (("tiny 2x16 h1x16", 2, 16, 1, 16),)
+        cfg.dtypes, cfg.modes = ("float32",), ("forward",)
+        cfg.implementations = ("pallas", "xla")
+        cfg.candidates_per_implementation = 2  # each interpreted kernel compiles for a second
+        cfg.capability = "9.0"  # an H100's candidates
+        cfg.rounds, cfg.steps = 1, 1
+        cfg.compile_workers = 2
+        cfg.interpret_pallas = True
+        cfg.time_budget_s = 0.0
+        cfg.xla_flags = ""
         cfg.output_dir = ""
     return cfg
 

@@ -18,6 +18,8 @@ class Suite:
     module: str  # of gated_attention_tools: run(cfg, log) and markdown(...)
     table: Callable[[Any, dict, Any], str]  # (module, results, cfg) -> markdown
     plots: Callable[[dict, Any, Path], None] | None = None  # (results, cfg, out_dir)
+    # Further files beside results.json (results, cfg, out_dir): the sweep's tuning.json.
+    files: Callable[[dict, Any, Path], None] | None = None
 
 
 def _family_plots(results, cfg, out_dir):
@@ -51,13 +53,20 @@ SUITES = {
     "device": Suite("device_benchmark", _markdown),
     "compile_memory": Suite("compile_memory", _markdown),
     "options": Suite("options_benchmark", _markdown),
+    "sweep": Suite("sweep", _markdown, files=lambda r, cfg, out: _sweep_table(r, cfg, out)),
 }
 
 
+def _sweep_table(results, cfg, out_dir):
+    from gated_attention_tools import sweep
+
+    sweep.write_table(results, cfg, out_dir)
+
+
 def run(cfg, out_dir: Path, log: Callable[[str], None] = print) -> tuple[dict, str]:
-    """Runs cfg.suite, writes results.json, results.md and its pictures into out_dir, and
-    returns (results, table). ImportError from the pictures (no matplotlib) propagates after the
-    results are written."""
+    """Runs cfg.suite, writes results.json, results.md, its further files and its pictures into
+    out_dir, and returns (results, table). ImportError from the pictures (no matplotlib)
+    propagates after the results are written."""
     import json
 
     if cfg.suite not in SUITES:
@@ -68,6 +77,8 @@ def run(cfg, out_dir: Path, log: Callable[[str], None] = print) -> tuple[dict, s
     table = suite.table(module, results, cfg)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     (out_dir / "results.md").write_text(table)
+    if suite.files is not None:
+        suite.files(results, cfg, out_dir)
     if suite.plots is not None:
         suite.plots(results, cfg, out_dir)
     return results, table

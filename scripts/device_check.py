@@ -4,12 +4,15 @@ within a time budget (8 minutes by default); what they find written to --out.
   python scripts/device_check.py --out=DIR            # on a GPU or TPU machine
   python scripts/device_check.py --smoke --out=DIR    # on CPU, a minute: the pipeline end to end
   python scripts/device_check.py --tests= --preset=peers --out=DIR  # the peers alone, no tests
+  python scripts/device_check.py --tests= --preset=sweep --out=DIR --budget_s=290  # the sweep
 
 1. `pytest -m device` (the implementation harness and the conformance scenarios on the compiled
    kernels, `pallas` and `cudnn` on a GPU, `pallas_tpu` on a TPU, against the float64 reference;
    elsewhere they skip and say why): DIR/tests.log and DIR/tests.xml (JUnit);
 2. scripts/benchmark.py with configs/benchmark.py:device (--preset=peers: the op at AF2's shapes
-   against every peer; :device_smoke with --smoke) in the time left: DIR/results.json and DIR/results.md (time, peak memory and difference from float32 of
+   against every peer; --preset=sweep: every tuning candidate at AF2's cells, and DIR/tuning.json,
+   the table 'auto' reads; :device_smoke or :sweep_smoke with --smoke) in the time left:
+   DIR/results.json and DIR/results.md (time, peak memory and difference from float32 of
    each variant, the goals judged);
 3. DIR/summary.md: the environment, this command, the tests' counts with every failure and each
    skip reason, the goals, and the time each step took.
@@ -38,7 +41,11 @@ _BUDGET = flags.DEFINE_float("budget_s", 480.0, "Seconds the whole command may t
 _TESTS_BUDGET = flags.DEFINE_float("tests_budget_s", 180.0, "Seconds the tests may take.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "The benchmark's device_smoke preset (CPU, seconds).")
 _PRESET = flags.DEFINE_enum(
-    "preset", "device", ["device", "peers"], "configs/benchmark.py's preset the benchmark runs."
+    "preset",
+    "device",
+    ["device", "peers", "sweep"],
+    "configs/benchmark.py's preset the benchmark runs (with --smoke: device_smoke, or "
+    "sweep_smoke for the sweep).",
 )
 _TESTS = flags.DEFINE_list("tests", ["tests"], "Test paths given to pytest -m device.")
 _WORKERS = flags.DEFINE_integer(
@@ -93,7 +100,9 @@ def junit(path: pathlib.Path) -> dict:
 
 def run_benchmark(out: pathlib.Path, seconds: float) -> int:
     """scripts/benchmark.py's device preset with `seconds` of budget; its output goes to stdout."""
-    preset = "device_smoke" if _SMOKE.value else _PRESET.value
+    preset = _PRESET.value
+    if _SMOKE.value:
+        preset = "sweep_smoke" if preset == "sweep" else "device_smoke"
     cmd = [
         sys.executable, str(ROOT / "scripts" / "benchmark.py"),
         f"--config={ROOT / 'configs' / 'benchmark.py'}:{preset}", f"--config.output_dir={out}",

@@ -131,6 +131,21 @@ class Implementation(abc.ABC):
 
     name: ClassVar[str]
     TAKES: ClassVar[frozenset[str]] = frozenset()
+    # The dataclass fields a tuning candidate sets (candidates()), in its name's order, each with
+    # the short label its name spells it with (attention/candidates.py: 'pallas:bq64,bk64,...').
+    CANDIDATE_FIELDS: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def candidates(
+        cls, capability, dtype, head_dim: int, *, bias: str = "shared", mask: str = "key"
+    ) -> list[dict[str, Any]]:
+        """The tunings a sweep times for this implementation on a GPU of compute `capability`
+        ((major, minor)) at inputs of `dtype`, `head_dim` and the kernel form (bias 'shared' |
+        'per_row' | 'both' | 'none', mask 'key' | 'full' | 'none'): each a {field: value} of
+        CANDIDATE_FIELDS that the implementation's constructor takes, the target's facts applied
+        (what cannot run there is left out); [] where none runs. Default: the instance as it is."""
+        del capability, dtype, head_dim, bias, mask
+        return [{}]
 
     def check(
         self, query, key, value, biases, mask, *, compute_dtype, options=PLAIN, platform=None

@@ -56,6 +56,15 @@ class CudnnAttention(base.Implementation):
     )
     jax_nn_implementation: str = "cudnn"
 
+    @classmethod
+    def candidates(
+        cls, capability, dtype, head_dim: int, *, bias: str = "shared", mask: str = "key"
+    ) -> list[dict]:
+        """The instance as it is, where cuDNN takes the dtype and head dim (check()); else none."""
+        del capability, bias, mask
+        takes = jnp.dtype(dtype) in CUDNN_DTYPES and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
+        return [{}] if takes else []
+
     def __post_init__(self):
         checks.check_one_of("jax_nn_implementation", self.jax_nn_implementation, ("cudnn", "xla"))
 

@@ -106,16 +106,21 @@ class PerMode(base.Implementation):
 
 def measured(impls, query, key, value, biases, mask, *, scale, compute_dtype, options, platform):
     """(implementation, plan, reason) that the GPU's table (tuning.py) measured fastest among
-    `impls` for these inputs, a PerMode where inference and training differ; None where the table
-    has no entry or the winner does not take the inputs."""
+    `impls` for these inputs, built with the options the table records (a sweep's candidate), a
+    PerMode where inference and training differ; None where the table has no entry or the
+    winner does not take the inputs. An option is applied only to a field the instance leaves at
+    its default: an instance the caller tuned (Auto(pallas=PallasAttention(block_q=32))) keeps
+    its own."""
     kind = platforms.gpu_kind()
     length = max(query.shape[1], key.shape[1])
-    found = tuning.lookup(kind, jax.numpy.dtype(compute_dtype), query.shape[-1], length)
+    dtype = jax.numpy.dtype(compute_dtype)
+    found = tuning.choice(kind, dtype, query.shape[-1], length, tuning.bias_class(biases))
     by_name = {impl.name: impl for impl in impls}
-    if found is None or not set(found.values()) <= set(by_name):
+    if found is None or not {c["implementation"] for c in found.values()} <= set(by_name):
         return None
-    inference, training = by_name[found["forward"]], by_name[found["training"]]
-    impl = inference if inference is training else PerMode(inference, training)
+    inference, training = (_tuned(by_name[found[m]["implementation"]], found[m]["options"])
+                           for m in tuning.MODES)  # fmt: skip
+    impl = inference if inference == training else PerMode(inference, training)
     try:
         plan = impl.plan(
             query, key, value, biases, mask, scale=scale, compute_dtype=compute_dtype,
@@ -123,11 +128,25 @@ def measured(impls, query, key, value, biases, mask, *, scale, compute_dtype, op
         )  # fmt: skip
     except NotImplementedError:
         return None
+    names = [found[m]["candidate"] for m in tuning.MODES]
     return (
         impl,
         plan,
         (
-            f"measured fastest on {kind}: {inference.name} for inference, {training.name} for "
+            f"measured fastest on {kind}: {names[0]} for inference, {names[1]} for "
             "training (tuning.json)"
         ),
     )
+
+
+def _tuned(impl: base.Implementation, options: dict) -> base.Implementation:
+    """impl with `options` set where its fields are at their defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(impl)}
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise ValueError(
+            f"tuning.json's options for {impl.name!r} must be fields of {sorted(defaults)}, got "
+            f"{unknown}"
+        )
+    keep = {k: v for k, v in options.items() if getattr(impl, k) == defaults[k]}
+    return dataclasses.replace(impl, **keep) if keep else impl

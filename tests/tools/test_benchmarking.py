@@ -23,6 +23,7 @@ from gated_attention_tools import (
     measure,
     options_benchmark,
     profile,
+    sweep,
     targets,
 )
 
@@ -320,7 +321,9 @@ def test_benchmark_presets_share_one_schema():
     for preset in module.PRESETS:  # one schema per suite
         cfg = module.get_config(preset)
         keys.setdefault(cfg.suite, set()).add(frozenset(cfg.keys()))
-    assert sorted(keys) == ["compile_memory", "device", "family", "modules", "options"], keys
+    assert sorted(keys) == [
+        "compile_memory", "device", "family", "modules", "options", "sweep",
+    ], keys  # fmt: skip
     assert all(len(k) == 1 for k in keys.values()), keys
     for preset in module.PRESETS:
         cfg = module.get_config(preset)
@@ -354,6 +357,10 @@ def test_benchmark_presets_share_one_schema():
             continue
         if cfg.suite == "device":
             device_benchmark.check_config(cfg)
+            assert all(device_benchmark.OpShape(*s).batch >= 1 for s in cfg.op_shapes)
+            continue
+        if cfg.suite == "sweep":
+            sweep.check_config(cfg)
             assert all(device_benchmark.OpShape(*s).batch >= 1 for s in cfg.op_shapes)
             continue
         shapes = [benchmark.Shape(*s) for s in (*cfg.shapes, *cfg.triangle_shapes)]

@@ -83,6 +83,24 @@ class MosaicAttention(base.Implementation):
 
     # Reads [T, B, N, H] (Plan.columns) and packed q/k/v (Plan.packed) in place.
     TAKES = base.ALL_OPTIONS | {"positions_first", "packed"}
+    CANDIDATE_FIELDS = dict(block_k="bk")
+
+    @classmethod
+    def candidates(
+        cls, capability, dtype, head_dim: int, *, bias: str = "shared", mask: str = "key"
+    ) -> list[dict]:
+        """On Hopper (sm_90: wgmma) alone: the default tiles first (tiles()), then the other of
+        64 and 128 keys a tile where 128 compiled without spills (half precision, head dims <=
+        32; in float32 twice the TF32 tiles' shared memory); none past the head dims plan()
+        takes."""
+        del bias
+        if capability is None or capability[0] != platforms.HOPPER or head_dim > MAX_HEAD_DIM:
+            return []
+        if mask != "none" and head_dim > MAX_HEAD_DIM_MASKED:
+            return []
+        _, default = cls().tiles(dtype, head_dim)
+        ok = jnp.dtype(dtype).itemsize == 2 and head_dim <= 32
+        return [dict(block_k=k) for k in dict.fromkeys((default, 128, 64)) if k == 64 or ok]
 
     def __post_init__(self):
         value = checks.check_int("block_k", self.block_k, minimum=64, optional=True)

@@ -41,17 +41,25 @@ from gated_attention.attention import base
 from gated_attention.attention.gpu_common import dot_precision
 from gated_attention.attention.pallas_triton import kernels as pallas_kernels
 from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
-from gated_attention.attention.pallas_triton.plan import Plan, triton_backend_missing
+from gated_attention.attention.pallas_triton.plan import (
+    ROWS_HEAD_DIM,
+    Plan,
+    triton_backend_missing,
+)
 from gated_attention.attention.pallas_triton.tile_table import (
     MIN_TILE,
     SHARED_MEMORY_LIMIT,
     _pow2_tile,
 )
-from gated_attention.core import checks, memory, numerics
+from gated_attention.core import checks, memory, numerics, platforms
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_HEAD_DIM = 128
 MAX_ROWS_PER_PROGRAM = 4  # each row holds its own accumulator and queries in registers
+# The candidates' bounds (candidates()): the kernel matrices compiled tiles up to 64 and up to 4
+# stages (benchmark_results/gpu_kernels/); one doubling past them is tried, no further.
+MAX_CANDIDATE_TILE = 128
+MAX_CANDIDATE_STAGES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +94,9 @@ class PallasAttention(base.Implementation):
 
     # Reads [T, B, N, H] (Plan.columns) and packed q/k/v (Plan.packed) in place.
     TAKES = base.ALL_OPTIONS | {"positions_first", "packed"}
+    CANDIDATE_FIELDS = dict(
+        block_q="bq", block_k="bk", num_warps="w", num_stages="s", rows_per_program="r"
+    )
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -148,6 +159,55 @@ class PallasAttention(base.Implementation):
                 f"{SHARED_MEMORY_LIMIT:,} an A100 block has: take smaller tiles"
             )
         return plan
+
+    @classmethod
+    def candidates(
+        cls, capability, dtype, head_dim: int, *, bias: str = "shared", mask: str = "key"
+    ) -> list[dict]:
+        """What the instance takes by default on that GPU (pallas_tiles' tiles for the dtype at
+        JAX's default precision, the head dim and the form; the rows a program Plan.make takes)
+        first, then each one-field neighbour of it: block_q or block_k halved or doubled (16 to
+        128), the other of 4 and 8 warps, one pipeline stage fewer or more (1 to 4), and with a
+        bias shared over the batch the other of 1 and 2 rows a program. Those whose shared memory
+        (memory.gpu_shared_memory_bytes) is over SHARED_MEMORY_LIMIT, which plan() refuses, are
+        left out. Head dims over MAX_HEAD_DIM: none."""
+        if head_dim > MAX_HEAD_DIM:
+            return []
+        dtype = jnp.dtype(dtype)
+        padded = _pow2_tile(head_dim)
+        block_q, block_k, warps, stages = pallas_tiles.lookup(
+            dtype, None, padded, False, (bias, mask)
+        )
+        shared = bias in ("shared", "both")
+        hopper = capability is not None and capability[0] == platforms.HOPPER
+        half = dtype.itemsize == 2
+        rows = 2 if shared and half and hopper and padded <= ROWS_HEAD_DIM else 1
+        first = dict(
+            block_q=block_q, block_k=block_k, num_warps=warps, num_stages=stages,
+            rows_per_program=rows,
+        )  # fmt: skip
+        moves = [("block_q", block_q // 2), ("block_q", block_q * 2)]
+        moves += [("block_k", block_k // 2), ("block_k", block_k * 2)]
+        moves += [("num_warps", 4 if warps == 8 else 8)]
+        moves += [("num_stages", stages - 1), ("num_stages", stages + 1)]
+        moves += [("rows_per_program", 3 - rows)] if shared else []
+        pair = dtype.itemsize * (2 if bias == "both" else bias != "none") + (mask != "none")
+        out = []
+        for field, value in [(None, None), *moves]:
+            option = first if field is None else first | {field: value}
+            tiles_ok = all(
+                MIN_TILE <= option[f] <= MAX_CANDIDATE_TILE for f in ("block_q", "block_k")
+            )
+            if not tiles_ok or not 1 <= option["num_stages"] <= MAX_CANDIDATE_STAGES:
+                continue
+            need = memory.gpu_shared_memory_bytes(
+                block_q=option["block_q"], block_k=option["block_k"],
+                stages=option["num_stages"], padded_head_dim=padded, itemsize=dtype.itemsize,
+                pair_itemsize=pair,
+            )  # fmt: skip
+            if need <= SHARED_MEMORY_LIMIT and option not in out:
+                out.append(option)
+        return out
 
     def _make(self, query, key, value, biases, mask, scale, compute_dtype, options) -> Plan:
         live_q, _ = base.live_shapes(options.structure, mask, query.shape[1], key.shape[1])

@@ -1,0 +1,124 @@
+"""The sweep (gated_attention_tools/sweep.py): its preset's cells and budget, its smoke run end to
+end on CPU (interpreted kernels: the results, the table 'auto' reads), refused configs."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+from gated_attention.attention import tuning
+from gated_attention_tools import suites, sweep
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _config(preset="sweep_smoke", **overrides):
+    spec = importlib.util.spec_from_file_location("bench_cfg", ROOT / "configs" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config(preset)
+    cfg.update(overrides)
+    return cfg
+
+
+def test_the_preset_sweeps_afs_cells_bfloat16_first():
+    cfg = _config("sweep")
+    cells = sweep.cells(cfg)
+    assert len(cells) == 7 * 2 * 2  # shapes x dtypes x modes
+    assert [c.label for c in cells[:2]] == [
+        "op msa_row 512x384 h8x32 bfloat16 forward_backward",
+        "op msa_row 512x384 h8x32 bfloat16 forward",
+    ]
+    assert {c.dtype for c in cells[:14]} == {"bfloat16"} and cells[-1].shape.length == 2048
+    dims = {c.shape.name: (c.shape.batch, c.shape.length, c.shape.num_head, c.shape.head_dim,
+                           c.shape.bias) for c in cells}  # fmt: skip
+    assert dims["extra_msa 5120x384 h8x8"] == (5120, 384, 8, 8, True)
+    assert dims["msa_column 384x512 h8x32"] == (384, 512, 8, 32, False)
+    assert dims["template 384 h4x16"] == (384, 384, 4, 16, True)
+    counts = {c.shape.name: len(sweep.cell_candidates(c, (9, 0), cfg)) for c in cells[:14:2]}
+    assert counts == {
+        "msa_row 512x384 h8x32": 13, "triangle 1024 h4x32": 13, "triangle 512 h4x32": 13,
+        "extra_msa 5120x384 h8x8": 13, "msa_column 384x512 h8x32": 12,
+        "template 384 h4x16": 13, "triangle 2048 h4x32": 13,
+    }  # fmt: skip
+
+
+def test_the_smoke_run_writes_results_and_the_table(tmp_path):
+    """The smoke preset end to end (one tiny cell, an H100's first candidates interpreted): each
+    candidate timed and equal to the float32 reference, results.md, and tuning.json the
+    package's table with this device's ('CPU') entries added."""
+    results, table = suites.run(_config(), tmp_path, log=lambda line: None)
+    assert {p.name for p in tmp_path.iterdir()} == {"results.json", "results.md", "tuning.json"}
+    assert json.loads((tmp_path / "results.json").read_text()) == results
+    assert results["capability"] == [9, 0] and results["environment"]["backend"] == "cpu"
+    rows = {r["variant"]: r for r in results["cells"]}
+    assert list(rows) == ["pallas:bq64,bk64,w8,s2,r1", "pallas:bq32,bk64,w8,s2,r1", "xla"]
+    for name, row in rows.items():
+        assert row["time_ms"] > 0 and row["accurate"] and row["rel_diff_vs_float32"] < 1e-5, row
+        assert row["implementation"] == name.partition(":")[0]
+    assert rows["pallas:bq32,bk64,w8,s2,r1"]["options"]["block_q"] == 32
+    assert min(r["ratio_to_fastest"] for r in rows.values()) == 1.0
+    written = json.loads((tmp_path / "tuning.json").read_text())
+    assert written["H100"] == tuning.table()["H100"]  # other devices' entries stay
+    [entry] = written["CPU"]
+    fastest = min(rows, key=lambda n: rows[n]["time_ms"])
+    assert entry | dict(measured="") == dict(
+        dtype="float32", mode="forward", long=False, max_head_dim=16, bias="shared",
+        implementation=rows[fastest]["implementation"], candidate=fastest,
+        options=rows[fastest]["options"], measured="",
+    )  # fmt: skip
+    assert f"| CPU | float32 | forward | 16 | shared | {fastest} |" in table
+
+
+def test_a_spent_budget_runs_no_cell_and_lists_every_candidate():
+    cfg = _config(dtypes=("float32", "bfloat16"), implementations=("mosaic", "pallas", "cudnn"))
+    timed = sweep.time_cells(cfg.to_dict(), seconds=0.0)
+    assert all(r["unavailable"] == "not run: the time budget was spent" for r in timed["rows"])
+    assert [(r["dtype"], r["variant"]) for r in timed["rows"]] == [
+        ("float32", "mosaic:bk64"), ("float32", "pallas:bq64,bk64,w8,s2,r1"),
+        ("float32", "pallas:bq32,bk64,w8,s2,r1"),  # no cuDNN in float32
+        ("bfloat16", "mosaic:bk128"), ("bfloat16", "mosaic:bk64"),
+        ("bfloat16", "pallas:bq64,bk64,w4,s2,r2"), ("bfloat16", "pallas:bq32,bk64,w4,s2,r2"),
+        ("bfloat16", "cudnn"),
+    ]  # fmt: skip
+    cfg = _config(dtypes=("float32", "bfloat16"))
+    del cfg.tolerance["bfloat16"]
+    with pytest.raises(ValueError, match="config.tolerance must name every dtype swept, got no"):
+        sweep.run(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(capability="9"), r"config.capability must be '' .* or 'major.minor'.*got '9'"),
+        (dict(dtypes=("float16",)), r"config.dtypes entries must be in .*got 'float16'"),
+        (dict(implementations=("chunked",)), r"config.implementations entries .*got 'chunked'"),
+        (dict(candidates_per_implementation=-1), r"must be >= 0 \(0: every candidate\), got -1"),
+    ],
+)
+def test_bad_configs_are_refused_before_anything_runs(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        sweep.run(_config(**overrides))
+
+
+def test_a_candidate_that_does_not_build_is_a_row_with_the_reason(monkeypatch):
+    """cuDNN refused here (no GPU) when its program is lowered, a Triton candidate's compile
+    failing (as a kernel the device's compiler rejects): both rows say why, the rest is timed."""
+    cfg = _config(dtypes=("bfloat16",), implementations=("pallas", "cudnn", "xla"))
+    cfg.candidates_per_implementation = 1
+    compile_all = sweep.device_benchmark._compile_all
+
+    def failing(lowered, workers):
+        out = compile_all(lowered, workers)
+        out["forward", "pallas:bq64,bk64,w4,s2,r2"] = RuntimeError("ptxas: too many resources")
+        return out
+
+    monkeypatch.setattr(sweep.device_benchmark, "_compile_all", failing)
+    [group] = sweep.groups(cfg)
+    rows = {r["variant"]: r for r in sweep.run_group(group, cfg, (9, 0), log=lambda line: None)}
+    assert rows["pallas:bq64,bk64,w4,s2,r2"]["unavailable"] == (
+        "failed: RuntimeError: ptxas: too many resources"
+    )
+    assert "cuDNN attention runs on GPU only" in rows["cudnn"]["unavailable"]
+    assert rows["xla"]["time_ms"] > 0 and rows["xla"]["accurate"]
