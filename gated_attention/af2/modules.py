@@ -354,21 +354,23 @@ def _attention_forward(
             compute_dtype="input",  # cast to `compute` above: the policy is decided once
             positions_first=positions_first,
         )
-        gate = None
-        if packed:  # the gate's weights too: XLA would merge its product with q, k, v's
-            names = ["query_w", "key_w", "value_w", *(["gating_w"] if "gating_w" in p else [])]
-            qkv = _project(q_data, jnp.stack([p[n] for n in names], axis=1))  # [.., q, 4, h, c]
+        if packed:
+            stacked = jnp.stack([p["query_w"], p["key_w"], p["value_w"]], axis=1)
+            qkv = _project(q_data, stacked)  # [..., b, q, 3, h, c]
             weighted_avg = attention.packed_dot_product_attention(
                 qkv, biases or None, mask, **common
             )
-            gate = qkv[..., 3, :, :] if "gating_w" in p else None
+            # The gate's product after the kernel's: XLA would merge it with q, k and v's (then
+            # slice the kernel's operand out), and it would live through the kernel (4 slots
+            # packed took up to 25% more peak memory: benchmark_results/module_passes).
+            q_data, weighted_avg = jax.lax.optimization_barrier((q_data, weighted_avg))
         else:
             q = _project(q_data, p["query_w"])  # [..., b, q, h, c]
             k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # [.., k, h, c]
             weighted_avg = attention.dot_product_attention(
                 q, k, v, biases or None, mask, shard_keys_over=keys_over, **common
             )  # [..., b, q, h, cv]
-        return _gated_output(weighted_avg, q_data, p, gate).astype(out_dtype)  # [.., b, q, o]
+        return _gated_output(weighted_avg, q_data, p).astype(out_dtype)  # [..., b, q, o]
 
     return forward
 
@@ -408,15 +410,13 @@ def _create_params(module, query_shape, key_shape, value_shape, dtype) -> dict[s
     return params
 
 
-def _gated_output(weighted_avg, q_data, params, gate=None):
+def _gated_output(weighted_avg, q_data, params):
     """Gate (when params has gating_w) and output projection: [..., b, q|1, h, cv] -> [..., b, q|1, o].
 
-    gate = sigmoid(q_data . gating_w + gating_b), computed from q_data as in AF2; `gate`: that
-    product q_data . gating_w where it is made already (a slot of the packed projection).
+    gate = sigmoid(q_data . gating_w + gating_b), computed from q_data as in AF2.
     """
     if "gating_w" in params:
-        if gate is None:
-            gate = jnp.einsum("...qa,ahc->...qhc", q_data, params["gating_w"])  # [.., q, h, cv]
+        gate = jnp.einsum("...qa,ahc->...qhc", q_data, params["gating_w"])  # [..., b, q, h, cv]
         weighted_avg = weighted_avg * jax.nn.sigmoid(gate + params["gating_b"])
     # '...qhc,hco->...qo' as one matmul over the flattened (h, c), so XLA:CPU need not transpose
     # the activations to (c, h) order; unsharded, over the flattened rows too, so the weight
