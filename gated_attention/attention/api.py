@@ -302,9 +302,8 @@ def packed_dot_product_attention(
     slot's tiles from the packed array in place, so no slice of it is copied, and the Triton
     kernel writes the gradient of the whole array as one (Mosaic: its three, stacked); the
     other implementations get the three slices. This is the layout a projection by AF2's
-    query, key and value weights stacked as [C, 3, N, H] produces, or [C, 4, N, H] with the
-    gate's: the modules' one-pass entry on a GPU, where XLA has no second product of the same
-    activations to merge with this one and slice apart.
+    query, key and value weights stacked as [C, 3, N, H] produces (the modules' one-pass
+    entry on a GPU), or [C, 4, N, H] with the gate's.
 
     Args:
       qkv: [..., T, P, N, H], P >= 3: slot 0 the queries, 1 the keys, 2 the values (N heads of
