@@ -208,9 +208,10 @@ def test_float32_matches_af3(name):
         assert name in FLOAT64_ARBITER and diff <= floor, (name, diff, floor)
 
 
-# The template stack in bfloat16 (its two layers scanned) compiles for ~14 s on 2 cores: its block
-# is the trunk's without the single track, whose bfloat16 is checked here; float32 checks it.
-@pytest.mark.parametrize("name", ["pairformer", "msa_stack"])
+# bfloat16 through the trunk's block alone (~20 s on 2 cores a block): the template stack's block
+# is the trunk's without the single track, and the MSA stack's triangle attentions are the trunk's
+# module; float32 checks each of them.
+@pytest.mark.parametrize("name", ["pairformer"])
 def test_bfloat16_within_af3s_own_bfloat16_difference(name):
     _, reference = _af3_float32(name)
     af3, ours = _bfloat16(name, False), _bfloat16(name, True)
