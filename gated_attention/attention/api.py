@@ -301,7 +301,8 @@ def packed_dot_product_attention(
     the same arguments and results, where the Pallas GPU kernels (Triton and Mosaic) read each
     slot's tiles from the packed array in place, so no slice of it is copied, and the Triton
     kernel writes the gradient of the whole array as one (Mosaic: its three, stacked); the
-    other implementations get the three slices. This is the layout a projection by AF2's
+    other implementations get the three slices, and so does dot_product_attention's per-device
+    shard_map where an input is sharded over an explicit mesh axis. This is the layout a projection by AF2's
     query, key and value weights stacked as [C, 3, N, H] produces (the modules' one-pass
     entry on a GPU), or [C, 4, N, H] with the gate's.
 
@@ -337,6 +338,17 @@ def packed_dot_product_attention(
     )  # fmt: skip
     shape = base.batch_first(one) if positions_first else one
     checks.check_qkv(shape, shape, shape)
+    biases = tuple(bias) if isinstance(bias, (list, tuple)) else (bias,)
+    if any(sharding.explicit_axes(x)[0] is not None for x in (qkv, *biases, mask) if x is not None):
+        # On a mesh with explicit axes: dot_product_attention's per-device shard_map, on slices.
+        return dot_product_attention(
+            *(qkv[..., slot, :, :] for slot in range(3)), bias, mask, scale=scale,
+            implementation=implementation, compute_dtype=compute_dtype, is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size, return_residual=return_residual,
+            logits_soft_cap=logits_soft_cap, precision=precision,
+            positions_first=positions_first,
+        )  # fmt: skip
     options = _options(
         shape, is_causal=is_causal, window=local_window_size, q_lengths=query_seq_lengths,
         kv_lengths=key_value_seq_lengths, soft_cap=logits_soft_cap, precision=precision,
