@@ -45,6 +45,8 @@ _MODULE = "gated_attention_tools.sass_proxy"  # children import it by name, also
 KERNELS = {
     "ours_mosaic": ("gated_attention_mosaic_forward_mosaic_gpu_kernel", 32, "bfloat16"),
     "ours_pallas": ("gated_attention_forward", 32, "bfloat16"),
+    # The Mosaic forward computing two batch rows a program (MosaicAttention.rows_per_program).
+    "ours_mosaic_r2": ("gated_attention_mosaic_forward_mosaic_gpu_kernel", 32, "bfloat16"),
     # The backward's two kernels (a vjp at the same shape): each recomputes p = exp(s - lse).
     "ours_mosaic_dkdv": ("gated_attention_mosaic_dkdv_mosaic_gpu_kernel", 32, "bfloat16"),
     "ours_mosaic_dq_dbias": ("gated_attention_mosaic_dq_dbias_mosaic_gpu_kernel", 32, "bfloat16"),
@@ -179,6 +181,8 @@ def _program(kernel: str):
     mask = sd((b, 1, 1, t), jnp.bool_)
     if kernel.startswith("ours_"):
         impl, _, backward = kernel.removeprefix("ours_").partition("_")
+        if backward == "r2":  # a forward, with the shared bias's tiles read once for two rows
+            impl, backward = ga.MosaicAttention(rows_per_program=2), ""
         fn = lambda q, k, v, b_, m: ga.dot_product_attention(q, k, v, b_, m, implementation=impl)
         if backward:  # the cotangent an argument, as in a training step
             op = fn

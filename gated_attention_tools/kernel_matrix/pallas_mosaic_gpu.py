@@ -85,9 +85,10 @@ def compile_cases(target: str, cases: list[dict[str, Any]]) -> list[dict[str, An
 
 def _compile(
     target, dtype, head_dim, bias, mask, precision="default", options=False, batch=2, q_len=200,
-    k_len=136, heads=2, positions_first=False,
+    k_len=136, heads=2, positions_first=False, rows_per_program=None,
 ):  # fmt: skip
-    """Compiles one case's forward and vjp; returns the kernels' shared memory (bytes)."""
+    """Compiles one case's forward and vjp (`rows_per_program`: MosaicAttention's); returns the
+    kernels' shared memory (bytes)."""
     import jax.numpy as jnp
 
     from gated_attention.attention import base
@@ -97,7 +98,7 @@ def _compile(
 
     del precision  # float32 at the default precision only: the one MosaicAttention takes
     dt = jnp.dtype(dtype)
-    impl = mosaic.MosaicAttention()
+    impl = mosaic.MosaicAttention(rows_per_program=rows_per_program)
     step, args = common.case_program(
         impl, dtype, head_dim, bias, mask, None, options, batch, q_len, k_len, heads,
         positions_first,

@@ -19,8 +19,12 @@ def test_each_target_gets_what_it_can_take():
     names = lambda *a, **k: [c.name for c in candidates.for_target(*a, **k)]
     hopper = names(H100, "bfloat16", 32)
     # The defaults first, each tuning named with every field it sets.
-    assert hopper[:3] == ["mosaic:bk128", "mosaic:bk64", "pallas:bq64,bk64,w4,s2,r2"]
-    assert hopper[-2:] == ["cudnn", "xla"] and len(hopper) == len(set(hopper)) == 13
+    # Mosaic's: its default tiles one row a program, two rows (the shared bias's tiles loaded
+    # once for both), then the other tile.
+    assert hopper[:4] == [
+        "mosaic:bk128,r1", "mosaic:bk128,r2", "mosaic:bk64,r1", "pallas:bq64,bk64,w4,s2,r2"
+    ]  # fmt: skip
+    assert hopper[-2:] == ["cudnn", "xla"] and len(hopper) == len(set(hopper)) == 14
     assert "pallas:bq64,bk64,w4,s3,r2" in hopper and "pallas:bq64,bk64,w4,s2,r1" in hopper
     # Mosaic on Hopper only; the Triton kernel's default there takes two rows a program.
     for other in (A100, B200):
@@ -29,10 +33,14 @@ def test_each_target_gets_what_it_can_take():
         assert got[0] == "pallas:bq64,bk64,w4,s2,r1"
     # float32: no cuDNN, one Mosaic tile; the table's tiles for float32 at head dim 32.
     f32 = names(H100, "float32", 32)
-    assert f32[:2] == ["mosaic:bk64", "pallas:bq32,bk32,w4,s2,r1"] and "cudnn" not in f32
+    assert f32[:3] == ["mosaic:bk64,r1", "mosaic:bk64,r2", "pallas:bq32,bk32,w4,s2,r1"]
+    assert "cudnn" not in f32
+    # float32 at head dim 64: two rows' k, v and q tiles are over an H100 block's shared memory.
+    assert names(H100, "float32", 64, implementations=("mosaic",)) == ["mosaic:bk64,r1"]
     assert pallas_tiles.lookup(jnp.float32, None, 32, False, ("shared", "key")) == (32, 32, 4, 2)
-    # No bias: no rows-a-program candidate (the rows share nothing).
-    assert not any(n.endswith("r2") for n in names(H100, "bfloat16", 32, bias="none"))
+    # No bias, or one per row: no rows-a-program candidate (the rows share nothing).
+    for bias in ("none", "per_row"):
+        assert not any(n.endswith("r2") for n in names(H100, "bfloat16", 32, bias=bias))
     # Past the kernels' head dims (a mask: Mosaic's 64), only what takes them.
     assert names(H100, "bfloat16", 96)[0].startswith("pallas") and "xla" in names(
         H100, "float32", 256
@@ -57,7 +65,9 @@ def test_the_pallas_defaults_are_what_the_instance_takes():
 def test_bad_candidates_are_refused():
     with pytest.raises(ValueError, match=r"implementation must be one of .*got 'chunked'"):
         candidates.candidate("chunked")
-    with pytest.raises(ValueError, match=r"options of 'mosaic' must be fields of \['block_k'\]"):
+    with pytest.raises(
+        ValueError, match=r"options of 'mosaic' must be fields of \['block_k', 'rows_per_program'\]"
+    ):
         candidates.candidate("mosaic", dict(block_q=64))
     with pytest.raises(TypeError, match="options must be a mapping of field to value, got list"):
         candidates.candidate("pallas", [("block_q", 64)])
@@ -77,6 +87,7 @@ def test_names_and_builds_are_stable():
     for fields in labels:  # every label names a dataclass field, each label once
         assert len(set(fields.values())) == len(fields)
     assert set(labels[0]) <= {f.name for f in dataclasses.fields(ga.PallasAttention)}
+    assert set(labels[1]) <= {f.name for f in dataclasses.fields(ga.MosaicAttention)}
 
 
 # B, T, S, N, H, Hv. Triton: T = S = 72, so the largest candidate tile (128) is kept (Plan.make
@@ -91,7 +102,7 @@ def test_every_h100_candidate_matches_the_reference(family):
     """AF2's form (a pair bias shared over the batch, a key mask), bfloat16, forward and vjp, of
     every candidate an H100 takes, interpreted, in one program, against the float64 reference."""
     found = [c for c in candidates.for_target(H100, "bfloat16", 32) if c.implementation == family]
-    assert len(found) == {"pallas": 9, "mosaic": 2}[family]
+    assert len(found) == {"pallas": 9, "mosaic": 3}[family]
     case, case64 = harness.problem(SHAPES[family], "bfloat16", "shared_bias+key_mask", seed=7)
     impls = tuple(c.build(interpret=True) for c in found)
     results = harness.run(impls, [case] * len(impls))

@@ -21,7 +21,8 @@ from gated_attention.attention.pallas_mosaic_gpu import pipeline as mosaic_tiles
 from gated_attention.attention.pallas_mosaic_gpu import plan as mosaic_plan
 from gated_attention.core import masking
 from tests import implementation_harness as harness
-from tests.helpers import device_param, on_device, rand
+from tests import reference
+from tests.helpers import assert_close, device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
 
 # One group of batch rows for a shared bias's gradient (2 heads x 1 query block per row, 2
@@ -79,6 +80,89 @@ def test_several_uneven_tiles_against_the_reference(impl):
     [result] = harness.run(impl, [case])
     [expected] = harness.reference_run([case64])
     harness.assert_matches(result, expected, "float32", "uneven tiles")
+
+
+def _rows_impl(rows: int):
+    return ga.MosaicAttention(
+        block_k=64, rows_per_program=rows, bias_grad_programs=1, interpret=True
+    )
+
+
+def test_rows_per_program_against_the_reference():
+    """3 batch rows a forward program reading the shared bias's tile once a key block: B = 5
+    (the last group's row 5 clamped to row 4), float32 (TF32's transposed v, the staging tile
+    reused row after row), T = 40 and S = 70 (uneven tiles, two key blocks), a shared pair bias
+    and a key mask; forward and every gradient against the float64 reference."""
+    shape = (5, 40, 70, 1, 16, 8)  # B, T, S, N, H, Hv
+    case, case64 = harness.problem(shape, "float32", "shared_bias+key_mask", seed=11)
+    impl = _rows_impl(3)
+    plan = mosaic.Plan.make(
+        impl, case.q, case.k, case.v, [case.bias], case.mask, 1.0, jnp.float32, ga.attention.base.PLAIN
+    )  # fmt: skip
+    assert plan.rows_per_program == 3
+    [result] = harness.run(impl, [case])
+    [expected] = harness.reference_run([case64])
+    harness.assert_matches(result, expected, "float32", "3 rows a program")
+
+
+def test_rows_per_program_forward_in_bfloat16_positions_first_and_packed():
+    """2 batch rows a program in bfloat16 with B = 5 (a clamped last group), a shared bias and a
+    key mask (rows 1 and 4 without a key): output and log-sum-exp (what the unchanged backward
+    reads) against the float64 reference, batch first from q, k, v and positions first from a
+    packed q/k/v read in place (Plan.columns, Plan.packed), in one jitted program."""
+    b, t, n, h = 5, 64, 1, 32
+    rng = np.random.default_rng(17)
+    draw = lambda *shape: rng.normal(size=shape).astype(np.float32)  # noqa: E731
+    qkv, bias = draw(b, t, 3, n, h), draw(1, n, t, t)
+    mask = rng.random((b, 1, 1, t)) > 0.3
+    mask[[1, 4]] = False
+    impl = _rows_impl(2)
+    half = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    first = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731
+
+    @jax.jit
+    def run(qkv, bias):
+        q, k, v = (qkv[:, :, slot] for slot in range(3))
+        kw = dict(implementation=impl, compute_dtype="input", return_residual=True)
+        rows = ga.dot_product_attention(q, k, v, bias, jnp.asarray(mask), **kw)
+        packed = ga.packed_dot_product_attention(
+            first(qkv), bias, jnp.asarray(mask), positions_first=True, **kw
+        )
+        return rows, packed
+
+    exact = half(qkv).astype(np.float64), half(bias).astype(np.float64)
+    rows, packed = run(*(half(x) for x in (qkv, bias)))
+    with jax.enable_x64(True):
+        q, k, v = (np.asarray(exact[0][:, :, slot]) for slot in range(3))
+        out = reference.dot_product_attention(q, k, v, np.asarray(exact[1]), mask, xp=jnp)
+        _, lse = ga.dot_product_attention(
+            q, k, v, np.asarray(exact[1]), mask, implementation="xla", return_residual=True
+        )
+    live = np.asarray(mask).any(axis=(1, 2, 3))  # rows without a key: no log-sum-exp to match
+    for name, (o, r) in (("batch first", rows), ("packed", packed)):
+        o, r = (o, r) if name == "batch first" else (first(o), first(r))
+        assert_close(o.astype(jnp.float32), out, reference.tolerance("bfloat16"), name)
+        assert_close(r[live], np.asarray(lse)[live], dict(rtol=1e-5, atol=1e-5), name)
+
+
+def test_rows_per_program_only_with_a_bias_shared_over_the_batch():
+    """Plan.make's rule (Triton's): the rows asked where a bias is shared over the batch and
+    every row walks the same key blocks, at most the batch; 1 for a per-row bias alone, with a
+    causal mask, or by default."""
+    sd = jax.ShapeDtypeStruct
+    q = sd((3, 64, 2, 32), jnp.bfloat16)
+    shared, per_row = sd((1, 2, 64, 64), jnp.bfloat16), sd((3, 2, 64, 64), jnp.bfloat16)
+    base = ga.attention.base
+
+    def rows(impl, biases, options=base.PLAIN):
+        plan = mosaic.Plan.make(impl, q, q, q, biases, None, 1.0, jnp.bfloat16, options)
+        return plan.rows_per_program
+
+    assert rows(_rows_impl(2), [shared]) == 2
+    assert rows(_rows_impl(4), [per_row, shared]) == 3  # the batch
+    assert rows(_rows_impl(2), [per_row]) == 1
+    assert rows(_rows_impl(2), [shared], base.Options(masking.StructuredMask(True, None))) == 1
+    assert rows(INTERPRETED, [shared]) == 1
 
 
 def test_two_warpgroups_in_the_interpreter(monkeypatch):
@@ -222,6 +306,8 @@ def test_named_off_a_gpu_says_to_interpret():
         (dict(block_k=96), "block_k must be 64 or 128, got 96"),
         (dict(block_k=32), "block_k must be None or an int >= 64, got 32"),
         (dict(bias_grad_programs=0), "bias_grad_programs must be an int >= 1, got 0"),
+        (dict(rows_per_program=0), "rows_per_program must be None or an int >= 1, got 0"),
+        (dict(rows_per_program=5), r"rows_per_program must be None or an int in \[1, 4\], got 5"),
         (dict(interpret="yes"), "interpret must be a bool, got 'yes'"),
     ],
 )

@@ -38,9 +38,9 @@ def test_the_preset_sweeps_afs_cells_bfloat16_first():
     assert dims["template 384 h4x16"] == (384, 384, 4, 16, True)
     counts = {c.shape.name: len(sweep.cell_candidates(c, (9, 0), cfg)) for c in cells[:14:2]}
     assert counts == {
-        "msa_row 512x384 h8x32": 13, "triangle 1024 h4x32": 13, "triangle 512 h4x32": 13,
-        "extra_msa 5120x384 h8x8": 13, "msa_column 384x512 h8x32": 12,
-        "template 384 h4x16": 13, "triangle 2048 h4x32": 13,
+        "msa_row 512x384 h8x32": 14, "triangle 1024 h4x32": 14, "triangle 512 h4x32": 14,
+        "extra_msa 5120x384 h8x8": 14, "msa_column 384x512 h8x32": 12,
+        "template 384 h4x16": 14, "triangle 2048 h4x32": 14,
     }  # fmt: skip
 
 
@@ -76,9 +76,10 @@ def test_a_spent_budget_runs_no_cell_and_lists_every_candidate():
     timed = sweep.time_cells(cfg.to_dict(), seconds=0.0)
     assert all(r["unavailable"] == "not run: the time budget was spent" for r in timed["rows"])
     assert [(r["dtype"], r["variant"]) for r in timed["rows"]] == [
-        ("float32", "mosaic:bk64"), ("float32", "pallas:bq64,bk64,w8,s2,r1"),
+        ("float32", "mosaic:bk64,r1"), ("float32", "mosaic:bk64,r2"),
+        ("float32", "pallas:bq64,bk64,w8,s2,r1"),
         ("float32", "pallas:bq32,bk64,w8,s2,r1"),  # no cuDNN in float32
-        ("bfloat16", "mosaic:bk128"), ("bfloat16", "mosaic:bk64"),
+        ("bfloat16", "mosaic:bk128,r1"), ("bfloat16", "mosaic:bk128,r2"),
         ("bfloat16", "pallas:bq64,bk64,w4,s2,r2"), ("bfloat16", "pallas:bq32,bk64,w4,s2,r2"),
         ("bfloat16", "cudnn"),
     ]  # fmt: skip

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from gated_attention.attention import base, gpu_common
@@ -60,6 +61,7 @@ MAX_HEAD_DIM = 128
 # that spills registers on an H100 (benchmark_results/mosaic_kernels/h100.md).
 MAX_HEAD_DIM_MASKED = 64
 BLOCK_Q = 64  # one consumer warpgroup: wgmma's M
+MAX_ROWS_PER_PROGRAM = 4  # each row's k, v (DEPTH slots) and q tiles are in shared memory
 SHARED_MEMORY_LIMIT = 232_448  # an H100's opt-in shared memory per block (227 KiB)
 
 
@@ -73,40 +75,58 @@ class MosaicAttention(base.Implementation):
         for an H100, benchmark_results/mosaic_kernels/h100.md).
       bias_grad_programs: about how many programs the dq/bias-gradient kernel should have when a
         bias is shared over the batch; batch rows are grouped so that it does.
+      rows_per_program: batch rows one forward program computes when a bias is shared over the
+        batch (1 to 4): each key block's tile of that bias (and of a mask shared over the batch)
+        is loaded into shared memory once for them all, the rows' own k and v tiles beside it
+        (AF2's pair bias is the same for every MSA row). None: 1. Always 1 without such a bias
+        or with the op's further arguments (a causal, window or length mask, whose key blocks
+        differ from row to row; grouped heads; a soft cap). The backward is unchanged.
       interpret: run the kernels in JAX's Mosaic GPU interpreter (any backend; slow, for tests).
     """
 
     name = "mosaic"
     block_k: int | None = None
     bias_grad_programs: int = 512
+    rows_per_program: int | None = None
     interpret: bool = False
 
     # Reads [T, B, N, H] (Plan.columns) and packed q/k/v (Plan.packed) in place.
     TAKES = base.ALL_OPTIONS | {"positions_first", "packed"}
-    CANDIDATE_FIELDS = dict(block_k="bk")
+    CANDIDATE_FIELDS = dict(block_k="bk", rows_per_program="r")
 
     @classmethod
     def candidates(
         cls, capability, dtype, head_dim: int, *, bias: str = "shared", mask: str = "key"
     ) -> list[dict]:
-        """On Hopper (sm_90: wgmma) alone: the default tiles first (tiles()), then the other of
-        64 and 128 keys a tile where 128 compiled without spills (half precision, head dims <=
-        32; in float32 twice the TF32 tiles' shared memory); none past the head dims plan()
-        takes."""
-        del bias
+        """On Hopper (sm_90: wgmma) alone, one row a program: the default tiles first (tiles()),
+        then with a bias shared over the batch two rows a program at those tiles where their
+        shared memory fits, then the other of 64 and 128 keys a tile where 128 compiled without
+        spills (half precision, head dims <= 32; in float32 twice the TF32 tiles' shared
+        memory); none past the head dims plan() takes."""
         if capability is None or capability[0] != platforms.HOPPER or head_dim > MAX_HEAD_DIM:
             return []
         if mask != "none" and head_dim > MAX_HEAD_DIM_MASKED:
             return []
         _, default = cls().tiles(dtype, head_dim)
         ok = jnp.dtype(dtype).itemsize == 2 and head_dim <= 32
-        return [dict(block_k=k) for k in dict.fromkeys((default, 128, 64)) if k == 64 or ok]
+        out = [dict(block_k=default, rows_per_program=1)]
+        if bias in ("shared", "both") and _fits(dtype, head_dim, default, 2, bias, mask):
+            out.append(dict(block_k=default, rows_per_program=2))
+        other = 64 if default == 128 else 128
+        if other == 64 or ok:
+            out.append(dict(block_k=other, rows_per_program=1))
+        return out
 
     def __post_init__(self):
         value = checks.check_int("block_k", self.block_k, minimum=64, optional=True)
         if value is not None and value not in (64, 128):
             raise ValueError(f"block_k must be 64 or 128, got {value}")
         checks.check_int("bias_grad_programs", self.bias_grad_programs)
+        rows = checks.check_int("rows_per_program", self.rows_per_program, optional=True)
+        if rows is not None and rows > MAX_ROWS_PER_PROGRAM:
+            raise ValueError(
+                f"rows_per_program must be None or an int in [1, {MAX_ROWS_PER_PROGRAM}], got {rows}"
+            )
         checks.check_bool("interpret", self.interpret)
 
     def tiles(self, compute_dtype, head_dim: int, options: bool = False) -> tuple[int, int]:
@@ -235,6 +255,19 @@ class MosaicAttention(base.Implementation):
         return numerics.finish_rows_without_key(
             out, lse[:, :, :q_len], value, live_q, options.return_residual, positions_first=first
         )
+
+
+def _fits(dtype, head_dim: int, block_k: int, rows: int, bias: str, mask: str) -> bool:
+    """Whether the kernels' shared memory at those tiles and rows a program fits an H100 block,
+    planned at AF2's MSA row form (a [1, 1, T, S] bias; 'both' a [B, 1, T, S] one too; a [B, 1,
+    1, S] key mask or a [B, 1, T, S] full one)."""
+    sd = jax.ShapeDtypeStruct
+    q = sd((rows, 384, 1, head_dim), dtype)
+    biases = [sd((1, 1, 384, 384), dtype)] + [sd((rows, 1, 384, 384), dtype)] * (bias == "both")
+    mask = None if mask == "none" else sd((rows, 1, 384 if mask == "full" else 1, 384), jnp.bool_)
+    impl = MosaicAttention(block_k=block_k, rows_per_program=rows, interpret=True)
+    plan = impl._make(q, q, q, biases, mask, 1.0, dtype, base.PLAIN)
+    return shared_memory_bytes(plan) <= SHARED_MEMORY_LIMIT
 
 
 def _in_place(plan: Plan, qkv, q_len: int, k_len: int, zero: bool) -> bool:

@@ -25,6 +25,7 @@ from gated_attention.attention.pallas_mosaic_gpu.pipeline import (
     pair_streams,
     pipeline,
     query_blocks,
+    row_pair_streams,
     row_structure,
     split_refs,
     staging_scratch,
@@ -50,98 +51,127 @@ def _weights(s, shift, q_axis: int):
 
 
 def _forward_kernel(*refs, plan: Plan):
+    """Batch rows g * R .. g * R + R - 1 (R = Plan.rows_per_program; in the last group, rows
+    past the batch repeat its last row: the same values stored twice) of head n, query block i.
+    Each key block's step streams every row's k and v tiles, and the tile of a bias or mask
+    shared over the batch once for all R rows."""
     pl, plgpu = modules()
     ops = plan.ops
+    per = plan.rows_per_program
     front, bias_refs, mask_ref, (_, live_k_ref), meta_ref, refs = split_refs(plan, refs, 3)
     q_ref, k_ref, v_ref = front
     o_ref, lse_ref = refs.pop(0), refs.pop(0)
-    q_smem, q_bar, k_buf, k_bar, v_buf, v_bar, consumed, o_smem, lse_smem, *scratch = refs
+    q_smem, q_bar, consumed, o_smem, lse_smem, *scratch = refs
     staging = scratch.pop(0) if jnp.dtype(plan.compute_dtype) == jnp.float32 else None
-    b, n, i = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("i")
+    g, n, i = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("i")
+    last = lse_ref.shape[0] - 1
+    rows = [g] if per == 1 else [jnp.minimum(g * per + r, last) for r in range(per)]
     kv = lax.div(n, jnp.int32(plan.q_heads_per_kv_head))
-    st = row_structure(meta_ref, b)
+    st = row_structure(meta_ref, rows[0])  # several rows only without a structure (Plan.make)
     lo, hi = key_blocks(plan, st, i)
+    q_span = pl.ds(i * plan.block_q, plan.block_q)
 
-    def k_source(r, j):
-        return plan.rows(k_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, K)
+    def k_source(b):
+        return lambda r, j: plan.rows(k_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, K)
 
-    def v_source(r, j):
+    def v_source(b):
         if plan.tf32:  # v transposed: [B, K, Dv, S]
-            return v_ref.at[b, kv, :, pl.ds(j * plan.block_k, plan.block_k)]
-        return plan.rows(v_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, V)
+            return lambda r, j: v_ref.at[b, kv, :, pl.ds(j * plan.block_k, plan.block_k)]
+        return lambda r, j: plan.rows(v_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, V)
 
-    pair, bias_slots, mask_slots = pair_streams(
-        plan, bias_refs, mask_ref, scratch, lambda r: b, lambda r: n, lambda r, j: i,
-        lambda r, j: j,
-    )  # fmt: skip
-    streams = [Stream(k_source, k_buf, k_bar), Stream(v_source, v_buf, v_bar), *pair]
+    streams, k_bufs, v_bufs = [], [], []
+    for b in rows:
+        k_buf, k_bar, v_buf, v_bar = (scratch.pop(0) for _ in range(4))
+        streams += [Stream(k_source(b), k_buf, k_bar), Stream(v_source(b), v_buf, v_bar)]
+        k_bufs.append(k_buf)
+        v_bufs.append(v_buf)
+    pair, bias_slots, mask_slots = row_pair_streams(plan, bias_refs, mask_ref, scratch, rows, n, i)
+    streams += pair
+    live_bufs = []
     if plan.live:  # keys no query of head n sees: zeroed in v before p @ v
-        live_buf, live_bar = scratch[-2:]
-        source = vector_source(plan, live_k_ref, lambda r: b, lambda r: n, lambda r, j: j,
-                                plan.block_k)  # fmt: skip
-        streams.append(Stream(source, live_buf, live_bar))
+        for b in rows:
+            live_buf, live_bar = scratch.pop(0), scratch.pop(0)
+            source = vector_source(plan, live_k_ref, lambda r, b=b: b, lambda r: n,
+                                    lambda r, j: j, plan.block_k)  # fmt: skip
+            streams.append(Stream(source, live_buf, live_bar))
+            live_bufs.append(live_buf)
 
     def begin(r):
-        plgpu.copy_gmem_to_smem(
-            plan.rows(q_ref, b, pl.ds(i * plan.block_q, plan.block_q), n, Q), q_smem, q_bar.at[0]
-        )
-        plgpu.barrier_wait(q_bar.at[0])
+        for c, b in enumerate(rows):
+            plgpu.copy_gmem_to_smem(plan.rows(q_ref, b, q_span, n, Q), q_smem.at[c], q_bar.at[c])
+        for c in range(per):
+            plgpu.barrier_wait(q_bar.at[c])
         acc = ops.zeros((plan.block_q, plan.value_dim))
-        return acc, ops.zeros((plan.block_q,), 1, -jnp.inf), ops.zeros((plan.block_q,), 1)
+        carry = acc, ops.zeros((plan.block_q,), 1, -jnp.inf), ops.zeros((plan.block_q,), 1)
+        return (carry,) * per
 
-    def step(r, j, slot, carry):
+    def row_step(c, j, slot, carry):
         acc, m_prev, l_prev = carry
-        s = ops.dot(q_smem, k_buf.at[slot], trans_b=True)
+        s = ops.dot(q_smem.at[c], k_bufs[c].at[slot], trans_b=True)
         biases = [
             widen(plan, buf.at[slot], shape)
-            for buf, shape in zip(bias_slots, plan.bias_shapes, strict=True)
+            for buf, shape in zip(bias_slots[c], plan.bias_shapes, strict=True)
         ]
-        mask = None if mask_slots is None else widen(plan, mask_slots.at[slot], plan.mask_shape)
+        mask = mask_slots[c]
+        mask = None if mask is None else widen(plan, mask.at[slot], plan.mask_shape)
         s, _ = logits(plan, s, biases, mask, st, i, j)
         m = jnp.maximum(m_prev, jnp.max(s, axis=1))
         correction = jnp.exp2((m_prev - m) * LOG2E)
         p = _weights(s, m, 0)
         acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
+        v_slot = v_bufs[c].at[slot]
         if plan.live:
-            zero_dead_rows(plan, v_buf.at[slot], live_buf.at[slot])
-        acc = ops.dot(lhs_operand(plan, p, staging), v_buf.at[slot], trans_b=plan.tf32, acc=acc)
+            zero_dead_rows(plan, v_slot, live_bufs[c].at[slot])
+        acc = ops.dot(lhs_operand(plan, p, staging), v_slot, trans_b=plan.tf32, acc=acc)
         return acc, m, l_prev * correction + jnp.sum(p, axis=1)
 
-    def end(r, carry):
-        acc, m, total = carry
-        if st is not None:  # a row whose every key block was skipped: 0 and a finite lse
-            seen = total > 0
-            total = jnp.where(seen, total, 1.0)
-            m = jnp.where(seen, m, numerics.MASK_VALUE)
-        o_smem[...] = (acc / lax.broadcast_in_dim(total, acc.shape, (0,))).astype(o_smem.dtype)
-        lse_smem[...] = m + jnp.log(total)
+    def step(r, j, slot, carries):
+        return tuple(row_step(c, j, slot, carry) for c, carry in enumerate(carries))
+
+    def end(r, carries):
+        for c, (acc, m, total) in enumerate(carries):
+            if st is not None:  # a row whose every key block was skipped: 0 and a finite lse
+                seen = total > 0
+                total = jnp.where(seen, total, 1.0)
+                m = jnp.where(seen, m, numerics.MASK_VALUE)
+            out = (acc / lax.broadcast_in_dim(total, acc.shape, (0,))).astype(o_smem.dtype)
+            o_smem.at[c][...] = out
+            lse_smem.at[c][...] = m + jnp.log(total)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            o_smem, plan.rows(o_ref, b, pl.ds(i * plan.block_q, plan.block_q), n)
-        )
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, n, pl.ds(i * plan.block_q, plan.block_q)])
+        for c, b in enumerate(rows):
+            plgpu.copy_smem_to_gmem(o_smem.at[c], plan.rows(o_ref, b, q_span, n))
+            plgpu.copy_smem_to_gmem(lse_smem.at[c], lse_ref.at[b, n, q_span])
         plgpu.wait_smem_to_gmem(0)
 
     pipeline(plan, 1, lambda r: (lo, hi), streams, consumed, begin, step, end)
 
 
 def forward_scratch(plan: Plan) -> list:
-    """The forward kernel's shared memory and barriers, in the order it unpacks them."""
+    """The forward kernel's shared memory and barriers, in the order it unpacks them: the R =
+    Plan.rows_per_program rows' q, output and lse tiles, then per row its k and v slots, then
+    the biases' and mask's slots (pair_scratch: shared over the batch once) and per row the
+    live keys'."""
     _, plgpu = modules()
     cdt = jnp.dtype(plan.compute_dtype)
+    per = plan.rows_per_program
+    rows = []
+    for _ in range(per):
+        rows += [
+            plan.smem((DEPTH, plan.block_k, plan.head_dim), cdt, operand=True),
+            plgpu.Barrier(num_barriers=DEPTH),
+            plan.smem(kv_tile(plan, plan.value_dim), cdt, operand=True),
+            plgpu.Barrier(num_barriers=DEPTH),
+        ]
     return [
-        plan.smem((plan.block_q, plan.head_dim), cdt, operand=True),
-        plgpu.Barrier(num_barriers=1),
-        plan.smem((DEPTH, plan.block_k, plan.head_dim), cdt, operand=True),
-        plgpu.Barrier(num_barriers=DEPTH),
-        plan.smem(kv_tile(plan, plan.value_dim), cdt, operand=True),
-        plgpu.Barrier(num_barriers=DEPTH),
+        plan.smem((per, plan.block_q, plan.head_dim), cdt, operand=True),
+        plgpu.Barrier(num_barriers=per),
         plgpu.Barrier(num_barriers=DEPTH),  # consumed
-        plan.smem((plan.block_q, plan.value_dim), cdt, operand=True),
-        plan.smem((plan.block_q,), jnp.float32),
+        plan.smem((per, plan.block_q, plan.value_dim), cdt, operand=True),
+        plan.smem((per, plan.block_q), jnp.float32),
         *staging_scratch(plan, plan.block_q, plan.block_k),
-        *pair_scratch(plan),
-        *live_scratch(plan, plan.block_k),
+        *rows,
+        *pair_scratch(plan, rows=per),
+        *(live_scratch(plan, plan.block_k) * per),
     ]
 
 
@@ -169,9 +199,10 @@ def forward(plan: Plan, q, k, v, biases, extras):
         jax.ShapeDtypeStruct((*rows, heads, plan.value_dim), cdt),
         jax.ShapeDtypeStruct((batch, heads, plan.q_pad), jnp.float32),
     )
+    groups = -(-batch // plan.rows_per_program)  # the last group's rows clamped to the batch
     return plan.launch(
         _forward_kernel,
-        (batch, heads, plan.q_blocks),
+        (groups, heads, plan.q_blocks),
         ("b", "n", "i"),
         out_type,
         forward_scratch(plan),

@@ -276,15 +276,46 @@ def pair_streams(
     return streams, bias_slots, mask_slots
 
 
-def pair_scratch(plan: Plan, transposed: bool = False):
-    """Scratch for pair_streams: (buffer, barriers) per bias, then the mask's."""
+def row_pair_streams(plan: Plan, bias_refs, mask_ref, scratch, rows, n, i):
+    """pair_streams for a step over several batch rows `rows` (Plan.rows_per_program): an array
+    shared over the batch is one stream whose slot every row reads (its tile loaded once a key
+    block), one per batch row gets a stream per row. (streams, bias slot refs per row [row][t],
+    mask slot ref per row or None), popping buffers and barriers from `scratch` in
+    pair_scratch(plan, rows=len(rows))'s order."""
+    streams = []
+    per_row = [[] for _ in rows]
+    shapes = list(plan.bias_shapes) + ([plan.mask_shape] if mask_ref is not None else [])
+    refs = list(bias_refs) + ([mask_ref] if mask_ref is not None else [])
+    for ref, shape in zip(refs, shapes, strict=True):
+        form = broadcast_form(shape)
+        owners = rows if shape[0] > 1 else rows[:1]
+        bufs = []
+        for b in owners:
+            buf, bar = scratch.pop(0), scratch.pop(0)
+
+            def source(r, j, ref=ref, form=form, b=b):
+                return gather(ref, form, b, n, i, j, plan)
+
+            streams.append(Stream(source, buf, bar))
+            bufs.append(buf)
+        for c, slots in enumerate(per_row):
+            slots.append(bufs[c] if shape[0] > 1 else bufs[0])
+    masks = [slots.pop() for slots in per_row] if mask_ref is not None else [None] * len(rows)
+    return streams, per_row, masks
+
+
+def pair_scratch(plan: Plan, transposed: bool = False, rows: int = 1):
+    """Scratch for pair_streams: (buffer, barriers) per bias, then the mask's; `rows` of them
+    for an array given per batch row (row_pair_streams), one for one shared over the batch."""
     _, plgpu = modules()
     out = []
     pairs = list(zip(plan.bias_shapes, plan.bias_dtypes, strict=True))
     if plan.mask_shape is not None:
         pairs.append((plan.mask_shape, plan.mask_dtype))
     for shape, dtype in pairs:
-        out += [tile_buffer(plan, shape, dtype, transposed), plgpu.Barrier(num_barriers=DEPTH)]
+        for _ in range(rows if shape[0] > 1 else 1):
+            buffer = tile_buffer(plan, shape, dtype, transposed)
+            out += [buffer, plgpu.Barrier(num_barriers=DEPTH)]
     return out
 
 

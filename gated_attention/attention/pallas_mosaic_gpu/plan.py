@@ -93,6 +93,9 @@ class Plan(base.KernelPlan):
     # Packed (Options.packed): q, k and v are slots 0, 1, 2 of one [B, L, 3, N, D] array ([L, B,
     # 3, N, D] with columns), each tile copied from its slot in place.
     packed: bool = False
+    # Batch rows of one forward program (MosaicAttention.rows_per_program): they read the tiles
+    # of a bias (and mask) shared over the batch once a key block.
+    rows_per_program: int = 1
 
     def rows(self, ref, b, span, n, slot: int | None = None):
         """ref [B, L, N, D] ([L, B, N, D] with columns) at batch row b, rows span, head n; `slot`
@@ -175,6 +178,11 @@ class Plan(base.KernelPlan):
             )
 
         groups = bias_grad_groups(batch, heads, q_pad // block_q, biases, impl.bias_grad_programs)
+        # Several rows a program only where a bias is shared and every row walks the same key
+        # blocks (no structure) with the same heads (Triton's Plan.make rule).
+        shared = any(b.shape[0] == 1 for b in biases)
+        per = impl.rows_per_program or 1
+        per = per if shared and not extra else 1
         return cls(
             **base.KernelPlan.shared(impl, query, key, scale, compute_dtype, options),
             block_q=block_q,
@@ -193,6 +201,7 @@ class Plan(base.KernelPlan):
             warpgroups=INTERPRET_WARPGROUPS if impl.interpret else 2,
             columns=options.positions_first,
             packed=options.packed,
+            rows_per_program=max(1, min(per, batch)),
         )
 
 
