@@ -25,7 +25,8 @@ MAX_LINES = 600
 MAX_FUNCTION_LINES = 80
 LAYERS = ("core", "parallel", "attention", "af2", "af3")  # lowest first
 FAMILIES = ("xla_chunked", "pallas_triton", "pallas_mosaic_gpu", "pallas_mosaic_tpu")
-ENTRY = ("attention.api", "attention.dispatch")  # the op's entry, above its implementations
+# The op's entry, above its implementations: and the tuning candidates, named from its registry.
+ENTRY = ("attention.api", "attention.dispatch", "attention.candidates")
 ROLES = ("implementation.py", "plan.py")  # and kernels*.py, in every family folder
 
 

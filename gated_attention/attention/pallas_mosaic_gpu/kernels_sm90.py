@@ -26,6 +26,7 @@ from gated_attention.attention.pallas_mosaic_gpu.pipeline import (
     pipeline,
     query_blocks,
     row_pair_streams,
+    row_streams,
     row_structure,
     split_refs,
     staging_scratch,
@@ -35,13 +36,14 @@ from gated_attention.attention.pallas_mosaic_gpu.pipeline import (
 )
 from gated_attention.attention.pallas_mosaic_gpu.plan import (
     DEPTH,
+    K,
     Plan,
+    Q,
+    V,
     broadcast_form,
     modules,
 )
 from gated_attention.core import numerics
-
-Q, K, V = 0, 1, 2  # the slots of a packed q/k/v array (Plan.packed)
 
 
 def _weights(s, shift, q_axis: int):
@@ -70,24 +72,10 @@ def _forward_kernel(*refs, plan: Plan):
     st = row_structure(meta_ref, rows[0])  # several rows only without a structure (Plan.make)
     lo, hi = key_blocks(plan, st, i)
     q_span = pl.ds(i * plan.block_q, plan.block_q)
-
-    def k_source(b):
-        return lambda r, j: plan.rows(k_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, K)
-
-    def v_source(b):
-        if plan.tf32:  # v transposed: [B, K, Dv, S]
-            return lambda r, j: v_ref.at[b, kv, :, pl.ds(j * plan.block_k, plan.block_k)]
-        return lambda r, j: plan.rows(v_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, V)
-
-    streams, k_bufs, v_bufs = [], [], []
-    for b in rows:
-        k_buf, k_bar, v_buf, v_bar = (scratch.pop(0) for _ in range(4))
-        streams += [Stream(k_source(b), k_buf, k_bar), Stream(v_source(b), v_buf, v_bar)]
-        k_bufs.append(k_buf)
-        v_bufs.append(v_buf)
+    streams, k_bufs, v_bufs = row_streams(plan, rows, kv, k_ref, v_ref, scratch)
+    live_bufs = []
     pair, bias_slots, mask_slots = row_pair_streams(plan, bias_refs, mask_ref, scratch, rows, n, i)
     streams += pair
-    live_bufs = []
     if plan.live:  # keys no query of head n sees: zeroed in v before p @ v
         for b in rows:
             live_buf, live_bar = scratch.pop(0), scratch.pop(0)

@@ -20,7 +20,9 @@ from jax import lax
 from gated_attention.attention.gpu_common import MASKED
 from gated_attention.attention.pallas_mosaic_gpu.plan import (
     DEPTH,
+    K,
     Plan,
+    V,
     broadcast_form,
     modules,
 )
@@ -334,3 +336,26 @@ def split_refs(plan: Plan, refs, n_front: int):
     live = (refs.pop(0), refs.pop(0)) if plan.live else (None, None)
     meta = refs.pop(0) if plan.structured else None
     return front, biases, mask, live, meta, refs
+
+
+def row_streams(plan: Plan, rows, kv, k_ref, v_ref, scratch):
+    """(streams, k buffers, v buffers) of the forward's rows: each row's k and v tiles of
+    key/value head kv, in the slots it takes from the front of `scratch` (forward_scratch's
+    order)."""
+    pl, _ = modules()
+
+    def k_source(b):
+        return lambda r, j: plan.rows(k_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, K)
+
+    def v_source(b):
+        if plan.tf32:  # v transposed: [B, K, Dv, S]
+            return lambda r, j: v_ref.at[b, kv, :, pl.ds(j * plan.block_k, plan.block_k)]
+        return lambda r, j: plan.rows(v_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, V)
+
+    streams, k_bufs, v_bufs = [], [], []
+    for b in rows:
+        k_buf, k_bar, v_buf, v_bar = (scratch.pop(0) for _ in range(4))
+        streams += [Stream(k_source(b), k_buf, k_bar), Stream(v_source(b), v_buf, v_bar)]
+        k_bufs.append(k_buf)
+        v_bufs.append(v_buf)
+    return streams, k_bufs, v_bufs

@@ -25,6 +25,7 @@ from gated_attention.attention import base
 from gated_attention.attention.gpu_common import bias_grad_groups, extra_options
 from gated_attention.core import compat
 
+Q, K, V = 0, 1, 2  # the slots of a packed q/k/v array (Plan.packed)
 DEPTH = 2  # pipeline slots: the producer loads step t + 1 while the consumer computes step t
 # Warpgroups of an interpreted kernel. Two (producer and consumer, as compiled) run in the
 # interpreter only where its kernel is the whole program (eager): inside a larger jitted program
