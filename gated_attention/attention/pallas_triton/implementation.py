@@ -42,11 +42,7 @@ from gated_attention.attention.gpu_common import dot_precision
 from gated_attention.attention.pallas_triton import kernels as pallas_kernels
 from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
 from gated_attention.attention.pallas_triton.plan import Plan, triton_backend_missing
-from gated_attention.attention.pallas_triton.tile_table import (
-    MIN_TILE,
-    SHARED_MEMORY_LIMIT,
-    _pow2_tile,
-)
+from gated_attention.attention.pallas_triton.tile_table import MIN_TILE, _pow2_tile
 from gated_attention.core import checks, memory, numerics
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -140,11 +136,13 @@ class PallasAttention(base.Implementation):
             itemsize=jnp.dtype(compute_dtype).itemsize,
             pair_itemsize=sum(jnp.dtype(b.dtype).itemsize for b in biases) + (mask is not None),
         )
-        if need > SHARED_MEMORY_LIMIT:
+        group = pallas_tiles.shared_memory_class()
+        limit = pallas_tiles.SHARED_MEMORY_CLASSES[group]
+        if need > limit:
             raise NotImplementedError(
                 f"tiles {block_q} x {block_k} with {stages} stages need about {need:,} bytes of "
                 f"shared memory at head dim {max(dims)} ({jnp.dtype(compute_dtype)}), over the "
-                f"{SHARED_MEMORY_LIMIT:,} an A100 block has: take smaller tiles"
+                f"{limit:,} a block has on this GPU ({group} shared memory): take smaller tiles"
             )
         return plan
 
