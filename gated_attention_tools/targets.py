@@ -73,6 +73,11 @@ TARGETS = {
         # Memory and opt-in shared memory per block: the config's device_memory_size and
         # shared_memory_per_block_optin (178.4 GiB; the same 227 KiB as the H100).
         Target("b200", "gpu", 191_514_411_008, 232_448, arch="sm_100a", config="b200.txtpb"),
+        # Consumer and workstation Blackwell (sm_120: RTX 50, RTX PRO 6000): XLA's published
+        # config's device_memory_size (96 GiB) and opt-in shared memory per block (99 KiB).
+        Target(
+            "rtx6000pro", "gpu", 103_079_215_104, 101_376, arch="sm_120", config="rtx6000pro.txtpb"
+        ),
         Target(
             "v5e",
             "tpu",

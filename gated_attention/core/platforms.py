@@ -36,10 +36,26 @@ def host() -> str:
 
 
 # Compute capabilities by device kind, for a deviceless compile's abstract device (which names its
-# kind only): NVIDIA's data-centre GPUs this project compiles for.
+# kind only): the data-centre GPUs, then consumer and workstation Ampere, Ada and Blackwell (a
+# name of several words matches those words in a row). First match wins: "RTX PRO 6000" (sm_120)
+# before "Ada" ("RTX 6000 Ada Generation", sm_89).
 _CAPABILITIES = (("H100", (9, 0)), ("H200", (9, 0)), ("H800", (9, 0)), ("GH200", (9, 0)),
                  ("B200", (10, 0)), ("B100", (10, 0)), ("GB200", (10, 0)), ("B300", (10, 3)),
-                 ("A100", (8, 0)), ("A800", (8, 0)), ("A10", (8, 6)), ("L4", (8, 9)))  # fmt: skip
+                 ("GB300", (10, 3)), ("A100", (8, 0)), ("A800", (8, 0)), ("A30", (8, 0)),
+                 ("A10", (8, 6)), ("A10G", (8, 6)), ("A40", (8, 6)), ("RTX A6000", (8, 6)),
+                 ("RTX A5000", (8, 6)), ("RTX A4000", (8, 6)), ("3090", (8, 6)), ("3080", (8, 6)),
+                 ("3070", (8, 6)), ("3060", (8, 6)), ("L4", (8, 9)), ("L40", (8, 9)),
+                 ("L40S", (8, 9)), ("4090", (8, 9)), ("4080", (8, 9)), ("4070", (8, 9)),
+                 ("4060", (8, 9)), ("RTX PRO 6000", (12, 0)), ("RTX PRO 5000", (12, 0)),
+                 ("RTX PRO 4000", (12, 0)), ("5090", (12, 0)), ("5080", (12, 0)), ("5070", (12, 0)),
+                 ("5060", (12, 0)), ("GB10", (12, 1)), ("Ada", (8, 9)))  # fmt: skip
+
+
+def _named(kind: str, table):
+    """The value of the first (name, value) of `table` whose name's words are in the device
+    kind's words (in a row), else None."""
+    words = " " + " ".join(kind.replace("-", " ").split()) + " "
+    return next((value for name, value in table if f" {name} " in words), None)
 
 
 def _gpu():
@@ -69,9 +85,7 @@ def gpu_capability() -> tuple[int, int] | None:
     capability = getattr(device, "compute_capability", None)
     if capability:
         return tuple(int(x) for x in str(capability).split(".")[:2])
-    kind = str(getattr(device, "device_kind", ""))
-    words = kind.replace("-", " ").split()
-    return next((cc for name, cc in _CAPABILITIES if name in words), None)
+    return _named(str(getattr(device, "device_kind", "")), _CAPABILITIES)
 
 
 HOPPER = 9  # sm_90's major: wgmma (Blackwell, sm_100, has tcgen05 instead)
@@ -83,10 +97,35 @@ def gpu_is_hopper() -> bool:
     return capability is not None and capability[0] == HOPPER
 
 
+# Opt-in shared memory per block by compute capability, bytes: the target configs'
+# (gated_attention_tools/target_configs/) and XLA's published ones for sm_86 (RTX A6000) and
+# sm_103 (B300); sm_87 (Jetson Orin) as the A100 in CUDA's table of compute capabilities.
+_SHARED_MEMORY_PER_BLOCK = {(8, 0): 166_912, (8, 6): 101_376, (8, 7): 166_912, (8, 9): 101_376,
+                            (9, 0): 232_448, (10, 0): 232_448, (10, 3): 232_448,
+                            (12, 0): 101_376, (12, 1): 101_376}  # fmt: skip
+
+
+def gpu_shared_memory_per_block() -> int | None:
+    """The opt-in shared memory per block of the GPU a program is being compiled for, bytes:
+    None when there is no GPU, else shared_memory_per_block of its capability."""
+    if _gpu() is None:
+        return None
+    return shared_memory_per_block(gpu_capability())
+
+
+def shared_memory_per_block(capability: tuple[int, int] | None) -> int:
+    """The opt-in shared memory per block of a GPU of this (major, minor) capability, bytes: the
+    smallest of the known capabilities' (101,376: what fits there fits on every GPU of the table)
+    when it is not known."""
+    found = _SHARED_MEMORY_PER_BLOCK.get(capability)
+    return min(_SHARED_MEMORY_PER_BLOCK.values()) if found is None else found
+
+
 # Memory of GPUs whose device kind names none ('NVIDIA H200'), in GB: what a deviceless compile's
 # abstract device (no memory_stats) is known by. Kinds that name it ('... 80GB ...') are read.
 _MEMORY_GB = (("GH200", 96), ("H200", 141), ("B200", 180), ("B100", 180), ("B300", 268),
-              ("L40S", 48), ("L40", 48), ("L4", 24), ("A10", 24), ("4090", 24), ("5090", 32))  # fmt: skip
+              ("L40S", 48), ("L40", 48), ("L4", 24), ("A10", 24), ("4090", 24), ("5090", 32),
+              ("RTX PRO 6000", 96))  # fmt: skip
 
 
 def gpu_memory_bytes() -> int | None:
@@ -104,8 +143,8 @@ def gpu_memory_bytes() -> int | None:
     named = re.search(r"(\d+)\s*GB", kind)
     if named:
         return int(named.group(1)) * 10**9
-    words = kind.replace("-", " ").split()
-    return next((gb * 10**9 for name, gb in _MEMORY_GB if name in words), None)
+    gb = _named(kind, _MEMORY_GB)
+    return None if gb is None else gb * 10**9
 
 
 def of_arrays(arrays) -> str | None:

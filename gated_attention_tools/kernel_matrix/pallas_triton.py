@@ -72,7 +72,8 @@ def kernel_stats(
     impl = ga.PallasAttention(**(tuning or {}))
     lax_precision = dict(default=None, high="high", highest="highest")[precision]
     dots = gpu_common.dot_precision(lax_precision, dt, impl.interpret)
-    tiles = impl.tiles(dt, dots, head_dim, options, (bias, mask))
+    with targets.abstract_gpu(target):  # the table's tiles for this GPU, as the compile reads them
+        tiles = impl.tiles(dt, dots, head_dim, options, (bias, mask))
     step, args = common.case_program(
         impl, dtype, head_dim, bias, mask, lax_precision, options, batch, q_len, k_len, heads,
         positions_first,
@@ -98,8 +99,40 @@ def kernel_stats(
 def compile_cases(
     target: str, cases: list[dict[str, Any]], tuning: dict | None = None
 ) -> list[dict[str, Any]]:
-    """kernel_stats for each case, in this process (a child's function: common.run)."""
-    return [kernel_stats(target, tuning=tuning, **case) for case in cases]
+    """kernel_stats for each case, in this process (a child's function: common.run); a case
+    whose compile raises is {error, tiles} and the others still compile."""
+    results = []
+    for case in cases:
+        try:
+            results.append(kernel_stats(target, tuning=tuning, **case))
+        except Exception as e:  # shared memory over the target's, a refused plan: the case's row
+            results.append(
+                dict(
+                    error=f"{type(e).__name__}: {_last_line(e)}", tiles=_tiles(target, case, tuning)
+                )
+            )
+    return results
+
+
+def _last_line(error: Exception) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else "")[:200]
+
+
+def _tiles(target: str, case: dict[str, Any], tuning: dict | None) -> list[int]:
+    """The tiles a case asks for on the target (a failed compile's row records them)."""
+    import jax.numpy as jnp
+
+    import gated_attention as ga
+    from gated_attention.attention import gpu_common
+
+    dt = jnp.dtype(case["dtype"])
+    impl = ga.PallasAttention(**(tuning or {}))
+    precision = dict(default=None, high="high", highest="highest")[case.get("precision", "default")]
+    dots = gpu_common.dot_precision(precision, dt, impl.interpret)
+    with targets.abstract_gpu(target):
+        form = (case["bias"], case["mask"])
+        return list(impl.tiles(dt, dots, case["head_dim"], bool(case.get("options")), form))
 
 
 def ptx_kernels(dump: str, arch: str) -> dict[str, dict[str, Any]]:
@@ -178,12 +211,18 @@ def verdict(target: str, case: dict[str, Any], stats: dict[str, Any]) -> list[st
     return problems
 
 
-def run(target: str, cases, tuning: dict | None = None, log=print) -> list[dict[str, Any]]:
-    """Rows {case, kernels, tiles, compile_s, ptx_files, problems} for the cases, each compiled
-    in a child of its own; a case whose compile fails (its child dies) is a row of that problem
-    (with the tiles it was given)."""
+def run(
+    target: str, cases, tuning: dict | None = None, log=print, per_child: int = 1
+) -> list[dict[str, Any]]:
+    """Rows {case, kernels, tiles, compile_s, ptx_files, problems} for the cases, compiled in
+    children of `per_child` cases each; a case whose compile fails is a row of that problem
+    (with the tiles it was given), as is each case of a child that dies."""
 
     def row(case, stats):
+        if "error" in stats:  # this case's compile raised in a child that went on
+            return dict(
+                case=case, tiles=stats["tiles"], problems=[f"compile failed: {stats['error']}"]
+            )
         return dict(case=case, **stats, problems=verdict(target, case, stats))
 
     def failed(case, error):
@@ -192,7 +231,7 @@ def run(target: str, cases, tuning: dict | None = None, log=print) -> list[dict[
 
     return common.run(
         "gated_attention_tools.kernel_matrix.pallas_triton:compile_cases",
-        target, cases, row, failed, log=log, tuning=tuning,
+        target, cases, row, failed, per_child=per_child, log=log, tuning=tuning,
     )  # fmt: skip
 
 
@@ -221,6 +260,12 @@ def main() -> None:
     parser.add_argument(
         "--append", action="store_true", help="add the rows to --out's (the same target's)"
     )
+    parser.add_argument(
+        "--per-child",
+        type=int,
+        default=1,
+        help="cases per child process (the compilers start once)",
+    )
     args = parser.parse_args()
     tuning = None
     if args.tiles:
@@ -241,7 +286,8 @@ def main() -> None:
             parser.error(f"{out} holds {previous['target']}'s rows, not {args.target}'s")
         earlier = previous["rows"]
     cases = cases[: args.limit or None]
-    rows = run(args.target, cases, tuning, log=lambda line: print(line, flush=True))
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    rows = run(args.target, cases, tuning, log=log, per_child=args.per_child)
     import jax
 
     result = dict(

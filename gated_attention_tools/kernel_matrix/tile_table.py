@@ -7,11 +7,13 @@ kernel_matrix/pallas_triton.py).
 
 A results row is one case (dtype, head dim, bias and mask forms, precision, the op's further
 arguments or not) compiled for one target with one tile, (block_q, block_k, num_warps,
-num_stages). A key of the table (pallas_tiles.table_key) holds every case of the matrix
-(pallas_triton.matrix) whose dtype kind, precision and padded head dim, further arguments and forms
-map to it. A tile is clean for a key when every case of the key compiled with it for every target
-of TARGETS (less the key's EXEMPT ones) with 0 spill bytes in all three kernels, shared memory
-within the A100's (the smallest) limit and MMA instructions in every non-IEEE kernel. Per key the
+num_stages). A key of the table (pallas_tiles.table_key) is a shared-memory class (CLASSES: the
+data-centre GPUs, 'large', and the 99 KiB consumer ones, 'small') and holds every case of the
+matrix (pallas_triton.matrix) whose dtype kind, precision and padded head dim, further arguments
+and forms map to it. A tile is clean for a key when every case of the key compiled with it for
+every target of the key's class (less the key's EXEMPT ones) with 0 spill bytes in all three
+kernels, shared memory within the class's limit (pallas_tiles.SHARED_MEMORY_CLASSES: the smallest
+of its GPUs') and MMA instructions in every non-IEEE kernel. Per key the
 table takes, among the clean tiles: for the heaviest form (both biases, a full mask) without
 further arguments the largest; for any other key the one nearest that (fewest changed fields, a
 halved block counting once per halving; then the largest). The further arguments' matrix compiles
@@ -33,16 +35,34 @@ from pathlib import Path
 from typing import Any
 
 from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
-from gated_attention_tools.kernel_matrix import pallas_triton
+from gated_attention.core import memory
+from gated_attention_tools.kernel_matrix import common, pallas_triton
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmark_results" / "gpu_kernels"
-TARGETS = ("a100", "h100", "b200")  # a tile must compile clean for every one
-# Keys no compiled candidate made clean on every target, with the targets they are let off: a key
-# here must be clean on the others, and a tile clean on every target makes the entry an error.
-# float32 'high' H128, the heaviest form: the table's (16, 16, 8, 1) spills 16 B in the B200's
-# dq/dbias; none of 16 candidates near it compiled clean on the B200 and the A100 both
-# (benchmark_results/gpu_kernels/README.md, *_candidates.json).
-EXEMPT = {("float32", "high", 128, False, "both", "full"): ("b200",)}
+# Per shared-memory class (pallas_tiles.SHARED_MEMORY_CLASSES) its targets: a class's tile must
+# compile clean for every one, within the class's shared memory. The data-centre GPUs; an Ada
+# (sm_89) and a consumer / workstation Blackwell (sm_120) GPU, 99 KiB a block both.
+CLASSES = {"large": ("a100", "h100", "b200"), "small": ("rtx6000pro", "rtx4090")}
+TARGETS = tuple(t for targets in CLASSES.values() for t in targets)
+# Keys (class first) no compiled candidate made clean on every target of their class, with the
+# targets they are let off: a key here must be clean on the others, and a tile clean on every
+# target makes the entry an error. float32 'high' H128, the heaviest form: the table's (16, 16, 8,
+# 1) spills 16 B in the B200's dq/dbias; none of 16 candidates near it compiled clean on the B200
+# and the A100 both (benchmark_results/gpu_kernels/README.md, *_candidates.json).
+# float32 'high' H128 with both biases (a full or a key mask) or one bias and a full mask, and
+# 'highest' H128 in the heaviest form, in the small class: every one of the 18 candidates that fit
+# 99 KiB by the plan's estimate (2-8 warps, 1-3 stages) spilled on the RTX PRO 6000 (sm_120: 4 B
+# at the least; rtx6000pro_candidates.json); they keep tiles clean on the RTX 4090.
+EXEMPT = {
+    ("large", "float32", "high", 128, False, "both", "full"): ("b200",),
+    **{
+        ("small", "float32", level, 128, False, bias, mask): ("rtx6000pro",)
+        for level, bias, mask in (
+            ("high", "both", "full"), ("high", "shared", "full"), ("high", "per_row", "full"),
+            ("high", "both", "key"), ("highest", "both", "full"),
+        )
+    },
+}  # fmt: skip
 KINDS = ("float32", "half")
 LEVELS = ("default", "high", "highest")
 HEAD_DIMS = (16, 32, 64, 128)  # pallas_triton.HEAD_DIMS padded (pallas_tiles._pow2_tile)
@@ -141,18 +161,40 @@ def row_tiles(row: dict[str, Any]) -> tuple[int, int, int, int]:
     return tile
 
 
+def target_class(target: str) -> str | None:
+    """The CLASSES name a target's results serve, or None (a target the table does not read)."""
+    return next((name for name, targets in CLASSES.items() if target in targets), None)
+
+
+def fits(case: dict[str, Any], tile, limit: int) -> bool:
+    """Whether the plan's shared-memory estimate (memory.gpu_shared_memory_bytes) of the case with
+    `tile` is within `limit`: PallasAttention.plan refuses the tile otherwise."""
+    item = 4 if case["dtype"] == "float32" else 2
+    need = memory.gpu_shared_memory_bytes(
+        block_q=tile[0], block_k=tile[1], stages=tile[3],
+        padded_head_dim=pallas_tiles._pow2_tile(case["head_dim"]), itemsize=item,
+        pair_itemsize=item * len(common.BIAS_SHAPES[case["bias"]]) + (case["mask"] != "none"),
+    )  # fmt: skip
+    return need <= limit
+
+
 def clean(row: dict[str, Any]) -> bool:
-    """All three kernels compiled, 0 spill bytes, shared memory within the A100's, MMA unless the
-    case is IEEE float32."""
+    """All three kernels compiled, 0 spill bytes, shared memory within the limit of the row's
+    target's class (ptxas's and the plan's estimate), MMA unless the case is IEEE float32."""
     case, kernels = row["case"], row.get("kernels", {})
+    limit = pallas_tiles.SHARED_MEMORY_CLASSES[target_class(row["target"])]
     wants_mma = case["dtype"] != "float32" or case.get("precision") != "highest"
-    return not row.get("problems") and all(
-        name in kernels
-        and not kernels[name]["spill_store_bytes"]
-        and not kernels[name]["spill_load_bytes"]
-        and kernels[name].get("shared_memory_bytes", 0) <= pallas_tiles.SHARED_MEMORY_LIMIT
-        and (kernels[name]["mma"] or not wants_mma)
-        for name in pallas_triton.KERNELS
+    return (
+        not row.get("problems")
+        and fits(case, row_tiles(row), limit)
+        and all(
+            name in kernels
+            and not kernels[name]["spill_store_bytes"]
+            and not kernels[name]["spill_load_bytes"]
+            and kernels[name].get("shared_memory_bytes", 0) <= limit
+            and (kernels[name]["mma"] or not wants_mma)
+            for name in pallas_triton.KERNELS
+        )
     )
 
 
@@ -186,54 +228,73 @@ def _distance(tile, base) -> float:
     return blocks + (tile[2] != base[2]) + (tile[3] != base[3])
 
 
-def generate(rows: Iterable[dict[str, Any]]) -> dict[tuple, tuple[int, int, int, int]]:
-    """{table key: tile} from results rows (the rule in the module's docstring)."""
-    expected = expected_cases()
-    outcomes = defaultdict(lambda: defaultdict(dict))  # key -> tile -> (target, case) -> clean
+def outcomes(rows: Iterable[dict[str, Any]]) -> dict[tuple, dict[tuple, dict[tuple, bool]]]:
+    """{table key (class first): {tile: {(target, case id): clean}}} from results rows (a case
+    compiled more than once with a tile is clean only if every row of it is)."""
+    found = defaultdict(lambda: defaultdict(dict))
     for row in rows:
-        if row["target"] not in TARGETS:
+        group = target_class(row["target"])
+        if group is None:
             continue
-        seen = outcomes[case_key(row["case"])][row_tiles(row)]
+        seen = found[(group, *case_key(row["case"]))][row_tiles(row)]
         where = (row["target"], _case_id(row["case"]))
         seen[where] = seen.get(where, True) and clean(row)
+    return found
 
-    def clean_tiles(key, targets=TARGETS):
-        wanted = {(target, case) for target in targets for case in expected[key]}
-        found = outcomes.get(key, {})
-        return [
-            t
-            for t, seen in found.items()
-            if wanted <= seen.keys()
-            and all(v for (target, _), v in seen.items() if target in targets)
-        ]
+
+def clean_in(found, expected, key, targets) -> list[tuple[int, int, int, int]]:
+    """The tiles `found` (outcomes) has clean for every case of `key` on every one of `targets`."""
+    wanted = {(target, case) for target in targets for case in expected[key[1:]]}
+    return [
+        t
+        for t, seen in found.get(key, {}).items()
+        if wanted <= seen.keys() and all(v for (target, _), v in seen.items() if target in targets)
+    ]
+
+
+def generate(rows: Iterable[dict[str, Any]]) -> dict[tuple, tuple[int, int, int, int]]:
+    """{table key (class first): tile} from results rows (the rule in the module's docstring),
+    each class's from its targets' rows."""
+    expected = expected_cases()
+    found = outcomes(rows)
+
+    def clean_tiles(key, targets):
+        return clean_in(found, expected, key, targets)
 
     table, missing = {}, []
-    heaviest = [k for k in expected if k[3:] == (False, *HEAVIEST)]
-    for key in heaviest + [k for k in expected if k not in heaviest]:
-        tiles = clean_tiles(key)
-        if key in EXEMPT:
-            if tiles:
-                raise ValueError(f"{key} is EXEMPT from {EXEMPT[key]} but {tiles} compiled clean")
-            tiles = clean_tiles(key, tuple(t for t in TARGETS if t not in EXEMPT[key]))
-        if not tiles:
-            missing.append(key)
-        elif key in heaviest:
-            table[key] = min(tiles, key=_size_order)
-        elif (base := table.get((*key[:3], False, *HEAVIEST))) is not None:
-            table[key] = min(tiles, key=lambda t, base=base: (_distance(t, base), _size_order(t)))
+    for group, targets in CLASSES.items():
+        keys = [(group, *k) for k in expected]
+        heaviest = [k for k in keys if k[4:] == (False, *HEAVIEST)]
+        for key in heaviest + [k for k in keys if k not in heaviest]:
+            tiles = clean_tiles(key, targets)
+            if key in EXEMPT:
+                if tiles:
+                    raise ValueError(
+                        f"{key} is EXEMPT from {EXEMPT[key]} but {tiles} compiled clean"
+                    )
+                tiles = clean_tiles(key, tuple(t for t in targets if t not in EXEMPT[key]))
+            if not tiles:
+                missing.append(key)
+            elif key in heaviest:
+                table[key] = min(tiles, key=_size_order)
+            elif (base := table.get((*key[:4], False, *HEAVIEST))) is not None:
+                table[key] = min(
+                    tiles, key=lambda t, base=base: (_distance(t, base), _size_order(t))
+                )
     if missing:
         raise ValueError(f"no tile compiled clean for every target in every case of {missing}")
     for key in list(table):
-        if key[3:] == (True, *HEAVIEST):
+        if key[4:] == (True, *HEAVIEST):
             for bias in pallas_triton.BIASES:
                 for mask in pallas_triton.MASKS:
-                    table.setdefault((*key[:4], bias, mask), table[key])
+                    table.setdefault((*key[:5], bias, mask), table[key])
     return table
 
 
 def _order(key) -> tuple:
-    kind, level, head_dim, options, bias, mask = key
+    group, kind, level, head_dim, options, bias, mask = key
     return (
+        list(CLASSES).index(group),
         KINDS.index(kind),
         LEVELS.index(level),
         head_dim,

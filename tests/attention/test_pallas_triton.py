@@ -276,15 +276,18 @@ def test_bad_tuning_is_refused(kwargs, match):
         ga.PallasAttention(**kwargs)
 
 
-def test_tiles_come_from_the_table_and_oversized_ones_are_refused():
-    """Tiles not given come from pallas_tiles' table (by dtype, precision, head dim, the op's
-    further arguments and the bias and mask form); tiles whose shared
-    memory would pass an A100's are refused by check (so 'auto' moves on), never a compile error."""
+def test_tiles_come_from_the_table_and_oversized_ones_are_refused(monkeypatch):
+    """Tiles not given come from pallas_tiles' table (by the GPU's shared-memory class, dtype,
+    precision, head dim, the op's further arguments and the bias and mask form); tiles whose shared
+    memory would pass the GPU's (an A100's where none is known) are refused by check (so 'auto'
+    moves on), never a compile error."""
+    from gated_attention.core import platforms
+
     impl = ga.PallasAttention()
     table = pallas_tiles.table()
     assert (
         impl.tiles(jnp.float32, lax.Precision.DEFAULT, 128)
-        == table[("float32", "default", 128, False, "both", "full")]
+        == table[("large", "float32", "default", 128, False, "both", "full")]
     )
     assert ga.PallasAttention(block_q=32).tiles(jnp.bfloat16, None, 64)[0] == 32
     # Forms differ where one spilled with the heaviest form's tiles; the op's further arguments
@@ -308,6 +311,16 @@ def test_tiles_come_from_the_table_and_oversized_ones_are_refused():
         q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu"
     )
     assert impl.name == "xla"
+    # About 119 KB: within an A100's 163 KiB, over a 99 KiB GPU's (an RTX 4090, by its kind),
+    # where the table's own tiles are the small class's.
+    mid = ga.PallasAttention(block_q=32, block_k=32, num_stages=2)
+    mid.check(q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu")
+    gpu = type("Device", (), dict(device_kind="NVIDIA GeForce RTX 4090"))()
+    monkeypatch.setattr(platforms, "_gpu", lambda: gpu)
+    with pytest.raises(NotImplementedError, match="over the 101,376 a block has on this GPU"):
+        mid.check(q, k, v, (bias,), mask, compute_dtype=jnp.float32, platform="gpu")
+    small = table[("small", "float32", "default", 128, False, "shared", "full")]
+    assert ga.PallasAttention().tiles(jnp.float32, None, 128, form=("shared", "full")) == small
 
 
 def test_loops_skip_exactly_the_tiles_the_structure_masks_whole():

@@ -55,9 +55,17 @@ def _digest(table) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()
 
 
+def _class(group):
+    """The table's keys of a shared-memory class, without the class."""
+    return {k[1:]: v for k, v in pallas_tiles.table().items() if k[0] == group}
+
+
 def test_every_key_keeps_the_tiles_of_the_hand_tables():
-    expected = dict(pallas_tiles.table())
+    """The data-centre GPUs' class keeps its tiles; where no GPU is known (here) it is the one
+    looked up."""
+    expected = _class("large")
     assert set(expected) == set(old_keys())
+    assert set(pallas_tiles.table()) == {(g, *k) for g in ("large", "small") for k in old_keys()}
     assert _digest(expected) == FROZEN_TABLE_DIGEST
     impl = ga.PallasAttention()
     for (kind, level, head_dim, options, bias, mask), tiles in expected.items():
@@ -82,7 +90,55 @@ def test_given_fields_override_the_table_and_missing_keys_get_the_fallback():
     assert pallas_tiles.lookup(jnp.bfloat16, lax.Precision.HIGH, 64) == pallas_tiles.FALLBACK
 
 
-def _recorded(rows, key, tiles, spill=0, targets=tile_table.TARGETS):
+def test_a_gpu_takes_the_class_of_its_shared_memory(monkeypatch):
+    """The class comes from the GPU compiled for: its kind's compute capability, its opt-in shared
+    memory per block; consumer GPUs (99 KiB) look up tiles that fit there, whose estimate
+    (memory.gpu_shared_memory_bytes, the plan's check) is within 99 KiB."""
+    from gated_attention.core import memory, platforms
+
+    class Device:
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    for kind, capability, group in [
+        ("NVIDIA H100 80GB HBM3", (9, 0), "large"),
+        ("NVIDIA A100-SXM4-80GB", (8, 0), "large"),
+        ("NVIDIA B200", (10, 0), "large"),
+        ("NVIDIA GeForce RTX 4090", (8, 9), "small"),
+        ("NVIDIA L4", (8, 9), "small"),
+        ("NVIDIA RTX 6000 Ada Generation", (8, 9), "small"),
+        ("NVIDIA A10G", (8, 6), "small"),
+        ("NVIDIA GeForce RTX 5090", (12, 0), "small"),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), "small"),
+        ("NVIDIA Unknown", None, "small"),  # a GPU of unknown capability: tiles that fit 99 KiB
+    ]:
+        monkeypatch.setattr(platforms, "_gpu", lambda kind=kind: Device(kind))
+        assert platforms.gpu_capability() == capability, kind
+        assert pallas_tiles.shared_memory_class() == group, kind
+    monkeypatch.setattr(platforms, "_gpu", lambda: None)
+    assert pallas_tiles.shared_memory_class() == "large"  # no GPU: the tiles as before classes
+    assert pallas_tiles.shared_memory_class(101_376) == "small"
+    assert pallas_tiles.shared_memory_class(232_448) == "large"
+    with pytest.raises(ValueError, match="limit must be at least 101,376"):
+        pallas_tiles.shared_memory_class(65_536)
+    with pytest.raises(ValueError, match="shared_memory must be one of"):
+        pallas_tiles.lookup(jnp.float32, None, 32, shared_memory="medium")
+    # every small tile within 99 KiB by the plan's estimate for its key's operands (a bias of the
+    # compute dtype per bias form, an int8 mask), so the plan never refuses the table's own tiles
+    biases = dict(shared=1, per_row=1, both=2, none=0)
+    for (kind, _, head_dim, _, bias, mask), (bq, bk, _, stages) in _class("small").items():
+        item = 4 if kind == "float32" else 2
+        need = memory.gpu_shared_memory_bytes(
+            block_q=bq, block_k=bk, stages=stages, padded_head_dim=head_dim, itemsize=item,
+            pair_itemsize=item * biases[bias] + (mask != "none"),
+        )  # fmt: skip
+        assert need <= pallas_tiles.SHARED_MEMORY_CLASSES["small"], (kind, head_dim, bias, mask)
+    # which the data-centre tiles did not do everywhere (float32 H16, both biases: 108,134 B)
+    assert _class("large")[("float32", "default", 16, False, "both", "key")] == (64, 64, 4, 2)
+    assert _class("small")[("float32", "default", 16, False, "both", "key")] != (64, 64, 4, 2)
+
+
+def _recorded(rows, key, tiles, spill=0, targets=tile_table.CLASSES["large"]):
     """Rows compiling every case of `key` with `tiles` (recorded), from the results' rows."""
     out = []
     for row in rows:
@@ -110,16 +166,22 @@ def test_the_rule_takes_the_largest_clean_tiles_then_the_nearest_clean_ones():
         + _recorded(rows, light, (64, 64, 8, 2))  # one field away, larger: taken
     )
     table = tile_table.generate(rows + candidates)
-    assert table[heavy] == (64, 64, 4, 2)
-    assert table[light] == (64, 64, 8, 2)
-    unchanged = {k: v for k, v in generated().items() if k[:3] != heavy[:3] or k[3]}
+    assert table[("large", *heavy)] == (64, 64, 4, 2)
+    assert table[("large", *light)] == (64, 64, 8, 2)
+    unchanged = {
+        k: v for k, v in generated().items() if k[0] != "large" or k[1:4] != heavy[:3] or k[4]
+    }
     assert unchanged.items() <= table.items()
     # the further arguments' tiles (only the heaviest form is compiled) serve every form
-    options = ("half", "default", 64, True)
-    assert {
-        table[(*options, *form)]
-        for form in itertools.product(pallas_triton.BIASES, pallas_triton.MASKS)
-    } == {table[(*options, *tile_table.HEAVIEST)]}
+    for group in tile_table.CLASSES:
+        options = (group, "half", "default", 64, True)
+        assert {
+            table[(*options, *form)]
+            for form in itertools.product(pallas_triton.BIASES, pallas_triton.MASKS)
+        } == {table[(*options, *tile_table.HEAVIEST)]}
+    # a class's tiles come from its own targets' rows: the large targets' candidates above
+    # leave the small class's entry as it was
+    assert table[("small", *heavy)] == generated()[("small", *heavy)]
     with pytest.raises(ValueError, match="no tile compiled clean"):
         tile_table.generate([r for r in rows if tile_table.case_key(r["case"]) != heavy])
     wrong = _recorded(rows, light, (64, 64, 8, 2))
@@ -135,10 +197,11 @@ def test_an_exempt_key_is_clean_on_the_other_targets_and_its_entry_errs_once_a_t
     rows = tile_table.load_rows(tile_table.RESULTS.glob("*.json"))
     table = generated()
     for key, targets in tile_table.EXEMPT.items():
-        assert set(targets) < set(tile_table.TARGETS)
-        others = [t for t in tile_table.TARGETS if t not in targets]
-        assert _recorded(rows, key, table[key], targets=others)  # compiled on the others
-        clean = _recorded(rows, key, (16, 16, 8, 5))  # a tile never compiled
+        group = tile_table.CLASSES[key[0]]
+        assert set(targets) < set(group)
+        others = [t for t in group if t not in targets]
+        assert _recorded(rows, key[1:], table[key], targets=others)  # compiled on the others
+        clean = _recorded(rows, key[1:], (16, 16, 1, 1), targets=group)  # a tile never compiled
         for row in clean:
             row["problems"] = []
             for kernel in row["kernels"].values():

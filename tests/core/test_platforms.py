@@ -85,3 +85,37 @@ def test_the_host_is_asked_in_one_way(monkeypatch):
         ga.PallasTpuAttention().check(q, q, q, (), None, compute_dtype=jnp.bfloat16)
     assert ga.core.numerics.compute_dtype(jnp.bfloat16) == jnp.bfloat16  # an accelerator's policy
     assert ga.core.numerics.compute_dtype(jnp.bfloat16, backend="cpu") == jnp.float32
+
+
+def test_a_gpus_capability_and_shared_memory_are_read_from_its_kind(monkeypatch):
+    """A deviceless compile's abstract GPU names its kind only: the compute capability and the
+    opt-in shared memory per block come from it (consumer Ampere, Ada and Blackwell included);
+    a kind not known is a GPU of the least shared memory, no GPU none."""
+
+    class Device:
+        def __init__(self, kind):
+            self.device_kind = kind
+
+    for kind, capability, shared in [
+        ("NVIDIA H100 80GB HBM3", (9, 0), 232_448),
+        ("NVIDIA A100-SXM4-80GB", (8, 0), 166_912),
+        ("NVIDIA B300", (10, 3), 232_448),
+        ("NVIDIA A10G", (8, 6), 101_376),
+        ("NVIDIA GeForce RTX 3090", (8, 6), 101_376),
+        ("NVIDIA GeForce RTX 4090", (8, 9), 101_376),
+        ("NVIDIA L40S", (8, 9), 101_376),
+        ("NVIDIA RTX 6000 Ada Generation", (8, 9), 101_376),
+        ("NVIDIA GeForce RTX 5090", (12, 0), 101_376),
+        ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", (12, 0), 101_376),
+        ("NVIDIA GB10", (12, 1), 101_376),
+        ("NVIDIA Unknown", None, 101_376),
+    ]:
+        monkeypatch.setattr(platforms, "_gpu", lambda kind=kind: Device(kind))
+        assert platforms.gpu_capability() == capability, kind
+        assert platforms.gpu_shared_memory_per_block() == shared, kind
+    monkeypatch.setattr(
+        platforms, "_gpu", lambda kind=kind: Device("NVIDIA RTX PRO 6000 Blackwell")
+    )
+    assert platforms.gpu_memory_bytes() == 96 * 10**9
+    monkeypatch.setattr(platforms, "_gpu", lambda: None)
+    assert platforms.gpu_capability() is None and platforms.gpu_shared_memory_per_block() is None

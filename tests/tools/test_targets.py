@@ -32,6 +32,11 @@ AUTO_CASES = [
     # kernel for the training step that this program is.
     ("h100", "bfloat16", "pallas (inference), mosaic (training)", "mosaic_gpu", "bfloat16"),
     ("a100", "float32", "pallas", "triton", "float32"),
+    # Ada (sm_89) and consumer / workstation Blackwell (sm_120), 99 KiB of shared memory a block:
+    # the Mosaic kernel refused (wgmma is Hopper's), the Triton kernel with the small class's
+    # tiles (benchmark_results/gpu_kernels/rtx4090.md, rtx6000pro.md).
+    ("rtx4090", "bfloat16", "pallas", "triton", "bfloat16"),
+    ("rtx6000pro", "float32", "pallas", "triton", "float32"),
     ("v5e", "bfloat16", "pallas_tpu", "mosaic_tpu", "bfloat16"),
 ]
 
@@ -70,6 +75,13 @@ def _check_auto_choice(target, chosen, kernel, compute, got):
     kind = targets.target(target).kind
     assert kind in got["compilable"], (target, got["compilable"])
     assert got["by_platform"][kind]["chosen"] == chosen, (target, got["by_platform"])
+    arch = targets.target(target).arch
+    if arch in ("sm_89", "sm_120"):  # the Mosaic kernel refused for the GPU's own capability
+        reason = got["by_platform"][kind]["reason"]
+        assert (
+            f"mosaic refused: the Mosaic GPU kernel uses Hopper's wgmma: sm_90 GPUs only, this one is {arch}"
+            in reason
+        ), reason
     assert got["by_platform"][kind]["compute_dtype"] == compute, target
     # The host (CPU) computes half precision in float32 and never takes a GPU kernel.
     host = got["by_platform"]["cpu"]

@@ -46,11 +46,7 @@ from gated_attention.attention.pallas_triton.plan import (
     Plan,
     triton_backend_missing,
 )
-from gated_attention.attention.pallas_triton.tile_table import (
-    MIN_TILE,
-    SHARED_MEMORY_LIMIT,
-    _pow2_tile,
-)
+from gated_attention.attention.pallas_triton.tile_table import MIN_TILE, _pow2_tile
 from gated_attention.core import checks, memory, numerics, platforms
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -152,11 +148,13 @@ class PallasAttention(base.Implementation):
             itemsize=jnp.dtype(compute_dtype).itemsize,
             pair_itemsize=sum(jnp.dtype(b.dtype).itemsize for b in biases) + (mask is not None),
         )
-        if need > SHARED_MEMORY_LIMIT:
+        group = pallas_tiles.shared_memory_class()
+        limit = pallas_tiles.SHARED_MEMORY_CLASSES[group]
+        if need > limit:
             raise NotImplementedError(
                 f"tiles {block_q} x {block_k} with {stages} stages need about {need:,} bytes of "
                 f"shared memory at head dim {max(dims)} ({jnp.dtype(compute_dtype)}), over the "
-                f"{SHARED_MEMORY_LIMIT:,} an A100 block has: take smaller tiles"
+                f"{limit:,} a block has on this GPU ({group} shared memory): take smaller tiles"
             )
         return plan
 
@@ -169,14 +167,15 @@ class PallasAttention(base.Implementation):
         first, then each one-field neighbour of it: block_q or block_k halved or doubled (16 to
         128), the other of 4 and 8 warps, one pipeline stage fewer or more (1 to 4), and with a
         bias shared over the batch the other of 1 and 2 rows a program. Those whose shared memory
-        (memory.gpu_shared_memory_bytes) is over SHARED_MEMORY_LIMIT, which plan() refuses, are
-        left out. Head dims over MAX_HEAD_DIM: none."""
+        (memory.gpu_shared_memory_bytes) is over the GPU's shared-memory class's limit, which
+        plan() refuses there, are left out. Head dims over MAX_HEAD_DIM: none."""
         if head_dim > MAX_HEAD_DIM:
             return []
         dtype = jnp.dtype(dtype)
         padded = _pow2_tile(head_dim)
+        group = pallas_tiles.shared_memory_class(platforms.shared_memory_per_block(capability))
         block_q, block_k, warps, stages = pallas_tiles.lookup(
-            dtype, None, padded, False, (bias, mask)
+            dtype, None, padded, False, (bias, mask), shared_memory=group
         )
         shared = bias in ("shared", "both")
         hopper = capability is not None and capability[0] == platforms.HOPPER
@@ -205,7 +204,7 @@ class PallasAttention(base.Implementation):
                 stages=option["num_stages"], padded_head_dim=padded, itemsize=dtype.itemsize,
                 pair_itemsize=pair,
             )  # fmt: skip
-            if need <= SHARED_MEMORY_LIMIT and option not in out:
+            if need <= pallas_tiles.SHARED_MEMORY_CLASSES[group] and option not in out:
                 out.append(option)
         return out
 
