@@ -62,33 +62,33 @@ def cudnn_loadable(monkeypatch):
 
 
 # The longest tests, by node id prefix (every test it names moves as one unit: a module fixture
-# stays on one worker), with their seconds on 2 cores (Python 3.11 at -O0, 2026-11-28, an idle
-# machine; the AF3 block's on 3.12, where it runs). They run first, dealt over the workers largest
+# stays on one worker), with their seconds on 2 cores (Python 3.12's cold run of 2026-11-28, 3
+# workers, divided by 1.5 for the third worker's share of the cores). They run first, dealt over the workers largest
 # first: in the collection's order one of them could start last and run alone while the other
 # workers idle.
 LONG_TESTS = {
-    "tests/attention/test_pallas_mosaic_gpu.py::TestMosaicInterpreted::test_reference_and_mask_contract": 80,
-    "tests/test_docs.py::test_python_blocks_run": 42,
-    "tests/tools/test_sass_proxy.py::test_the_proxy_reads_our_kernel_and_colabfolds_from_their_compiles": 33,
-    "tests/tools/test_targets.py::test_auto_chooses_for_the_target_not_the_host": 31,
-    "tests/af2/test_af2_package.py::test_whole_model": 26,
-    "tests/attention/test_kernel_compiles.py::test_kernels_compile_without_spills_and_use_the_tensor_cores": 25,
-    "tests/attention/test_kernel_compiles.py::test_mosaic_kernels_compile_for_hopper_without_spills_on_wgmma": 24,
-    "tests/tools/test_targets.py::test_tpu_kernels_compile_within_vmem": 21,
-    "tests/parallel/test_row_parallel.py::test_two_processes_match_one": 21,
-    "tests/tools/test_benchmarking.py::test_benchmark_script_smoke": 21,
-    "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[mosaic-float32]": 20,
-    "tests/tools/test_device_check.py::test_device_check_runs_end_to_end_on_cpu": 19,
-    "tests/attention/test_pallas_mosaic_gpu.py::test_half_precision_against_the_reference": 17,
-    "tests/attention/test_pallas_mosaic_tpu.py::TestPallasTpuInterpreted::test_reference_and_mask_contract": 14,
-    "tests/test_docs.py::test_alphafold3_block_runs": 13,
+    "tests/test_docs.py::test_python_blocks_run": 48,
+    "tests/attention/test_pallas_mosaic_gpu.py::TestMosaicInterpreted::test_reference_and_mask_contract": 37,
+    "tests/tools/test_targets.py::test_auto_chooses_for_the_target_not_the_host": 30,
+    "tests/af2/test_af2_package.py::test_whole_model": 30,
+    "tests/tools/test_sass_proxy.py::test_the_proxy_reads_our_kernel_and_colabfolds_from_their_compiles": 25,
+    "tests/attention/test_pallas_mosaic_tpu.py::TestPallasTpuInterpreted::test_reference_and_mask_contract": 20,
+    "tests/parallel/test_row_parallel.py::test_two_processes_match_one": 19,
+    "tests/test_docs.py::test_alphafold3_block_runs": 19,
+    "tests/tools/test_module_passes.py::test_the_modules_compile_for_a_gpu_as_one_call": 17,
+    "tests/attention/test_kernel_compiles.py::test_mosaic_kernels_compile_for_hopper_without_spills_on_wgmma": 17,
+    "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[mosaic-float32]": 16,
+    "tests/tools/test_targets.py::test_tpu_kernels_compile_within_vmem": 16,
+    "tests/tools/test_benchmarking.py::test_benchmark_script_smoke": 14,
+    "tests/attention/test_pallas_triton.py::TestPallasInterpreted::test_reference_and_mask_contract": 13,
+    "tests/tools/test_device_check.py::test_device_check_runs_end_to_end_on_cpu": 13,
     "tests/attention/test_pallas_mosaic_gpu.py::test_several_uneven_tiles_against_the_reference": 12,
-    "tests/attention/test_pallas_mosaic_gpu.py::test_two_warpgroups_in_the_interpreter": 11,
-    "tests/tools/test_module_passes.py::test_the_modules_compile_for_a_gpu_as_one_call": 10,
-    "tests/attention/test_pallas_triton.py::TestPallasInterpreted::test_reference_and_mask_contract": 10,
-    "tests/parallel/test_row_parallel.py::test_each_device_computes_its_own_rows": 10,
-    "tests/attention/test_pallas_mosaic_tpu.py::test_bfloat16_against_the_reference": 5,
-    "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[chunked-float32]": 6,
+    "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[chunked-float32]": 11,
+    "tests/attention/test_kernel_compiles.py::test_kernels_compile_without_spills_and_use_the_tensor_cores": 10,
+    "tests/attention/test_pallas_mosaic_gpu.py::test_half_precision_against_the_reference": 10,
+    "tests/tools/test_sweep.py::test_the_smoke_run_writes_results_and_the_table": 8,
+    "tests/attention/test_pallas_mosaic_tpu.py::test_bfloat16_against_the_reference": 8,
+    "tests/parallel/test_row_parallel.py::test_each_device_computes_its_own_rows": 8,
 }
 
 

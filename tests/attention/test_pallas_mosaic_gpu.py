@@ -39,6 +39,10 @@ class TestMosaicInterpreted(ImplementationTests):
     IMPL = INTERPRETED
     DTYPES = ("float32",)
     MASK_CHECKS_ALONE = True  # its interpreter's running, not its compile, is the time
+    # Run twice, the interpreter (each program in Python, one at a time) gives equal bits by
+    # construction: the kernels' determinism is the compiled class's check, and a second run
+    # here was a third of this test's ~80 s.
+    BITWISE_DETERMINISTIC = False
     BATCH = 2
     HEADS = 2
 
