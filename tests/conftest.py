@@ -63,9 +63,9 @@ def cudnn_loadable(monkeypatch):
 
 # The longest tests, by node id prefix (every test it names moves as one unit: a module fixture
 # stays on one worker), with their seconds on 2 cores (Python 3.12's cold run of 2026-11-28, 3
-# workers, divided by 1.5 for the third worker's share of the cores). They run first, dealt over the workers largest
-# first: in the collection's order one of them could start last and run alone while the other
-# workers idle.
+# workers, divided by 1.5 for the third worker's share of the cores). They run first, dealt over
+# the workers largest first: in the collection's order one of them could start last and run
+# alone while the other workers idle.
 LONG_TESTS = {
     "tests/test_docs.py::test_python_blocks_run": 48,
     "tests/attention/test_pallas_mosaic_gpu.py::TestMosaicInterpreted::test_reference_and_mask_contract": 37,
