@@ -91,3 +91,22 @@ def on_device(kind: str):
 def device_param(*values, kind: str, id: str):
     """A pytest.param of a parametrized test that runs compiled kernels on a `kind` device."""
     return pytest.param(*values, marks=device_marks(kind), id=id)
+
+
+def benchmark_configs():
+    """configs/benchmark.py as a module (configs/ is not a package): its get_config(preset)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / "benchmark.py"
+    spec = importlib.util.spec_from_file_location("bench_cfg", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def benchmark_config(preset: str, **overrides):
+    """configs/benchmark.py's preset, with `overrides` applied."""
+    cfg = benchmark_configs().get_config(preset)
+    cfg.update(overrides)
+    return cfg

@@ -26,16 +26,14 @@ from gated_attention_tools import (
     sweep,
     targets,
 )
+from tests.helpers import benchmark_configs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _bench_module():
     """configs/benchmark.py as a module (configs/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_cfg", ROOT / "configs" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_configs()
 
 
 def _bench_config(preset: str):

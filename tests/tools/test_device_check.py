@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from gated_attention_tools import child, device_benchmark, measure
+from tests.helpers import benchmark_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -100,12 +101,7 @@ def test_goals_are_judged_per_round_and_only_on_a_device():
 
 
 def _config(preset="device_smoke", **overrides):
-    spec = importlib.util.spec_from_file_location("bench_cfg", ROOT / "configs" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config(preset)
-    cfg.update(overrides)
-    return cfg
+    return benchmark_config(preset, **overrides)
 
 
 def test_a_spent_budget_runs_no_cell_and_says_so():

@@ -1,7 +1,6 @@
 """The sweep (gated_attention_tools/sweep.py): its preset's cells and budget, its smoke run end to
 end on CPU (interpreted kernels: the results, the table 'auto' reads), refused configs."""
 
-import importlib.util
 import json
 import pathlib
 
@@ -9,17 +8,13 @@ import pytest
 
 from gated_attention.attention import tuning
 from gated_attention_tools import suites, sweep
+from tests.helpers import benchmark_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _config(preset="sweep_smoke", **overrides):
-    spec = importlib.util.spec_from_file_location("bench_cfg", ROOT / "configs" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config(preset)
-    cfg.update(overrides)
-    return cfg
+    return benchmark_config(preset, **overrides)
 
 
 def test_the_preset_sweeps_afs_cells_bfloat16_first():
