@@ -306,13 +306,26 @@ def packed_dot_product_attention(
     query, key and value weights stacked as [C, 3, N, H] produces (the modules' one-pass
     entry on a GPU), or [C, 4, N, H] with the gate's.
 
+    Every argument but qkv is dot_product_attention's, with S = T, K = N and Hv = H (no
+    sharding arguments: on a mesh the inputs' explicit shardings say where each part runs).
+
     Args:
       qkv: [..., T, P, N, H], P >= 3: slot 0 the queries, 1 the keys, 2 the values (N heads of
         head dim H each); slots from 3 on are the caller's (AF2's gate logits), never read here,
         and the gradient this op gives them is zero. With positions_first, [T, B, P, N, H].
-      bias, mask, scale, implementation, compute_dtype, is_causal, query_seq_lengths,
-        key_value_seq_lengths, local_window_size, return_residual, logits_soft_cap, precision,
-        positions_first: as dot_product_attention's (S = T, K = N, Hv = H).
+      bias: as dot_product_attention's.
+      mask: as dot_product_attention's.
+      scale: as dot_product_attention's.
+      implementation: as dot_product_attention's.
+      compute_dtype: as dot_product_attention's.
+      is_causal: as dot_product_attention's.
+      query_seq_lengths: as dot_product_attention's.
+      key_value_seq_lengths: as dot_product_attention's.
+      local_window_size: as dot_product_attention's.
+      return_residual: as dot_product_attention's.
+      logits_soft_cap: as dot_product_attention's.
+      precision: as dot_product_attention's.
+      positions_first: qkv is [T, B, P, N, H] and the output [T, B, N, H].
 
     Returns:
       [..., T, N, H] in qkv's dtype ([T, B, N, H] positions first); with return_residual, (that,
