@@ -266,7 +266,9 @@ def test_benchmark_script_smoke():
         assert out_dir.name.startswith("gated_attention_modules_") and ROOT not in out_dir.parents
         assert "smoke run: this checks that the benchmark runs end to end" in result.stdout
         assert "smoke run: the harness ran end to end." in result.stdout
-        assert "FLAGGED" not in result.stdout and "| no |" not in result.stdout
+        # The baseline's check and the goals ran; their verdicts are times, which a loaded
+        # machine (the suite's other workers) moves: no test asserts a time.
+        assert "Baseline check, AF2's time in the harness against AF2 alone" in result.stdout
         results = json.loads((out_dir / "results.json").read_text())
         table = (out_dir / "results.md").read_text()
     finally:
