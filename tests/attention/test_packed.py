@@ -155,18 +155,19 @@ def test_packed_refuses_an_integer_array():
         ga.packed_dot_product_attention(jnp.zeros((B, T, 3, N, H), jnp.int32))
 
 
-def test_a_sharded_packed_array_runs_per_device():
-    """On a mesh with explicit axes (rows over 'data', heads over 'heads') the packed call runs
-    as dot_product_attention's per-device shard_map on the slices: the same values, and the
-    output keeps the rows' and heads' sharding."""
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_a_sharded_packed_array_runs_per_device(axis_type):
+    """Sharded rows over 'data' and heads over 'heads', as users shard: on explicit mesh axes
+    the packed call runs as dot_product_attention's per-device shard_map on the slices; under
+    jax.jit with inputs sharded over Auto axes XLA partitions the program. The same values
+    either way, and the output keeps the rows' and heads' sharding."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     qkv, bias, mask, _ = _problem(jnp.float32, batch=4)
     expected = ga.packed_dot_product_attention(qkv, bias, mask, implementation="xla")
-    mesh = jax.make_mesh(
-        (2, 2), ("data", "heads"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
-    )
+    kind = getattr(jax.sharding.AxisType, axis_type)
+    mesh = jax.make_mesh((2, 2), ("data", "heads"), axis_types=(kind,) * 2)
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
     with jax.set_mesh(mesh):
         out = jax.jit(lambda *a: ga.packed_dot_product_attention(*a, implementation="xla"))(
