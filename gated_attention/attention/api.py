@@ -346,16 +346,14 @@ def packed_dot_product_attention(
             f"qkv must be {layout} with P >= 3 slots (query, key, value, then any of the "
             f"caller's), got {qkv.shape}"
         )
-    one = base.slot_shape(qkv) if positions_first else jax.ShapeDtypeStruct(
-        (*qkv.shape[:-3], *qkv.shape[-2:]), qkv.dtype
-    )  # fmt: skip
+    one = base.slot_shape(qkv)
     shape = base.batch_first(one) if positions_first else one
     checks.check_qkv(shape, shape, shape)
     biases = tuple(bias) if isinstance(bias, (list, tuple)) else (bias,)
     if any(sharding.explicit_axes(x)[0] is not None for x in (qkv, *biases, mask) if x is not None):
         # On a mesh with explicit axes: dot_product_attention's per-device shard_map, on slices.
         return dot_product_attention(
-            *(qkv[..., slot, :, :] for slot in range(3)), bias, mask, scale=scale,
+            *base.unpacked(qkv), bias, mask, scale=scale,
             implementation=implementation, compute_dtype=compute_dtype, is_causal=is_causal,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             local_window_size=local_window_size, return_residual=return_residual,

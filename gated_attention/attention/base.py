@@ -237,13 +237,13 @@ def run(impl: Implementation, query, key, value, biases, mask, *, options, **kwa
 
 
 def unpacked(qkv) -> tuple:
-    """(query, key, value): slots 0, 1, 2 of a packed [B, T, P, N, H] ([T, B, P, N, H]) array."""
-    return tuple(qkv[:, :, slot] for slot in range(3))
+    """(query, key, value): slots 0, 1, 2 of a packed [..., T, P, N, H] ([T, B, P, N, H]) array."""
+    return tuple(qkv[..., slot, :, :] for slot in range(3))
 
 
 def slot_shape(x) -> jax.ShapeDtypeStruct:
-    """The shape (a jax.ShapeDtypeStruct) of one slot of a packed [B, T, P, N, H] array."""
-    return jax.ShapeDtypeStruct((*x.shape[:2], *x.shape[3:]), x.dtype)
+    """The shape (a jax.ShapeDtypeStruct) of one slot of a packed [..., T, P, N, H] array."""
+    return jax.ShapeDtypeStruct((*x.shape[:-3], *x.shape[-2:]), x.dtype)
 
 
 def unpacked_shapes(query, key, value, options) -> list:
@@ -257,7 +257,7 @@ def unpacked_shapes(query, key, value, options) -> list:
 def values_of(value, options, live_q):
     """The values numerics.finish_rows_without_key averages for rows without a key: the value
     slot of a packed array, sliced only where some row may have no key (live_q not None)."""
-    return value[:, :, 2] if options.packed and live_q is not None else value
+    return value[..., 2, :, :] if options.packed and live_q is not None else value
 
 
 def batch_first(x) -> jax.ShapeDtypeStruct:
