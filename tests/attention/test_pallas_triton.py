@@ -128,6 +128,31 @@ def test_lowers_to_triton_for_cuda(dtype):
     assert text.count("__gpu$xla.gpu.triton") == 3
 
 
+@pytest.mark.parametrize("form", [f for f, (bias, _) in harness.FORMS.items() if bias])
+def test_every_bias_form_lowers_to_triton_for_cuda(form):
+    """Each of the harness's bias and mask forms (a [1, N, 1, 1] bias too: no load mask, where
+    Triton refuses a fill value) lowers, forward and gradients, as the compiled harness runs it.
+    The interpreter runs none of Triton's lowering rules."""
+    bias_dims, mask_dims = harness.FORMS[form]
+    b, t, s, n, h, _ = harness.SHAPE
+    qkv = [jax.ShapeDtypeStruct((b, length, n, h), jnp.float32) for length in (t, s, s)]
+    bias = jax.ShapeDtypeStruct(harness.dims(bias_dims, harness.SHAPE), jnp.float32)
+    mask = None if mask_dims is None else jnp.ones(harness.dims(mask_dims, harness.SHAPE), bool)
+
+    def loss(q, k, v, bias):
+        out = ga.PallasAttention()(q, k, v, (bias,), mask, scale=0.3, compute_dtype=q.dtype)
+        return jnp.sum(out)
+
+    h100 = jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"
+    )
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*qkv, bias)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3
+
+
 def test_rows_per_program_changes_no_value():
     """A forward program of 3 batch rows (5 rows: the last group's third past the batch) reads
     the shared bias's tile once for its rows and computes each row exactly as alone: the output

@@ -239,6 +239,8 @@ class _Tiles:
             mask = k_ok[None, :] if mask is None else mask & k_ok[None, :]
         else:
             k_index = _ds(0, 1)
+        if mask is None:  # a [.., 1, 1] bias: Triton's load takes `other` only with a mask
+            return plgpu.load(ref.at[bb, nn, q_index, k_index])
         return plgpu.load(ref.at[bb, nn, q_index, k_index], mask=mask, other=other)
 
     def allowed(self, st: _Structure, q_span, k_span):
@@ -413,7 +415,8 @@ def _dq_dbias_kernel(
         else:
             ds, k_index = jnp.sum(ds, axis=1, keepdims=True), _ds(0, 1)
         view = ref.at[slot, n, q_index, k_index]
-        plgpu.store(view, plgpu.load(view, mask=mask, other=0.0) + ds, mask=mask)
+        old = plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=0.0)
+        plgpu.store(view, old + ds, mask=mask)
 
     def row(r, carry):
         b = g + plan.row_groups * r
