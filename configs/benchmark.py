@@ -101,8 +101,9 @@ PEER_SHAPES = (
     ("long 1x16384 h8x32", 1, 16384, 8, 32),  # one sequence of 16,384 tokens, shared bias
 )
 PEER_VARIANTS = (
-    "auto", "mosaic", "pallas", "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold", "tokamax_mosaic",
-    "tokamax_triton", "tokamax_cudnn", "tokamax_xla_chunked", "cuequivariance",
+    "auto", "mosaic", "pallas", "packed", "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold",
+    "af2_colabfold_packed", "tokamax_mosaic", "tokamax_triton", "tokamax_cudnn",
+    "tokamax_xla_chunked", "cuequivariance",
 )  # fmt: skip
 # The sweep preset's (gated_attention_tools/sweep.py): AF2's attention cells (model_1, N_res 384
 # unless named), in priority order (a time budget cuts from the end), as in PEER_SHAPES.
@@ -284,7 +285,7 @@ def _device_config(preset):
         cfg.output_dir = "benchmark_results/device/peers"
     if preset == "gpu":  # every GPU shape, the peers too, no budget
         cfg.op_shapes = GPU_SHAPES
-        cfg.variants = DEVICE_VARIANTS + PEER_VARIANTS[6:]
+        cfg.variants = DEVICE_VARIANTS + tuple(v for v in PEER_VARIANTS if v not in DEVICE_VARIANTS)
         cfg.goals = DEVICE_GOALS[:4]
         cfg.rounds = cfg.steps = 5
         cfg.time_budget_s = 0.0

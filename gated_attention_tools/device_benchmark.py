@@ -15,6 +15,11 @@ attention, the vjp at a cotangent passed in as an argument (as a model's backwar
       jax_nn_cudnn    jax.nn.dot_product_attention(implementation='cudnn');
       af2_colabfold   ColabFold's fused kernel as alphafold-colabfold's Attention calls it on a GPU
                       (q, k, v in the head-major layout AF2's projections write);
+      af2_colabfold_packed
+                      ColabFold's packed kernel as its AF2 modules call it on a GPU (the Mosaic
+                      GPU kernel on Hopper where a bias is given, else Triton's), on q, k, v
+                      stacked into its [B, T, 3, N, H] projection (the stack timed with it);
+      packed          ours on the same stack: gated_attention.packed_dot_product_attention;
       tokamax_mosaic, tokamax_triton, tokamax_cudnn, tokamax_xla_chunked
                       tokamax.dot_product_attention with that implementation (AlphaFold 3's
                       attention library), where installed;
@@ -66,10 +71,11 @@ import numpy as np
 import gated_attention as ga
 from gated_attention_tools import benchmark, child, floor, measure
 
-OURS_OP = ("auto", "mosaic", "pallas", "cudnn", "xla", "chunked", "pallas_tpu")
+OURS_OP = ("auto", "mosaic", "pallas", "cudnn", "xla", "chunked", "pallas_tpu", "packed")
 TOKAMAX = ("mosaic", "triton", "cudnn", "xla_chunked")  # tokamax's implementations, as named there
 PEERS_OP = (
-    "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold", *(f"tokamax_{t}" for t in TOKAMAX),
+    "jax_nn_xla", "jax_nn_cudnn", "af2_colabfold", "af2_colabfold_packed",
+    *(f"tokamax_{t}" for t in TOKAMAX),
     "cuequivariance",
 )  # fmt: skip
 OP_VARIANTS = (*OURS_OP, *PEERS_OP)
@@ -162,6 +168,10 @@ def _on_gpu(what: str) -> None:
 
 def attention_fn(variant: str, dtype, *, interpret: bool = False) -> Callable:
     """fn(q, k, v, bias, mask) -> [B, T, N, H] of an op variant, or raises UnavailableError."""
+    if variant == "packed":
+        return lambda q, k, v, bias, mask: ga.packed_dot_product_attention(
+            jnp.stack([q, k, v], axis=2), bias, mask, compute_dtype="input"
+        )
     if variant in OURS_OP:
         impl = variant
         if variant == "pallas":
@@ -183,6 +193,8 @@ def attention_fn(variant: str, dtype, *, interpret: bool = False) -> Callable:
         )
     if variant == "af2_colabfold":
         return _af2_colabfold(dtype)
+    if variant == "af2_colabfold_packed":
+        return _af2_colabfold_packed(dtype)
     if variant.startswith("tokamax_"):
         return _tokamax(variant.removeprefix("tokamax_"))
     if variant == "cuequivariance":
@@ -206,8 +218,31 @@ def _af2_colabfold(dtype) -> Callable:
             raise UnavailableError(f"the package runs {q.dtype} attention through XLA (no kernel)")
         heads = lambda x: jnp.swapaxes(x, 1, 2)  # AF2's projections write [b, h, S, c]
         mask_bias = 1e9 * (mask.astype(q.dtype) - 1.0)  # AF2's additive mask [b, 1, 1, S]
-        out = kernel(heads(q), heads(k), heads(v), mask_bias, bias[0], scale=q.shape[-1] ** -0.5)
+        bias = None if bias is None else bias[0]  # AF2's nonbatched bias [N, T, S], or none
+        out = kernel(heads(q), heads(k), heads(v), mask_bias, bias, scale=q.shape[-1] ** -0.5)
         return heads(out)
+
+    return fn
+
+
+def _af2_colabfold_packed(dtype) -> Callable:
+    """ColabFold's packed kernel as alphafold-colabfold's modules call it on a GPU (Attention.packed:
+    p [X, Y, G, N, H], the nonbatched bias [N, S, S], kmask [X, S] True where kept; no gate)."""
+    _on_gpu("ColabFold's packed attention kernel")
+    try:
+        from colabfold_kernels import device, fused_ops
+    except ImportError as e:
+        raise UnavailableError(f"colabfold-kernels is not installed ({e})") from None
+    global_config = ml_collections.ConfigDict(device.dispatch("auto"))
+
+    def fn(q, k, v, bias, mask):
+        h = q.shape[-1]
+        kernel = fused_ops.packed_attention(global_config, jnp.dtype(dtype), h, v.shape[-1])
+        if kernel is None:
+            raise UnavailableError(f"the package runs {q.dtype} attention through XLA (no kernel)")
+        kmask = jnp.ones((q.shape[0], k.shape[1]), bool) if mask is None else mask[:, 0, 0, :]
+        bias = None if bias is None else bias[0]
+        return kernel(jnp.stack([q, k, v], axis=2), bias, kmask, None, sm_scale=h**-0.5)
 
     return fn
 

@@ -27,9 +27,25 @@ OP_PEERS = (
         "af2_colabfold",
         "ColabFold's kernel (`tri_flash`, colabfold-kernels 0.9.0, `use_pallas=True`)",
     ),
+    (
+        "af2_colabfold_packed",
+        "ColabFold's packed kernel, as its AF2 modules run it (Mosaic GPU on Hopper)",
+    ),
+    ("tokamax_mosaic", "tokamax's Mosaic GPU kernel (tokamax 0.0.17)"),
+    ("tokamax_triton", "tokamax's Triton kernel (tokamax 0.0.17)"),
     ("jax_nn_cudnn", "jax.nn's cuDNN attention"),
     ("jax_nn_xla", "jax.nn's XLA attention"),
 )
+# The family suite's variants (family_benchmark.py) at the module level: ours inside AF2 against
+# AF2 as ColabFold runs it on a GPU (use_pallas=True: its fused and packed kernels).
+FAMILY = "family*/results.json"  # a run folder's module cells, one folder per call
+MODULES = dict(
+    msa_row="MSA row", msa_column="MSA column", msa_column_global="MSA column global",
+    triangle_start="triangle", triangle_end="triangle (ending node)", evoformer="Evoformer",
+)  # fmt: skip
+# An op cell further than this from the float32 reference (rel. diff) is wrong, not compared:
+# the sweep's bfloat16 tolerance (configs/benchmark.py).
+WRONG = 0.05
 MODES = ("forward", "forward_backward")
 LONG = "long"  # the one-sequence cell, apart from AF2's shapes
 
@@ -38,7 +54,8 @@ def _times(cells: list[dict], level: str) -> dict:
     """{(shape, mode): {variant: [ms per round]}} of the bfloat16 cells that were timed."""
     found: dict = {}
     for c in cells:
-        if c["level"] == level and c["dtype"] == "bfloat16" and c.get("time_ms"):
+        wrong = level == "op" and (c.get("rel_diff_vs_float32") or 0.0) > WRONG
+        if c["level"] == level and c["dtype"] == "bfloat16" and c.get("time_ms") and not wrong:
             rounds = c.get("rounds_ms") or [c["time_ms"]]
             found.setdefault((c["shape"], c["mode"]), {})[c["variant"]] = rounds
     return found
@@ -60,8 +77,30 @@ def _ratios(times: dict, ours: str, peer: str, mode: str, long: bool) -> list[fl
     ]
 
 
+def load(run_dir: Path) -> dict:
+    """A run folder's results.json, with its family suite's cells (FAMILY) under "family"."""
+    results = json.loads((run_dir / "results.json").read_text())
+    family = sorted(run_dir.glob(FAMILY))
+    results["family"] = [c for f in family for c in json.loads(f.read_text())["cells"]]
+    return results
+
+
+def _family_ratios(cells: list[dict], mode: str) -> list[float]:
+    """Per family cell timed in `mode`, the median over rounds of ours / ColabFold's AF2's."""
+    by_cell: dict = {}
+    for c in cells:
+        if c["mode"] == mode and c["dtype"] == "bfloat16" and c.get("rounds_ms"):
+            by_cell.setdefault(c["cell"], {})[c["variant"]] = c["rounds_ms"]
+    return [
+        statistics.median(o / p for o, p in zip(t["ours"], t["colabfold"], strict=True))
+        for t in by_cell.values()
+        if "ours" in t and "colabfold" in t
+    ]
+
+
 def table(results: dict) -> str:
-    """The markdown table: a caption line naming the device, then one row per level and peer."""
+    """The markdown table: a caption line naming the device, then one row per level and peer
+    (the family rows from load()'s "family" cells, "not measured" without them)."""
     env = results["environment"]
     op, module = _times(results["cells"], "op"), _times(results["cells"], "module")
     lines = [
@@ -82,6 +121,13 @@ def table(results: dict) -> str:
         "| AF2's Attention module, against AF2's own as installed (XLA attention) | "
         + " | ".join(spans)
         + " |"
+    )
+    family = results.get("family", [])
+    spans = [_span(_family_ratios(family, m)) for m in ("inference", "training")]
+    what = sorted({MODULES.get(c["what"], c["what"]) for c in family}) or ["attention"]
+    lines.append(
+        f"| AF2's {', '.join(what)} modules, ours inside AF2 against AF2 as ColabFold runs "
+        "it (`use_pallas=True`) | " + " | ".join(spans) + " | not measured | not measured |"
     )
     shares = [_floor_share(results, m, long) for long in (False, True) for m in MODES]
     lines.append(
@@ -132,7 +178,7 @@ def update(page: Path, runs_dir: Path) -> bool:
         out.append(lines[i])
         run = lines[i].removeprefix("<!-- device-summary: ").removesuffix(" -->")
         if lines[i] == MARKER.format(run=run):
-            new = table(json.loads((runs_dir / run / "results.json").read_text())).splitlines()
+            new = table(load(runs_dir / run)).splitlines()
             out += new
             i += 1
             while i < len(lines) and lines[i].strip():  # the old caption
@@ -169,7 +215,7 @@ def main(argv: list[str]) -> None:
         sys.exit(
             f"usage: python -m gated_attention_tools.device_summary RESULTS_JSON | --update PAGE..., got {argv[1:]}"
         )
-    print(table(json.loads(Path(argv[1]).read_text())))
+    print(table(load(Path(argv[1]).parent)))
 
 
 if __name__ == "__main__":

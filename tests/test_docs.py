@@ -308,8 +308,11 @@ _SUMMARY = re.compile(r"^<!-- device-summary: (\S+) -->$")
 
 
 def _device_results() -> dict[str, dict]:
+    """Each device run folder's results, its family suite's cells under "family"."""
+    from gated_attention_tools import device_summary
+
     runs = sorted((ROOT / "benchmark_results" / "device").glob("*/results.json"))
-    return {path.parent.name: json.loads(path.read_text()) for path in runs}
+    return {path.parent.name: device_summary.load(path.parent) for path in runs}
 
 
 def test_device_figures_come_from_a_device_run():
@@ -324,7 +327,7 @@ def test_device_figures_come_from_a_device_run():
     times = [
         t
         for run in runs.values()
-        for cell in run["cells"]
+        for cell in run["cells"] + run["family"]
         for t in [cell.get("time_ms"), *cell.get("rounds_ms", [])]
         if t is not None
     ]

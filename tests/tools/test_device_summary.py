@@ -104,7 +104,11 @@ def test_results_rows_carry_their_floor_in_the_table():
 
 @pytest.mark.parametrize(
     "variant, package",
-    [("cuequivariance", "cuequivariance_jax"), ("tokamax_xla_chunked", "tokamax")],
+    [
+        ("cuequivariance", "cuequivariance_jax"),
+        ("tokamax_xla_chunked", "tokamax"),
+        ("packed", "haiku"),
+    ],
 )
 def test_peer_adapters_compute_the_op_and_its_gradients(variant, package):
     """The device benchmark's peers in their own layouts (cuEquivariance's [1, B, N, T, H] and
@@ -155,3 +159,57 @@ def test_summary_ratios_are_the_results_files_ratios():
     colab = next(line for line in device_summary.table(_results(rounds)).splitlines()
                  if "ColabFold" in line)  # fmt: skip
     assert colab.split(" | ")[1] == "1.00x"  # per round 1, 3, 1: median 1 (medians: 3 / 1)
+
+
+def test_summary_reads_the_run_folders_family_cells_and_leaves_out_wrong_ones(tmp_path):
+    """load(): a run folder's family*/ cells give the modules' row (ours over ColabFold's AF2,
+    median of per-round ratios); a peer further than WRONG from the reference is not compared."""
+    import json
+
+    wrong = dict(_row("tokamax_triton", 0.5), rel_diff_vs_float32=5.1)
+    (tmp_path / "results.json").write_text(json.dumps(_results([_row("auto", 1.5), wrong])))
+    for i, (variant, rounds) in enumerate([("ours", [2.0, 3.0, 4.0]), ("colabfold", [4.0] * 3)]):
+        cell = dict(cell="msa_row 512x384", what="msa_row", dtype="bfloat16", mode="training",
+                    variant=variant, time_ms=rounds[1], rounds_ms=rounds)  # fmt: skip
+        (tmp_path / f"family{i}").mkdir()
+        (tmp_path / f"family{i}" / "results.json").write_text(json.dumps(dict(cells=[cell])))
+    lines = device_summary.table(device_summary.load(tmp_path)).splitlines()
+    [modules] = [line for line in lines if line.startswith("| AF2's MSA row modules")]
+    assert modules.split(" | ")[1:3] == ["not measured", "0.75x"]
+    [tokamax] = [line for line in lines if "tokamax's Triton" in line]
+    assert tokamax.split(" | ")[1] == "not measured"
+
+
+def test_colabfolds_packed_adapter_hands_its_kernel_alphafolds_layout(monkeypatch):
+    """af2_colabfold_packed gives ColabFold's packed kernel AF2's layout (p [B, T, 3, N, H], the
+    nonbatched bias [N, T, S], kmask [B, S] True where kept): with the kernel swapped for the
+    package's own reference (packed_attn.attention_via over a plain heads-major attention; the
+    kernels run on a GPU only), the op and its gradients are jax.nn's."""
+    pytest.importorskip("colabfold_kernels")
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from colabfold_kernels import fused_ops
+    from colabfold_kernels import packed_attn as pa
+
+    def heads_major(q, k, v, mask_bias, bias, scale):  # [b, h, S, c], AF2's Attention einsums
+        logits = jnp.einsum("bhqc,bhkc->bhqk", q * scale, k) + mask_bias
+        logits = logits if bias is None else logits + bias[None]
+        return jnp.einsum("bhqk,bhkc->bhqc", jax.nn.softmax(logits), v)
+
+    reference = functools.partial(pa.attention_via, attention=heads_major)
+    monkeypatch.setattr(device_benchmark, "_on_gpu", lambda what: None)
+    monkeypatch.setattr(fused_ops, "packed_attention", lambda *a: reference)
+    shape = device_benchmark.OpShape("t", 3, 24, 2, 16)
+    args = device_benchmark.op_inputs(shape, "float32", "forward_backward")
+    for mode, n in (("forward", 5), ("forward_backward", 6)):
+        got, want = (
+            jax.jit(device_benchmark.op_step(device_benchmark.attention_fn(v, jnp.float32), mode))(
+                *args[:n]
+            )
+            for v in ("af2_colabfold_packed", "jax_nn_xla")
+        )
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
