@@ -247,15 +247,15 @@ def _on(device_kind: str):
     "device_kind, chosen",
     [
         ("NVIDIA H100 80GB HBM3", "pallas (inference), mosaic (training)"),  # tuning.json
-        ("NVIDIA H200", "mosaic"),
+        ("NVIDIA H200", "mosaic (inference), mosaic (training)"),  # its sweep's two candidates
         ("NVIDIA A100-SXM4-80GB", "pallas"),
         ("NVIDIA B200", "pallas"),
     ],
 )
 def test_auto_takes_it_on_hopper_only(device_kind, chosen):
-    """wgmma is sm_90a's: 'auto' takes the Mosaic kernel on an H200 and moves on to the Triton
-    kernel on an A100 (sm_80) or a B200 (sm_100, tcgen05), saying why; on an H100, where a device
-    run measured this class, what it measured fastest per mode (tuning.json)."""
+    """wgmma is sm_90a's: 'auto' moves on to the Triton kernel on an A100 (sm_80) or a B200
+    (sm_100, tcgen05), saying why; on an H100 or H200, where a device run measured this class,
+    what it measured fastest per mode (tuning.json)."""
     q, k, v, bias, mask = _specs()
     with _on(device_kind):
         impl, reason = ga.Auto().choose(
