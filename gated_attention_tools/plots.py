@@ -184,6 +184,7 @@ def family_ratios(cells: list[dict[str, Any]], goals: list[dict[str, Any]], path
 DEVICE_BARS = (  # (variant, label, colour): ours and the peers of the device summary
     ("auto", "ours ('auto')", "tab:blue"),
     ("af2_colabfold", "ColabFold's kernel", "black"),
+    ("tokamax_mosaic", "tokamax Mosaic GPU", "tab:purple"),
     ("jax_nn_cudnn", "jax.nn cuDNN", "tab:green"),
     ("jax_nn_xla", "jax.nn XLA", "tab:orange"),
 )
@@ -194,7 +195,7 @@ def device_times(results: dict[str, Any], path: str, floor_of=None) -> None:
     one panel per mode, the cell's hardware floor (floor_of(row) -> ms or None) as a tick."""
     plt = _pyplot()
     cells = [c for c in results["cells"] if c["level"] == "op" and c["dtype"] == "bfloat16"]
-    shapes = list(dict.fromkeys(c["shape"] for c in cells))
+    shapes = list(dict.fromkeys(c["shape"] for c in cells if c.get("time_ms")))  # timed ones
     modes = ("forward", "forward_backward")
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=False)
     width = 0.8 / len(DEVICE_BARS)
@@ -211,7 +212,7 @@ def device_times(results: dict[str, Any], path: str, floor_of=None) -> None:
                     None,
                 )
                 times.append(row.get("time_ms") if row else None)
-            xs = [i + (j - 1.5) * width for i in range(len(shapes))]
+            xs = [i + (j - (len(DEVICE_BARS) - 1) / 2) * width for i in range(len(shapes))]
             ax.bar(
                 [x for x, t in zip(xs, times, strict=True) if t],
                 [t for t in times if t],
@@ -227,7 +228,8 @@ def device_times(results: dict[str, Any], path: str, floor_of=None) -> None:
                     ax.hlines(low, i - 0.45, i + 0.45, colors="red", linestyles="--",
                               label="hardware floor" if i == 0 else None)  # fmt: skip
         ax.set_yscale("log")
-        ax.set_xticks(range(len(shapes)), [s.replace(" h", "\nh") for s in shapes], fontsize=8)
+        names = [s.replace(" h", "\nh").replace(" ", "\n", 1) for s in shapes]
+        ax.set_xticks(range(len(shapes)), names, fontsize=8)
         ax.set_title(MODE_TITLES[mode] + ", bfloat16")
         ax.set_ylabel("median time (ms)")
     handles, labels = axes[0].get_legend_handles_labels()

@@ -386,7 +386,7 @@ def test_readme_is_the_front_door():
     ci = (ROOT / ".ci" / "run").read_text()
     assert f"\n{commands[1]} || exit 1\n" in ci, "the README's test command is not .ci/run's"
     table = [x for x in first.splitlines() if x.startswith("| ") and not x.startswith("| ---")]
-    where = ("on 2 CPU cores", "on one H100 GPU", "compiled for an")
+    where = ("on 2 CPU cores", "on one H100 GPU", "on one H200 GPU", "compiled for an")
     assert len(table) >= 4 and all(any(w in row for w in where) for row in table[1:]), table
     for needed in ("**Training: ", "**Inference: ", "**Not measured on a GPU yet:**"):
         assert needed in first, needed
