@@ -226,7 +226,8 @@ def dot_product_attention(
         laid out [positions, batch, ...], as AF2's MSA [N_seq, N_res, c] is attended along each
         residue's column. The Pallas GPU kernels (Triton and Mosaic) read and write them as they
         lie, the other implementations get batch-first transposes. bias and mask stay [..., N, T, S] as above;
-        the residual is [T, B, N]. Not with shard_rows_over or shard_keys_over.
+        the residual is [T, B, N]. Not with shard_rows_over or shard_keys_over; arrays sharded
+        over explicit mesh axes run as the batch-first call on transposes.
 
     Returns:
       [..., T, N, Hv] in query's dtype; with return_residual, (that, the residual [..., T, N]).
@@ -241,6 +242,17 @@ def dot_product_attention(
     checks.check_bool("positions_first", positions_first)
     if positions_first:  # validated as the batch-first call whose transposes they are
         shapes = _positions_first(query, key, value, (shard_rows_over, shard_keys_over))
+        if any(sharding.typed_sharded(x) for x in (query, key, value)):
+            # A kernel indexes no typed-sharded ref by row: the batch-first call, transposed.
+            swap = lambda x: jnp.swapaxes(x, 0, 1)
+            out = dot_product_attention(
+                swap(query), swap(key), swap(value), bias, mask, scale=scale,
+                implementation=implementation, compute_dtype=compute_dtype, is_causal=is_causal,
+                query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                local_window_size=local_window_size, return_residual=return_residual,
+                logits_soft_cap=logits_soft_cap, precision=precision, logits_dtype=logits_dtype,
+            )  # fmt: skip
+            return tuple(map(swap, out)) if return_residual else swap(out)
     else:
         shapes = (query, key, value)
     checks.check_qkv(*shapes)
@@ -350,8 +362,9 @@ def packed_dot_product_attention(
     shape = base.batch_first(one) if positions_first else one
     checks.check_qkv(shape, shape, shape)
     biases = tuple(bias) if isinstance(bias, (list, tuple)) else (bias,)
-    if any(sharding.explicit_axes(x)[0] is not None for x in (qkv, *biases, mask) if x is not None):
-        # On a mesh with explicit axes: dot_product_attention's per-device shard_map, on slices.
+    if any(sharding.typed_sharded(x) for x in (qkv, *biases, mask) if x is not None):
+        # Typed sharded (explicit axes, or manual ones inside a shard_map): a kernel may not index
+        # such a ref by slot; dot_product_attention's per-device shard_map, on slices.
         return dot_product_attention(
             *base.unpacked(qkv), bias, mask, scale=scale,
             implementation=implementation, compute_dtype=compute_dtype, is_causal=is_causal,

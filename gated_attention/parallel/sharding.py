@@ -63,6 +63,13 @@ def explicit_axes(x: Any) -> tuple[Any, tuple[Axes, ...]]:
     return (mesh if any(axes) else None), axes
 
 
+def typed_sharded(x: Any) -> bool:
+    """Whether x's type names mesh axes (explicit, or manual inside a shard_map): Pallas refs
+    of such arrays take no integer index."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return any(entry is not None for entry in getattr(sharding, "spec", ()))
+
+
 def _entry_axes(entry: Any) -> Axes:
     if entry is None or entry is P.UNCONSTRAINED:
         return ()

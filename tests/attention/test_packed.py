@@ -177,3 +177,30 @@ def test_a_sharded_packed_array_runs_per_device(axis_type):
         )
     assert out.sharding.spec[0] == "data" and out.sharding.spec[2] == "heads"
     assert_close(out, expected, dict(rtol=1e-6, atol=1e-6))
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+def test_positions_first_on_explicit_mesh_axes_runs_the_kernel_batch_first(packed):
+    """Positions first, rows over an explicit 'data' axis: a Pallas kernel may not index a
+    typed-sharded ref by slot or row, so the call runs batch first (its per-device shard_map) and
+    comes back transposed, with the reference's values."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    qkv, bias, mask, _ = _problem(jnp.float32, batch=4, positions_first=True)
+    impl = ga.PallasAttention(block_q=16, block_k=16, interpret=True)
+    if packed:
+        attend = lambda qkv, *a: ga.packed_dot_product_attention(
+            qkv, *a, implementation=impl, positions_first=True
+        )
+    else:
+        attend = lambda qkv, *a: ga.dot_product_attention(
+            *base.unpacked(qkv), *a, implementation=impl, positions_first=True
+        )
+    expected = attend(qkv, bias, mask)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+    with jax.set_mesh(mesh):
+        out = jax.jit(attend)(put(qkv, P(None, "data")), bias, put(mask, P("data")))
+    assert out.sharding.spec[1] == "data"
+    assert_close(out, expected, dict(rtol=1e-6, atol=1e-6))
