@@ -30,8 +30,8 @@ copies of full-tile biases and masks in every dtype.
 
 Files: this one, the implementation (check, tiles, __call__: the inputs' preparation);
 attention/pallas_mosaic_gpu/plan.py, the static facts of a call (Plan) and the operations with an interpreted form
-(Ops); attention/pallas_mosaic_gpu/pipeline.py, the pipeline and the tiles the kernels share; attention/pallas_mosaic_gpu/kernels_sm90.py, the
-three kernels, their scratch and launches.
+(Ops); attention/pallas_mosaic_gpu/pipeline.py, the pipeline and the tiles the kernels share; attention/pallas_mosaic_gpu/kernels_sm90_forward.py, the
+forward kernel; attention/pallas_mosaic_gpu/kernels_sm90.py, the backward kernels; each with its scratch and launch.
 
 `interpret=True` runs the same kernels in JAX's Mosaic GPU interpreter on any backend, with the
 few operations it lacks replaced (mosaic_plan.Ops: wgmma, register layouts), how they are tested
@@ -47,11 +47,8 @@ import jax
 import jax.numpy as jnp
 
 from gated_attention.attention import base, gpu_common
-from gated_attention.attention.pallas_mosaic_gpu.kernels_sm90 import (
-    backward,
-    forward,
-    shared_memory_bytes,
-)
+from gated_attention.attention.pallas_mosaic_gpu.kernels_sm90 import backward, shared_memory_bytes
+from gated_attention.attention.pallas_mosaic_gpu.kernels_sm90_forward import forward
 from gated_attention.attention.pallas_mosaic_gpu.plan import Plan
 from gated_attention.core import checks, numerics, platforms
 
