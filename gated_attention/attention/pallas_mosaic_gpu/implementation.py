@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from gated_attention.attention import base, gpu_common
 from gated_attention.attention.pallas_mosaic_gpu.kernels_sm90 import backward, shared_memory_bytes
 from gated_attention.attention.pallas_mosaic_gpu.kernels_sm90_forward import forward
-from gated_attention.attention.pallas_mosaic_gpu.plan import Plan
+from gated_attention.attention.pallas_mosaic_gpu.plan import Plan, check_consumers
 from gated_attention.core import checks, numerics, platforms
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -78,6 +78,11 @@ class MosaicAttention(base.Implementation):
         (AF2's pair bias is the same for every MSA row). None: 1. Always 1 without such a bias
         or with the op's further arguments (a causal, window or length mask, whose key blocks
         differ from row to row; grouped heads; a soft cap). The backward is unchanged.
+      consumer_warpgroups: compute warpgroups of one forward program (1 or 2). With 2 a program
+        covers 2 x 64 query rows of one batch row and head, each warpgroup 64 of them, both
+        reading the same k, v (and key-only bias and mask) tiles the one producer streams, their
+        wgmma and softmax alternating (named barriers); a bias or mask with a query dim gets a
+        tile per warpgroup. Not with rows_per_program > 1. The backward is unchanged.
       interpret: run the kernels in JAX's Mosaic GPU interpreter (any backend; slow, for tests).
     """
 
@@ -85,11 +90,12 @@ class MosaicAttention(base.Implementation):
     block_k: int | None = None
     bias_grad_programs: int = 512
     rows_per_program: int | None = None
+    consumer_warpgroups: int = 1
     interpret: bool = False
 
     # Reads [T, B, N, H] (Plan.columns) and packed q/k/v (Plan.packed) in place.
     TAKES = base.ALL_OPTIONS | {"positions_first", "packed"}
-    CANDIDATE_FIELDS = dict(block_k="bk", rows_per_program="r")
+    CANDIDATE_FIELDS = dict(block_k="bk", rows_per_program="r", consumer_warpgroups="c")
 
     @classmethod
     def candidates(
@@ -124,6 +130,7 @@ class MosaicAttention(base.Implementation):
             raise ValueError(
                 f"rows_per_program must be None or an int in [1, {MAX_ROWS_PER_PROGRAM}], got {rows}"
             )
+        check_consumers(self.consumer_warpgroups, rows)
         checks.check_bool("interpret", self.interpret)
 
     def tiles(self, compute_dtype, head_dim: int, options: bool = False) -> tuple[int, int]:

@@ -158,10 +158,10 @@ def _dkdv_kernel(*refs, plan: Plan):
         tiles = [(plan.rows(k_ref, b, ks, kv, K), k_smem), (plan.rows(v_ref, b, ks, kv, V), v_smem)]
         _load_whole(tiles, kv_bar)
 
-    def begin(r):
+    def begin(c, r):  # one consumer: c is 0
         return ops.zeros((plan.block_k, plan.head_dim)), ops.zeros((plan.block_k, plan.value_dim))
 
-    def step(r, i, slot, carry):
+    def step(c, r, i, slot, carry):
         dk, dv = carry
         st_ = ops.dot(k_smem, q_buf.at[slot], trans_b=True)  # [bk, bq]
         s, cap_grad = _slot_logits(
@@ -175,7 +175,7 @@ def _dkdv_kernel(*refs, plan: Plan):
         dk = _grad_dot(plan, ds, staging, q_buf, qt_buf, slot, dk)
         return dk, dv
 
-    def end(r, carry):  # after the group's last head: the accumulators span the group
+    def end(c, r, carry):  # after the group's last head: the accumulators span the group
         dk, dv = carry
         dk_smem[...] = (dk * plan.scale).astype(dk_smem.dtype)
         dv_smem[...] = dv.astype(dv_smem.dtype)
@@ -299,7 +299,7 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
         streams.append(Stream(source, live_buf, live_bar))
     dbias_tile = _dbias_tiles(plan, dbias_refs, g, n, i, qs, ks)
 
-    def begin(r):
+    def begin(c, r):  # one consumer: c is 0
         b = b_of(r)
         tiles = [(plan.rows(q_ref, b, qs, n, Q), q_smem), (plan.rows(do_ref, b, qs, n), do_smem)]
         tiles += [(lse_ref.at[b, n, qs], lse_smem), (delta_ref.at[b, n, qs], delta_smem)]
@@ -307,7 +307,7 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
         _zero_dbias(plan, rmw, dbias_tile, r, b)
         return ops.zeros((plan.block_q, plan.head_dim))
 
-    def step(r, j, slot, dq):
+    def step(c, r, j, slot, dq):
         b = b_of(r)
         st = row_structure(meta_ref, b)
         if plan.live:
@@ -319,7 +319,7 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
         _accumulate_dbias(plan, rmw, dbias_tile, b, j, ds)
         return _grad_dot(plan, ds, staging, k_buf, kt_buf, slot, dq)
 
-    def end(r, dq):
+    def end(c, r, dq):
         dq_smem[...] = (dq * plan.scale).astype(dq_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dq_smem, plan.rows(dq_ref, b_of(r), qs, n))
@@ -394,6 +394,7 @@ def dq_scratch(plan: Plan) -> list:
 def backward(plan: Plan, residuals, cotangents):
     """(dq, dk, dv, dbiases, None per extra) of padded inputs (base.kernel_attention)."""
     _, plgpu = modules()
+    plan = plan.with_one_consumer()  # the forward's consumers leave its out/lse layout as is
     q, k, v, biases, extras, out, lse = residuals
     d_out, d_lse = cotangents
     batch, heads, cdt = q.shape[1 if plan.columns else 0], plan.heads, jnp.dtype(plan.compute_dtype)

@@ -11,6 +11,7 @@ from jax import lax
 
 from gated_attention.attention.gpu_common import LOG2E
 from gated_attention.attention.pallas_mosaic_gpu.pipeline import (
+    Schedule,
     Stream,
     key_blocks,
     kv_tile,
@@ -38,30 +39,50 @@ def weights(s, shift, q_axis: int):
     return jnp.exp2(s * LOG2E - lax.broadcast_in_dim(shift * LOG2E, s.shape, (q_axis,)))
 
 
+def _parts(plan: Plan, g, p, batch: int):
+    """(batch rows, query blocks) of program (g, p): R = Plan.rows_per_program rows g * R ..
+    g * R + R - 1 of block p, or C = Plan.consumer_warpgroups blocks p * C .. p * C + C - 1 of
+    row g; past the batch or the last block, the last again (the same values stored twice)."""
+    per, cons = plan.rows_per_program, plan.consumer_warpgroups
+    rows = [g] if per == 1 else [jnp.minimum(g * per + r, batch - 1) for r in range(per)]
+    blocks = (
+        [p] if cons == 1 else [jnp.minimum(p * cons + c, plan.q_blocks - 1) for c in range(cons)]
+    )
+    return rows, blocks
+
+
+def _key_span(plan: Plan, st, blocks):
+    """[lo, hi): the key blocks of the program, the union of its query blocks' (every consumer
+    walks the same slots; logits masks each row's own)."""
+    spans = [key_blocks(plan, st, i) for i in blocks]
+    lo, hi = spans[0]
+    for a, b in spans[1:]:
+        lo, hi = jnp.minimum(lo, a), jnp.maximum(hi, b)
+    return lo, hi
+
+
 def _forward_kernel(*refs, plan: Plan):
-    """Batch rows g * R .. g * R + R - 1 (R = Plan.rows_per_program; in the last group, rows
-    past the batch repeat its last row: the same values stored twice) of head n, query block i.
-    Each key block's step streams every row's k and v tiles, and the tile of a bias or mask
-    shared over the batch once for all R rows."""
+    """The parts (Plan.parts, _parts) of head n in program (g, n, p): a consumer warpgroup each
+    (Plan.consumer_warpgroups), or one for all the rows (Plan.rows_per_program). Each key block's
+    step streams every row's k and v tiles, and a bias or mask tile once for all the parts that
+    read the same one (row_pair_streams)."""
     pl, plgpu = modules()
-    ops = plan.ops
-    per = plan.rows_per_program
+    ops, per, cons = plan.ops, plan.rows_per_program, plan.consumer_warpgroups
     front, bias_refs, mask_ref, (_, live_k_ref), meta_ref, refs = split_refs(plan, refs, 3)
     q_ref, k_ref, v_ref = front
     o_ref, lse_ref = refs.pop(0), refs.pop(0)
     q_smem, q_bar, consumed, o_smem, lse_smem, *scratch = refs
-    staging = scratch.pop(0) if jnp.dtype(plan.compute_dtype) == jnp.float32 else None
-    g, n, i = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("i")
-    last = lse_ref.shape[0] - 1
-    rows = [g] if per == 1 else [jnp.minimum(g * per + r, last) for r in range(per)]
+    stagings = [scratch.pop(0) if plan.tf32 else None for _ in range(cons)]
+    g, n = lax.axis_index("b"), lax.axis_index("n")
+    rows, blocks = _parts(plan, g, lax.axis_index("i"), lse_ref.shape[0])
+    parts = [(b, i) for b in rows for i in blocks]  # one of the two has one entry
     kv = lax.div(n, jnp.int32(plan.q_heads_per_kv_head))
     st = row_structure(meta_ref, rows[0])  # several rows only without a structure (Plan.make)
-    lo, hi = key_blocks(plan, st, i)
-    q_span = pl.ds(i * plan.block_q, plan.block_q)
+    lo, hi = _key_span(plan, st, blocks)
     streams, k_bufs, v_bufs = row_streams(plan, rows, kv, k_ref, v_ref, scratch)
-    live_bufs = []
-    pair, bias_slots, mask_slots = row_pair_streams(plan, bias_refs, mask_ref, scratch, rows, n, i)
+    pair, bias_slots, mask_slots = row_pair_streams(plan, bias_refs, mask_ref, scratch, parts, n)
     streams += pair
+    live_bufs = []
     if plan.live:  # keys no query of head n sees: zeroed in v before p @ v
         for b in rows:
             live_buf, live_bar = scratch.pop(0), scratch.pop(0)
@@ -69,65 +90,77 @@ def _forward_kernel(*refs, plan: Plan):
                                     lambda r, j: j, plan.block_k)  # fmt: skip
             streams.append(Stream(source, live_buf, live_bar))
             live_bufs.append(live_buf)
+    schedule = Schedule(cons > 1 and not plan.interpret)  # named barriers: compiled only
+    mine = lambda c: list(range(per)) if cons == 1 else [c]  # noqa: E731 (consumer c's parts)
+    row_of = lambda a: a if per > 1 else 0  # noqa: E731
+    q_span = lambda i: pl.ds(i * plan.block_q, plan.block_q)  # noqa: E731
 
-    def begin(r):
-        for c, b in enumerate(rows):
-            plgpu.copy_gmem_to_smem(plan.rows(q_ref, b, q_span, n, Q), q_smem.at[c], q_bar.at[c])
-        for c in range(per):
-            plgpu.barrier_wait(q_bar.at[c])
+    def begin(c, r):
+        for a in mine(c):
+            b, i = parts[a]
+            plgpu.copy_gmem_to_smem(plan.rows(q_ref, b, q_span(i), n, Q), q_smem.at[a], q_bar.at[a])
+        for a in mine(c):
+            plgpu.barrier_wait(q_bar.at[a])
+        schedule.first(c)
         acc = ops.zeros((plan.block_q, plan.value_dim))
         carry = acc, ops.zeros((plan.block_q,), 1, -jnp.inf), ops.zeros((plan.block_q,), 1)
-        return (carry,) * per
+        return (carry,) * len(mine(c))
 
-    def row_step(c, j, slot, carry):
+    def part_step(c, a, j, slot, carry):
         acc, m_prev, l_prev = carry
-        s = ops.dot(q_smem.at[c], k_bufs[c].at[slot], trans_b=True)
+        s = ops.dot(
+            q_smem.at[a], k_bufs[row_of(a)].at[slot], trans_b=True,
+            issued=lambda: schedule.hand_over(c),
+        )  # fmt: skip
         biases = [
             widen(plan, buf.at[slot], shape)
-            for buf, shape in zip(bias_slots[c], plan.bias_shapes, strict=True)
+            for buf, shape in zip(bias_slots[a], plan.bias_shapes, strict=True)
         ]
-        mask = mask_slots[c]
+        mask = mask_slots[a]
         mask = None if mask is None else widen(plan, mask.at[slot], plan.mask_shape)
-        s, _ = logits(plan, s, biases, mask, st, i, j)
+        s, _ = logits(plan, s, biases, mask, st, parts[a][1], j)
         m = jnp.maximum(m_prev, jnp.max(s, axis=1))
         correction = jnp.exp2((m_prev - m) * LOG2E)
         p = weights(s, m, 0)
         acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
-        v_slot = v_bufs[c].at[slot]
-        if plan.live:
-            zero_dead_rows(plan, v_slot, live_bufs[c].at[slot])
-        acc = ops.dot(lhs_operand(plan, p, staging), v_slot, trans_b=plan.tf32, acc=acc)
+        v_slot = v_bufs[row_of(a)].at[slot]
+        if plan.live:  # both consumers zero the same dead rows: the same zeros written twice
+            zero_dead_rows(plan, v_slot, live_bufs[row_of(a)].at[slot])
+        schedule.wait_turn(c)
+        acc = ops.dot(lhs_operand(plan, p, stagings[c]), v_slot, trans_b=plan.tf32, acc=acc)
         return acc, m, l_prev * correction + jnp.sum(p, axis=1)
 
-    def step(r, j, slot, carries):
-        return tuple(row_step(c, j, slot, carry) for c, carry in enumerate(carries))
+    def step(c, r, j, slot, carries):
+        return tuple(part_step(c, a, j, slot, x) for a, x in zip(mine(c), carries, strict=True))
 
-    def end(r, carries):
-        for c, (acc, m, total) in enumerate(carries):
+    def end(c, r, carries):
+        schedule.last(c)
+        for a, (acc, m, total) in zip(mine(c), carries, strict=True):
             if st is not None:  # a row whose every key block was skipped: 0 and a finite lse
                 seen = total > 0
                 total = jnp.where(seen, total, 1.0)
                 m = jnp.where(seen, m, numerics.MASK_VALUE)
             out = (acc / lax.broadcast_in_dim(total, acc.shape, (0,))).astype(o_smem.dtype)
-            o_smem.at[c][...] = out
-            lse_smem.at[c][...] = m + jnp.log(total)
+            o_smem.at[a][...] = out
+            lse_smem.at[a][...] = m + jnp.log(total)
         plgpu.commit_smem()
-        for c, b in enumerate(rows):
-            plgpu.copy_smem_to_gmem(o_smem.at[c], plan.rows(o_ref, b, q_span, n))
-            plgpu.copy_smem_to_gmem(lse_smem.at[c], lse_ref.at[b, n, q_span])
+        for a in mine(c):
+            b, i = parts[a]
+            plgpu.copy_smem_to_gmem(o_smem.at[a], plan.rows(o_ref, b, q_span(i), n))
+            plgpu.copy_smem_to_gmem(lse_smem.at[a], lse_ref.at[b, n, q_span(i)])
         plgpu.wait_smem_to_gmem(0)
 
     pipeline(plan, 1, lambda r: (lo, hi), streams, consumed, begin, step, end)
 
 
 def forward_scratch(plan: Plan) -> list:
-    """The forward kernel's shared memory and barriers, in the order it unpacks them: the R =
-    Plan.rows_per_program rows' q, output and lse tiles, then per row its k and v slots, then
-    the biases' and mask's slots (pair_scratch: shared over the batch once) and per row the
-    live keys'."""
+    """The forward kernel's shared memory and barriers, in the order it unpacks them: the parts'
+    (Plan.parts) q, output and lse tiles, each consumer's staging tile (float32), then per row
+    its k and v slots, then the biases' and mask's slots (pair_scratch: once for the parts that
+    share a tile) and per row the live keys'."""
     _, plgpu = modules()
     cdt = jnp.dtype(plan.compute_dtype)
-    per = plan.rows_per_program
+    per, cons, parts = plan.rows_per_program, plan.consumer_warpgroups, plan.parts
     rows = []
     for _ in range(per):
         rows += [
@@ -137,14 +170,14 @@ def forward_scratch(plan: Plan) -> list:
             plgpu.Barrier(num_barriers=DEPTH),
         ]
     return [
-        plan.smem((per, plan.block_q, plan.head_dim), cdt, operand=True),
-        plgpu.Barrier(num_barriers=per),
-        plgpu.Barrier(num_barriers=DEPTH),  # consumed
-        plan.smem((per, plan.block_q, plan.value_dim), cdt, operand=True),
-        plan.smem((per, plan.block_q), jnp.float32),
-        *staging_scratch(plan, plan.block_q, plan.block_k),
+        plan.smem((parts, plan.block_q, plan.head_dim), cdt, operand=True),
+        plgpu.Barrier(num_barriers=parts),
+        plgpu.Barrier(num_arrivals=cons, num_barriers=DEPTH),  # consumed: by every consumer
+        plan.smem((parts, plan.block_q, plan.value_dim), cdt, operand=True),
+        plan.smem((parts, plan.block_q), jnp.float32),
+        *staging_scratch(plan, plan.block_q, plan.block_k) * cons,
         *rows,
-        *pair_scratch(plan, rows=per),
+        *pair_scratch(plan, parts=parts),
         *(live_scratch(plan, plan.block_k) * per),
     ]
 
@@ -161,9 +194,10 @@ def forward(plan: Plan, q, k, v, biases, extras):
         jax.ShapeDtypeStruct((batch, heads, plan.q_pad), jnp.float32),
     )
     groups = -(-batch // plan.rows_per_program)  # the last group's rows clamped to the batch
+    spans = -(-plan.q_blocks // plan.consumer_warpgroups)  # the last's blocks clamped likewise
     return plan.launch(
         _forward_kernel,
-        (groups, heads, plan.q_blocks),
+        (groups, heads, spans),
         ("b", "n", "i"),
         out_type,
         forward_scratch(plan),
