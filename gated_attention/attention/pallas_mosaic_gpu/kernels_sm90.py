@@ -47,17 +47,23 @@ from gated_attention.attention.pallas_mosaic_gpu.plan import (
 )
 
 
+def _bytes(scratch) -> int:
+    return sum(
+        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        for x in scratch
+        if hasattr(x, "dtype") and hasattr(x, "shape")
+    )
+
+
 def shared_memory_bytes(plan: Plan) -> int:
     """The most shared memory one of the three kernels' blocks takes (barriers aside)."""
+    back = plan.with_one_consumer()  # the plan backward() runs them with
+    return max(_bytes(forward_scratch(plan)), _bytes(dkdv_scratch(back)), _bytes(dq_scratch(back)))
 
-    def total(scratch):
-        return sum(
-            math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-            for x in scratch
-            if hasattr(x, "dtype") and hasattr(x, "shape")
-        )
 
-    return max(total(f(plan)) for f in (forward_scratch, dkdv_scratch, dq_scratch))
+def forward_bytes(plan: Plan) -> int:
+    """The forward kernel's shared memory (barriers aside)."""
+    return _bytes(forward_scratch(plan))
 
 
 def _load_whole(copies, barriers):
