@@ -105,7 +105,9 @@ class MosaicAttention(base.Implementation):
         then with a bias shared over the batch two rows a program at those tiles where their
         shared memory fits, then the other of 64 and 128 keys a tile where 128 compiled without
         spills (half precision, head dims <= 32; in float32 twice the TF32 tiles' shared
-        memory); none past the head dims plan() takes."""
+        memory), then each of those tiles with two consumer warpgroups where their shared memory
+        fits; none past the head dims plan() takes. The two-consumer ones name the field (c2),
+        the others keep their names (one consumer)."""
         if capability is None or capability[0] != platforms.HOPPER or head_dim > MAX_HEAD_DIM:
             return []
         if mask != "none" and head_dim > MAX_HEAD_DIM_MASKED:
@@ -116,8 +118,11 @@ class MosaicAttention(base.Implementation):
         if bias in ("shared", "both") and _fits(dtype, head_dim, default, 2, bias, mask):
             out.append(dict(block_k=default, rows_per_program=2))
         other = 64 if default == 128 else 128
-        if other == 64 or ok:
-            out.append(dict(block_k=other, rows_per_program=1))
+        tiles = [default] + ([other] if other == 64 or ok else [])
+        out += [dict(block_k=other, rows_per_program=1)] if len(tiles) > 1 else []
+        for bk in tiles:
+            if _fits(dtype, head_dim, bk, 1, bias, mask, consumers=2):
+                out.append(dict(block_k=bk, rows_per_program=1, consumer_warpgroups=2))
         return out
 
     def __post_init__(self):
@@ -261,15 +266,20 @@ class MosaicAttention(base.Implementation):
         )
 
 
-def _fits(dtype, head_dim: int, block_k: int, rows: int, bias: str, mask: str) -> bool:
-    """Whether the kernels' shared memory at those tiles and rows a program fits an H100 block,
+def _fits(
+    dtype, head_dim: int, block_k: int, rows: int, bias: str, mask: str, consumers: int = 1
+) -> bool:
+    """Whether the kernels' shared memory at those tiles, rows a program and consumer
+    warpgroups fits an H100 block,
     planned at AF2's MSA row form (a [1, 1, T, S] bias; 'both' a [B, 1, T, S] one too; a [B, 1,
     1, S] key mask or a [B, 1, T, S] full one)."""
     sd = jax.ShapeDtypeStruct
     q = sd((rows, 384, 1, head_dim), dtype)
     biases = [sd((1, 1, 384, 384), dtype)] + [sd((rows, 1, 384, 384), dtype)] * (bias == "both")
     mask = None if mask == "none" else sd((rows, 1, 384 if mask == "full" else 1, 384), jnp.bool_)
-    impl = MosaicAttention(block_k=block_k, rows_per_program=rows, interpret=True)
+    impl = MosaicAttention(
+        block_k=block_k, rows_per_program=rows, consumer_warpgroups=consumers, interpret=True
+    )
     plan = impl._make(q, q, q, biases, mask, 1.0, dtype, base.PLAIN)
     return shared_memory_bytes(plan) <= SHARED_MEMORY_LIMIT
 
