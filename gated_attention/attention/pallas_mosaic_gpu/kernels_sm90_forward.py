@@ -61,6 +61,19 @@ def _key_span(plan: Plan, st, blocks):
     return lo, hi
 
 
+def _live_streams(plan: Plan, live_k_ref, rows, n, scratch):
+    """(streams, slot buffers) of each row's live-key vector (Plan.live: keys no query of head n
+    sees, zeroed in v before p @ v), popped from `scratch`; none without them."""
+    streams, bufs = [], []
+    for b in rows if plan.live else []:
+        buf, bar = scratch.pop(0), scratch.pop(0)
+        source = vector_source(plan, live_k_ref, lambda r, b=b: b, lambda r: n,
+                                lambda r, j: j, plan.block_k)  # fmt: skip
+        streams.append(Stream(source, buf, bar))
+        bufs.append(buf)
+    return streams, bufs
+
+
 def _forward_kernel(*refs, plan: Plan):
     """The parts (Plan.parts, _parts) of head n in program (g, n, p): a consumer warpgroup each
     (Plan.consumer_warpgroups), or one for all the rows (Plan.rows_per_program). Each key block's
@@ -82,14 +95,8 @@ def _forward_kernel(*refs, plan: Plan):
     streams, k_bufs, v_bufs = row_streams(plan, rows, kv, k_ref, v_ref, scratch)
     pair, bias_slots, mask_slots = row_pair_streams(plan, bias_refs, mask_ref, scratch, parts, n)
     streams += pair
-    live_bufs = []
-    if plan.live:  # keys no query of head n sees: zeroed in v before p @ v
-        for b in rows:
-            live_buf, live_bar = scratch.pop(0), scratch.pop(0)
-            source = vector_source(plan, live_k_ref, lambda r, b=b: b, lambda r: n,
-                                    lambda r, j: j, plan.block_k)  # fmt: skip
-            streams.append(Stream(source, live_buf, live_bar))
-            live_bufs.append(live_buf)
+    live, live_bufs = _live_streams(plan, live_k_ref, rows, n, scratch)
+    streams += live
     schedule = Schedule(cons > 1 and not plan.interpret)  # named barriers: compiled only
     mine = lambda c: list(range(per)) if cons == 1 else [c]  # noqa: E731 (consumer c's parts)
     row_of = lambda a: a if per > 1 else 0  # noqa: E731
