@@ -80,12 +80,14 @@ def test_two_consumers_with_their_producer_in_the_interpreter(monkeypatch):
 
 
 def test_two_consumers_causal_as_one():
-    """A causal mask at T = S = 200: the consumers of a program walk the union of their query
-    blocks' key blocks (the upper block's), logits masking each row's own; out and log-sum-exp
-    equal the one-consumer kernel's (the same arithmetic row by row)."""
+    """A causal mask with a (96, 0) window at T = S = 200, two query heads on one key/value head:
+    the consumers of a program walk the union of their query blocks' key blocks, logits masking
+    each row's own; out and log-sum-exp equal the one-consumer kernel's (the same arithmetic row
+    by row)."""
     rng = np.random.default_rng(3)
-    q, k, v = (jnp.asarray(rng.normal(size=(1, 200, 1, 16)), jnp.float32) for _ in range(3))
-    kw = dict(is_causal=True, return_residual=True)
+    draw = lambda heads: jnp.asarray(rng.normal(size=(1, 200, heads, 16)), jnp.float32)  # noqa: E731
+    q, k, v = draw(2), draw(1), draw(1)
+    kw = dict(is_causal=True, local_window_size=(96, 0), return_residual=True)
     one = ga.dot_product_attention(q, k, v, implementation=_impl(1), **kw)
     two = ga.dot_product_attention(q, k, v, implementation=_impl(2), **kw)
     for a, b in zip(one, two, strict=True):

@@ -8,7 +8,8 @@ multiplies with wgmma (bfloat16 and float16; float32 as TF32 wgmma, JAX's defaul
 and does the online softmax in registers (attention/pallas_mosaic_gpu/kernels_sm90.py).
   * forward: one program per (batch row, head, block of 64 queries), looping over the key blocks
     some query of the block may attend (masking's rule: tiles the causal, window and length masks
-    hide whole are never loaded); saves the log-sum-exp.
+    hide whole are never loaded); saves the log-sum-exp. With consumer_warpgroups=2, two blocks
+    a program, a consumer warpgroup each, on the same key blocks (their union) and K/V slots.
   * dk, dv: one program per (batch row, key/value head, key block), over the group's query heads
     and the query blocks, in the transposed orientation (k @ q.T) so that p.T and ds.T are the
     left operands in registers.
