@@ -1,6 +1,6 @@
 """What the Mosaic GPU kernels (attention/pallas_mosaic_gpu/kernels_sm90.py) share: the pipeline (`pipeline`: a producer
-warpgroup streams tiles by TMA into DEPTH shared-memory slots, the consumer warpgroup waits for
-each slot, computes with wgmma and releases it), the streams of bias, mask and live-row tiles, the
+warpgroup streams tiles by TMA into DEPTH shared-memory slots, each consumer warpgroup waits for
+each slot, computes with wgmma and releases it; Schedule, two consumers' ping-pong), the streams of bias, mask and live-row tiles, the
 zeroing of dead rows in shared memory, the logits of a tile and the key and query block ranges
 (masking's one rule).
 

@@ -3,7 +3,7 @@ Mosaic GPU form JAX's Mosaic GPU interpreter cannot run (the `Ops` of a plan).
 
 Plan is hashable (the custom VJP's static argument): tiles, padded sizes, the broadcast form of
 each bias and of the mask, the options the kernels apply. `launch` is plgpu.kernel with a
-producer warpgroup (TMA loads) and a consumer warpgroup (wgmma and the softmax).
+producer warpgroup (TMA loads) and one or two consumer warpgroups (wgmma and the softmax).
 
 The interpreter (jax 0.10.2 and 0.12) runs TMA copies, barriers, threads and loops, but not
 `plgpu.load` with a register layout, layout casts, `broadcasted_iota` with a layout, nor wgmma
