@@ -47,6 +47,8 @@ KERNELS = {
     "ours_pallas": ("gated_attention_forward", 32, "bfloat16"),
     # The Mosaic forward computing two batch rows a program (MosaicAttention.rows_per_program).
     "ours_mosaic_r2": ("gated_attention_mosaic_forward_mosaic_gpu_kernel", 32, "bfloat16"),
+    # The Mosaic forward with two consumer warpgroups (MosaicAttention.consumer_warpgroups).
+    "ours_mosaic_c2": ("gated_attention_mosaic_forward_mosaic_gpu_kernel", 32, "bfloat16"),
     # The backward's two kernels (a vjp at the same shape): each recomputes p = exp(s - lse).
     "ours_mosaic_dkdv": ("gated_attention_mosaic_dkdv_mosaic_gpu_kernel", 32, "bfloat16"),
     "ours_mosaic_dq_dbias": ("gated_attention_mosaic_dq_dbias_mosaic_gpu_kernel", 32, "bfloat16"),
@@ -112,9 +114,11 @@ def parse_sass(text: str, function: str | None = None) -> list[tuple[int, str, s
 
 def inner_loop(code: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
     """The instructions of the loop (a backward branch to a label) with the most MUFU.EX2; of
-    loops with as many, the shortest."""
+    loops with as many, the shortest. A span that holds another such loop is not one: ptxas puts
+    a barrier wait's retry after the code and branches back into it, a span over both consumer
+    warpgroups' loops (MosaicAttention.consumer_warpgroups) is no loop of either."""
     labels = {op[1:]: addr for addr, op, _ in code if op.startswith(":")}
-    best = None
+    loops = []
     for addr, op, operands in code:
         if not op.startswith("BRA"):
             continue
@@ -123,12 +127,17 @@ def inner_loop(code: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
         if start is None or start > addr:
             continue
         body = [c for c in code if start <= c[0] <= addr and not c[1].startswith(":")]
-        key = (sum(c[1].startswith("MUFU.EX2") for c in body), -len(body))
-        if best is None or key > best[0]:
-            best = (key, body)
-    if best is None or best[0][0] == 0:
+        exps = sum(c[1].startswith("MUFU.EX2") for c in body)
+        if exps:
+            loops.append((start, addr, exps, body))
+
+    def holds_another(a):
+        return any(b is not a and a[0] <= b[0] and b[1] <= a[1] for b in loops)
+
+    inner = [loop for loop in loops if not holds_another(loop)]
+    if not inner:
         raise ValueError("no loop with an exponential in the kernel")
-    return best[1]
+    return max(inner, key=lambda loop: (loop[2], -len(loop[3])))[3]
 
 
 def mix(loop: list[tuple[int, str, str]]) -> dict[str, Any]:
@@ -183,6 +192,8 @@ def _program(kernel: str):
         impl, _, backward = kernel.removeprefix("ours_").partition("_")
         if backward == "r2":  # a forward, with the shared bias's tiles read once for two rows
             impl, backward = ga.MosaicAttention(rows_per_program=2), ""
+        if backward == "c2":  # a forward, two consumer warpgroups on one producer's slots
+            impl, backward = ga.MosaicAttention(consumer_warpgroups=2), ""
         fn = lambda q, k, v, b_, m: ga.dot_product_attention(q, k, v, b_, m, implementation=impl)
         if backward:  # the cotangent an argument, as in a training step
             op = fn

@@ -136,3 +136,19 @@ def mosaic_gpu_interpret_params(plgpu: ModuleType):
 
         params = module.InterpretGPUParams
     return params
+
+
+def named_barrier(plgpu: ModuleType, action: str, barrier: int, threads: int) -> None:
+    """`bar.{action} barrier, threads;` (action 'sync' or 'arrive': a hardware named barrier of
+    `threads` threads) inside a Mosaic GPU kernel: Pallas exposes none, so inline PTX through
+    plgpu.inline_mgpu; the MLIR builders are jax._src.lib.mlir's (no public API)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+
+    @plgpu.inline_mgpu()
+    def op(_):
+        void = ir.Type.parse("!llvm.void")
+        ptx = f"bar.{action} {barrier}, {threads};"
+        llvm.inline_asm(void, [], ptx, "", has_side_effects=True)
+
+    op()

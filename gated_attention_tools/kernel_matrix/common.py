@@ -37,6 +37,9 @@ FIELDS = {
     "positions_first": "q, k and v [T|S, B, N, head_dim] and the op's positions_first: the "
     "kernels' in-place column reads",
     "rows_per_program": "the Mosaic GPU forward's batch rows a program (MosaicAttention's)",
+    "consumer_warpgroups": "the Mosaic GPU forward's compute warpgroups a program "
+    "(MosaicAttention's)",
+    "block_k": "the Mosaic GPU kernels' keys a tile (MosaicAttention's; None: its rule)",
 }
 REQUIRED = ("dtype", "head_dim", "bias", "mask")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -120,6 +123,8 @@ def case_name(case: dict[str, Any], sizes: Sizes = Sizes(), batch: bool = False)
         + (" +options" if case.get("options") else "")
         + (" +positions_first" if case.get("positions_first") else "")
         + (f" R={case['rows_per_program']}" if case.get("rows_per_program") else "")
+        + (f" C={case['consumer_warpgroups']}" if case.get("consumer_warpgroups") else "")
+        + (f" bk={case['block_k']}" if case.get("block_k") else "")
     )
 
 

@@ -69,12 +69,15 @@ def compile_cases(target: str, cases: list[dict[str, Any]]) -> list[dict[str, An
         refused = None
         with child.printed() as out:
             try:
-                error, smem = None, _compile(target, **case)
+                error, (smem, forward) = None, _compile(target, **case)
             except NotImplementedError as e:  # check() refuses it: 'auto' takes another kernel
-                error, smem, refused = None, 0, str(e)
+                error, smem, forward, refused = None, 0, 0, str(e)
             except Exception as e:  # a case that fails is reported, the others still run
-                error, smem = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}", 0
+                error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200]}"
+                smem = forward = 0
         row = dict(kernels=parse(out[0]), shared_memory_bytes=smem)
+        if forward:
+            row["forward_shared_memory_bytes"] = forward
         if error:
             row["error"] = error
         if refused:
@@ -85,10 +88,12 @@ def compile_cases(target: str, cases: list[dict[str, Any]]) -> list[dict[str, An
 
 def _compile(
     target, dtype, head_dim, bias, mask, precision="default", options=False, batch=2, q_len=200,
-    k_len=136, heads=2, positions_first=False, rows_per_program=None,
+    k_len=136, heads=2, positions_first=False, rows_per_program=None, consumer_warpgroups=1,
+    block_k=None,
 ):  # fmt: skip
-    """Compiles one case's forward and vjp (`rows_per_program`: MosaicAttention's); returns the
-    kernels' shared memory (bytes)."""
+    """Compiles one case's forward and vjp (`rows_per_program`, `consumer_warpgroups`, `block_k`:
+    MosaicAttention's); returns the kernels' shared memory (bytes: the largest of the three,
+    the forward's)."""
     import jax.numpy as jnp
 
     from gated_attention.attention import base
@@ -98,7 +103,9 @@ def _compile(
 
     del precision  # float32 at the default precision only: the one MosaicAttention takes
     dt = jnp.dtype(dtype)
-    impl = mosaic.MosaicAttention(rows_per_program=rows_per_program)
+    impl = mosaic.MosaicAttention(
+        rows_per_program=rows_per_program, consumer_warpgroups=consumer_warpgroups, block_k=block_k
+    )
     step, args = common.case_program(
         impl, dtype, head_dim, bias, mask, None, options, batch, q_len, k_len, heads,
         positions_first,
@@ -116,8 +123,8 @@ def _compile(
             qkv, kv, kv, biases, mask_spec, compute_dtype=dt, options=settings, platform="gpu"
         )
     targets.compile(step, *args, target=target)
-    plan = mosaic.Plan.make(impl, qkv, kv, kv, biases, mask_spec, 1.0, dt, settings)
-    return mosaic_kernels.shared_memory_bytes(plan)
+    plan = impl._make(qkv, kv, kv, biases, mask_spec, 1.0, dt, settings)  # __call__'s (live rows)
+    return mosaic_kernels.shared_memory_bytes(plan), mosaic_kernels.forward_bytes(plan)
 
 
 def verdict(case: dict[str, Any], stats: dict[str, Any]) -> list[str]:

@@ -20,11 +20,12 @@ def test_each_target_gets_what_it_can_take():
     hopper = names(H100, "bfloat16", 32)
     # The defaults first, each tuning named with every field it sets.
     # Mosaic's: its default tiles one row a program, two rows (the shared bias's tiles loaded
-    # once for both), then the other tile.
-    assert hopper[:4] == [
-        "mosaic:bk128,r1", "mosaic:bk128,r2", "mosaic:bk64,r1", "pallas:bq64,bk64,w4,s2,r2"
+    # once for both), then the other tile, then both tiles with two consumer warpgroups.
+    assert hopper[:6] == [
+        "mosaic:bk128,r1", "mosaic:bk128,r2", "mosaic:bk64,r1", "mosaic:bk128,r1,c2",
+        "mosaic:bk64,r1,c2", "pallas:bq64,bk64,w4,s2,r2",
     ]  # fmt: skip
-    assert hopper[-2:] == ["cudnn", "xla"] and len(hopper) == len(set(hopper)) == 14
+    assert hopper[-2:] == ["cudnn", "xla"] and len(hopper) == len(set(hopper)) == 16
     assert "pallas:bq64,bk64,w4,s3,r2" in hopper and "pallas:bq64,bk64,w4,s2,r1" in hopper
     # Mosaic on Hopper only; the Triton kernel's default there takes two rows a program.
     for other in (A100, B200):
@@ -33,10 +34,17 @@ def test_each_target_gets_what_it_can_take():
         assert got[0] == "pallas:bq64,bk64,w4,s2,r1"
     # float32: no cuDNN, one Mosaic tile; the table's tiles for float32 at head dim 32.
     f32 = names(H100, "float32", 32)
-    assert f32[:3] == ["mosaic:bk64,r1", "mosaic:bk64,r2", "pallas:bq32,bk32,w4,s2,r1"]
+    assert f32[:4] == [
+        "mosaic:bk64,r1", "mosaic:bk64,r2", "mosaic:bk64,r1,c2", "pallas:bq32,bk32,w4,s2,r1"
+    ]  # fmt: skip
     assert "cudnn" not in f32
-    # float32 at head dim 64: two rows' k, v and q tiles are over an H100 block's shared memory.
+    # float32 at head dim 64: two rows' (or two consumers') tiles are over an H100 block's
+    # shared memory; at head dim 32 with two pair biases two consumers' are (its compile: 233,616
+    # B), one consumer's two rows are not.
     assert names(H100, "float32", 64, implementations=("mosaic",)) == ["mosaic:bk64,r1"]
+    assert names(H100, "float32", 32, bias="both", implementations=("mosaic",)) == [
+        "mosaic:bk64,r1", "mosaic:bk64,r2"
+    ]  # fmt: skip
     assert pallas_tiles.lookup(jnp.float32, None, 32, False, ("shared", "key")) == (32, 32, 4, 2)
     # No bias, or one per row: no rows-a-program candidate (the rows share nothing).
     for bias in ("none", "per_row"):
@@ -66,7 +74,9 @@ def test_bad_candidates_are_refused():
     with pytest.raises(ValueError, match=r"implementation must be one of .*got 'chunked'"):
         candidates.candidate("chunked")
     with pytest.raises(
-        ValueError, match=r"options of 'mosaic' must be fields of \['block_k', 'rows_per_program'\]"
+        ValueError,
+        match=r"options of 'mosaic' must be fields of "
+        r"\['block_k', 'consumer_warpgroups', 'rows_per_program'\]",
     ):
         candidates.candidate("mosaic", dict(block_q=64))
     with pytest.raises(TypeError, match="options must be a mapping of field to value, got list"):
@@ -102,7 +112,7 @@ def test_every_h100_candidate_matches_the_reference(family):
     """AF2's form (a pair bias shared over the batch, a key mask), bfloat16, forward and vjp, of
     every candidate an H100 takes, interpreted, in one program, against the float64 reference."""
     found = [c for c in candidates.for_target(H100, "bfloat16", 32) if c.implementation == family]
-    assert len(found) == {"pallas": 9, "mosaic": 3}[family]
+    assert len(found) == {"pallas": 9, "mosaic": 5}[family]
     # Warps and pipeline stages are Triton's compiler's alone: candidates that differ only in
     # them are one program in the interpreter, run once for them all.
     compiled_only = {"num_warps", "num_stages"}

@@ -65,6 +65,30 @@ def test_the_inner_loop_is_the_backward_branch_with_the_most_exponentials():
         sass_proxy.inner_loop(sass_proxy.parse_sass(DISASSEMBLY, "other"))
 
 
+# Two consumer warpgroups' loops (MosaicAttention.consumer_warpgroups) and, after them, a barrier
+# wait's retry branching back into the first: a span over both, with twice their exponentials.
+TWO_LOOPS = """
+        .section        .text.k,"ax",@progbits
+k:
+.L_x_1:
+        /*0000*/                   MUFU.EX2 R2, R2 ;
+.L_x_2:
+        /*0010*/                   MUFU.EX2 R3, R3 ;
+        /*0020*/                   MUFU.EX2 R4, R4 ;
+        /*0030*/              @!P1 BRA `(.L_x_2) ;
+.L_x_3:
+        /*0040*/                   MUFU.EX2 R5, R5 ;
+        /*0050*/              @!P1 BRA `(.L_x_3) ;
+        /*0060*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R0 ;
+        /*0070*/              @!P0 BRA `(.L_x_1) ;
+"""
+
+
+def test_a_span_over_other_loops_is_not_the_inner_loop():
+    loop = sass_proxy.inner_loop(sass_proxy.parse_sass(TWO_LOOPS, "k"))
+    assert [op for _, op, _ in loop] == ["MUFU.EX2", "MUFU.EX2", "BRA"]
+
+
 def test_the_committed_report_is_its_results_rendered():
     results = json.loads((REPORT / "results.json").read_text())
     rows = results["rows"]

@@ -8,7 +8,8 @@ multiplies with wgmma (bfloat16 and float16; float32 as TF32 wgmma, JAX's defaul
 and does the online softmax in registers (attention/pallas_mosaic_gpu/kernels_sm90.py).
   * forward: one program per (batch row, head, block of 64 queries), looping over the key blocks
     some query of the block may attend (masking's rule: tiles the causal, window and length masks
-    hide whole are never loaded); saves the log-sum-exp.
+    hide whole are never loaded); saves the log-sum-exp. With consumer_warpgroups=2, two blocks
+    a program, a consumer warpgroup each, on the same key blocks (their union) and K/V slots.
   * dk, dv: one program per (batch row, key/value head, key block), over the group's query heads
     and the query blocks, in the transposed orientation (k @ q.T) so that p.T and ds.T are the
     left operands in registers.
@@ -30,8 +31,8 @@ copies of full-tile biases and masks in every dtype.
 
 Files: this one, the implementation (check, tiles, __call__: the inputs' preparation);
 attention/pallas_mosaic_gpu/plan.py, the static facts of a call (Plan) and the operations with an interpreted form
-(Ops); attention/pallas_mosaic_gpu/pipeline.py, the pipeline and the tiles the kernels share; attention/pallas_mosaic_gpu/kernels_sm90.py, the
-three kernels, their scratch and launches.
+(Ops); attention/pallas_mosaic_gpu/pipeline.py, the pipeline and the tiles the kernels share; attention/pallas_mosaic_gpu/kernels_sm90_forward.py, the
+forward kernel; attention/pallas_mosaic_gpu/kernels_sm90.py, the backward kernels; each with its scratch and launch.
 
 `interpret=True` runs the same kernels in JAX's Mosaic GPU interpreter on any backend, with the
 few operations it lacks replaced (mosaic_plan.Ops: wgmma, register layouts), how they are tested
@@ -47,12 +48,9 @@ import jax
 import jax.numpy as jnp
 
 from gated_attention.attention import base, gpu_common
-from gated_attention.attention.pallas_mosaic_gpu.kernels_sm90 import (
-    backward,
-    forward,
-    shared_memory_bytes,
-)
-from gated_attention.attention.pallas_mosaic_gpu.plan import Plan
+from gated_attention.attention.pallas_mosaic_gpu.kernels_sm90 import backward, shared_memory_bytes
+from gated_attention.attention.pallas_mosaic_gpu.kernels_sm90_forward import forward
+from gated_attention.attention.pallas_mosaic_gpu.plan import Plan, check_consumers
 from gated_attention.core import checks, numerics, platforms
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -81,6 +79,11 @@ class MosaicAttention(base.Implementation):
         (AF2's pair bias is the same for every MSA row). None: 1. Always 1 without such a bias
         or with the op's further arguments (a causal, window or length mask, whose key blocks
         differ from row to row; grouped heads; a soft cap). The backward is unchanged.
+      consumer_warpgroups: compute warpgroups of one forward program (1 or 2). With 2 a program
+        covers 2 x 64 query rows of one batch row and head, each warpgroup 64 of them, both
+        reading the same k, v (and key-only bias and mask) tiles the one producer streams, their
+        wgmma and softmax alternating (named barriers); a bias or mask with a query dim gets a
+        tile per warpgroup. Not with rows_per_program > 1. The backward is unchanged.
       interpret: run the kernels in JAX's Mosaic GPU interpreter (any backend; slow, for tests).
     """
 
@@ -88,11 +91,12 @@ class MosaicAttention(base.Implementation):
     block_k: int | None = None
     bias_grad_programs: int = 512
     rows_per_program: int | None = None
+    consumer_warpgroups: int = 1
     interpret: bool = False
 
     # Reads [T, B, N, H] (Plan.columns) and packed q/k/v (Plan.packed) in place.
     TAKES = base.ALL_OPTIONS | {"positions_first", "packed"}
-    CANDIDATE_FIELDS = dict(block_k="bk", rows_per_program="r")
+    CANDIDATE_FIELDS = dict(block_k="bk", rows_per_program="r", consumer_warpgroups="c")
 
     @classmethod
     def candidates(
@@ -102,7 +106,9 @@ class MosaicAttention(base.Implementation):
         then with a bias shared over the batch two rows a program at those tiles where their
         shared memory fits, then the other of 64 and 128 keys a tile where 128 compiled without
         spills (half precision, head dims <= 32; in float32 twice the TF32 tiles' shared
-        memory); none past the head dims plan() takes."""
+        memory), then each of those tiles with two consumer warpgroups where their shared memory
+        fits; none past the head dims plan() takes. The two-consumer ones name the field (c2),
+        the others keep their names (one consumer)."""
         if capability is None or capability[0] != platforms.HOPPER or head_dim > MAX_HEAD_DIM:
             return []
         if mask != "none" and head_dim > MAX_HEAD_DIM_MASKED:
@@ -113,8 +119,11 @@ class MosaicAttention(base.Implementation):
         if bias in ("shared", "both") and _fits(dtype, head_dim, default, 2, bias, mask):
             out.append(dict(block_k=default, rows_per_program=2))
         other = 64 if default == 128 else 128
-        if other == 64 or ok:
-            out.append(dict(block_k=other, rows_per_program=1))
+        tiles = [default] + ([other] if other == 64 or ok else [])
+        out += [dict(block_k=other, rows_per_program=1)] if len(tiles) > 1 else []
+        for bk in tiles:
+            if _fits(dtype, head_dim, bk, 1, bias, mask, consumers=2):
+                out.append(dict(block_k=bk, rows_per_program=1, consumer_warpgroups=2))
         return out
 
     def __post_init__(self):
@@ -127,6 +136,7 @@ class MosaicAttention(base.Implementation):
             raise ValueError(
                 f"rows_per_program must be None or an int in [1, {MAX_ROWS_PER_PROGRAM}], got {rows}"
             )
+        check_consumers(self.consumer_warpgroups, rows)
         checks.check_bool("interpret", self.interpret)
 
     def tiles(self, compute_dtype, head_dim: int, options: bool = False) -> tuple[int, int]:
@@ -257,15 +267,20 @@ class MosaicAttention(base.Implementation):
         )
 
 
-def _fits(dtype, head_dim: int, block_k: int, rows: int, bias: str, mask: str) -> bool:
-    """Whether the kernels' shared memory at those tiles and rows a program fits an H100 block,
+def _fits(
+    dtype, head_dim: int, block_k: int, rows: int, bias: str, mask: str, consumers: int = 1
+) -> bool:
+    """Whether the kernels' shared memory at those tiles, rows a program and consumer
+    warpgroups fits an H100 block,
     planned at AF2's MSA row form (a [1, 1, T, S] bias; 'both' a [B, 1, T, S] one too; a [B, 1,
     1, S] key mask or a [B, 1, T, S] full one)."""
     sd = jax.ShapeDtypeStruct
     q = sd((rows, 384, 1, head_dim), dtype)
     biases = [sd((1, 1, 384, 384), dtype)] + [sd((rows, 1, 384, 384), dtype)] * (bias == "both")
     mask = None if mask == "none" else sd((rows, 1, 384 if mask == "full" else 1, 384), jnp.bool_)
-    impl = MosaicAttention(block_k=block_k, rows_per_program=rows, interpret=True)
+    impl = MosaicAttention(
+        block_k=block_k, rows_per_program=rows, consumer_warpgroups=consumers, interpret=True
+    )
     plan = impl._make(q, q, q, biases, mask, 1.0, dtype, base.PLAIN)
     return shared_memory_bytes(plan) <= SHARED_MEMORY_LIMIT
 

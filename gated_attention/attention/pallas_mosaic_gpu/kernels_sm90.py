@@ -1,6 +1,7 @@
-"""The Mosaic GPU kernels (attention/pallas_mosaic_gpu/implementation.py's docstring: grids, numerics): the forward, the dk/dv kernel
-and the dq/bias-gradient kernel with their shared-memory scratch and launches, forward and
-backward, the pair attention/pallas_mosaic_gpu/implementation.py makes a custom VJP of; on mosaic_tiles' pipeline and tiles.
+"""The Mosaic GPU backward kernels (attention/pallas_mosaic_gpu/implementation.py's docstring: grids, numerics): the dk/dv
+kernel and the dq/bias-gradient kernel with their shared-memory scratch and launches, and the
+forward/backward pair attention/pallas_mosaic_gpu/implementation.py makes a custom VJP of (the forward kernel:
+attention/pallas_mosaic_gpu/kernels_sm90_forward.py); on pipeline.py's pipeline and tiles.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from gated_attention.attention import base
-from gated_attention.attention.gpu_common import LOG2E, softmax_delta, sum_bias_partials
+from gated_attention.attention.gpu_common import softmax_delta, sum_bias_partials
+from gated_attention.attention.pallas_mosaic_gpu.kernels_sm90_forward import (
+    forward_scratch,
+    weights,
+)
 from gated_attention.attention.pallas_mosaic_gpu.pipeline import (
     Stream,
     key_blocks,
-    kv_tile,
     lhs_operand,
     live_scratch,
     logits,
@@ -25,8 +29,6 @@ from gated_attention.attention.pallas_mosaic_gpu.pipeline import (
     pair_streams,
     pipeline,
     query_blocks,
-    row_pair_streams,
-    row_streams,
     row_structure,
     split_refs,
     staging_scratch,
@@ -43,160 +45,38 @@ from gated_attention.attention.pallas_mosaic_gpu.plan import (
     broadcast_form,
     modules,
 )
-from gated_attention.core import numerics
 
 
-def _weights(s, shift, q_axis: int):
-    """exp(s - shift) of a tile of logits, shift (the row max or the log-sum-exp) along the
-    query axis: exp2 of one FFMA and one MUFU.EX2 a score (Mosaic GPU's mul and sub contract)."""
-    return jnp.exp2(s * LOG2E - lax.broadcast_in_dim(shift * LOG2E, s.shape, (q_axis,)))
+def _bytes(scratch) -> int:
+    return sum(
+        math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+        for x in scratch
+        if hasattr(x, "dtype") and hasattr(x, "shape")
+    )
 
 
-def _forward_kernel(*refs, plan: Plan):
-    """Batch rows g * R .. g * R + R - 1 (R = Plan.rows_per_program; in the last group, rows
-    past the batch repeat its last row: the same values stored twice) of head n, query block i.
-    Each key block's step streams every row's k and v tiles, and the tile of a bias or mask
-    shared over the batch once for all R rows."""
-    pl, plgpu = modules()
-    ops = plan.ops
-    per = plan.rows_per_program
-    front, bias_refs, mask_ref, (_, live_k_ref), meta_ref, refs = split_refs(plan, refs, 3)
-    q_ref, k_ref, v_ref = front
-    o_ref, lse_ref = refs.pop(0), refs.pop(0)
-    q_smem, q_bar, consumed, o_smem, lse_smem, *scratch = refs
-    staging = scratch.pop(0) if jnp.dtype(plan.compute_dtype) == jnp.float32 else None
-    g, n, i = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("i")
-    last = lse_ref.shape[0] - 1
-    rows = [g] if per == 1 else [jnp.minimum(g * per + r, last) for r in range(per)]
-    kv = lax.div(n, jnp.int32(plan.q_heads_per_kv_head))
-    st = row_structure(meta_ref, rows[0])  # several rows only without a structure (Plan.make)
-    lo, hi = key_blocks(plan, st, i)
-    q_span = pl.ds(i * plan.block_q, plan.block_q)
-    streams, k_bufs, v_bufs = row_streams(plan, rows, kv, k_ref, v_ref, scratch)
-    live_bufs = []
-    pair, bias_slots, mask_slots = row_pair_streams(plan, bias_refs, mask_ref, scratch, rows, n, i)
-    streams += pair
-    if plan.live:  # keys no query of head n sees: zeroed in v before p @ v
-        for b in rows:
-            live_buf, live_bar = scratch.pop(0), scratch.pop(0)
-            source = vector_source(plan, live_k_ref, lambda r, b=b: b, lambda r: n,
-                                    lambda r, j: j, plan.block_k)  # fmt: skip
-            streams.append(Stream(source, live_buf, live_bar))
-            live_bufs.append(live_buf)
-
-    def begin(r):
-        for c, b in enumerate(rows):
-            plgpu.copy_gmem_to_smem(plan.rows(q_ref, b, q_span, n, Q), q_smem.at[c], q_bar.at[c])
-        for c in range(per):
-            plgpu.barrier_wait(q_bar.at[c])
-        acc = ops.zeros((plan.block_q, plan.value_dim))
-        carry = acc, ops.zeros((plan.block_q,), 1, -jnp.inf), ops.zeros((plan.block_q,), 1)
-        return (carry,) * per
-
-    def row_step(c, j, slot, carry):
-        acc, m_prev, l_prev = carry
-        s = ops.dot(q_smem.at[c], k_bufs[c].at[slot], trans_b=True)
-        biases = [
-            widen(plan, buf.at[slot], shape)
-            for buf, shape in zip(bias_slots[c], plan.bias_shapes, strict=True)
-        ]
-        mask = mask_slots[c]
-        mask = None if mask is None else widen(plan, mask.at[slot], plan.mask_shape)
-        s, _ = logits(plan, s, biases, mask, st, i, j)
-        m = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        correction = jnp.exp2((m_prev - m) * LOG2E)
-        p = _weights(s, m, 0)
-        acc = acc * lax.broadcast_in_dim(correction, acc.shape, (0,))
-        v_slot = v_bufs[c].at[slot]
-        if plan.live:
-            zero_dead_rows(plan, v_slot, live_bufs[c].at[slot])
-        acc = ops.dot(lhs_operand(plan, p, staging), v_slot, trans_b=plan.tf32, acc=acc)
-        return acc, m, l_prev * correction + jnp.sum(p, axis=1)
-
-    def step(r, j, slot, carries):
-        return tuple(row_step(c, j, slot, carry) for c, carry in enumerate(carries))
-
-    def end(r, carries):
-        for c, (acc, m, total) in enumerate(carries):
-            if st is not None:  # a row whose every key block was skipped: 0 and a finite lse
-                seen = total > 0
-                total = jnp.where(seen, total, 1.0)
-                m = jnp.where(seen, m, numerics.MASK_VALUE)
-            out = (acc / lax.broadcast_in_dim(total, acc.shape, (0,))).astype(o_smem.dtype)
-            o_smem.at[c][...] = out
-            lse_smem.at[c][...] = m + jnp.log(total)
-        plgpu.commit_smem()
-        for c, b in enumerate(rows):
-            plgpu.copy_smem_to_gmem(o_smem.at[c], plan.rows(o_ref, b, q_span, n))
-            plgpu.copy_smem_to_gmem(lse_smem.at[c], lse_ref.at[b, n, q_span])
-        plgpu.wait_smem_to_gmem(0)
-
-    pipeline(plan, 1, lambda r: (lo, hi), streams, consumed, begin, step, end)
+REDUCTION_SCRATCH = 128 * 4 * 4  # Mosaic GPU's CompilerParams.reduction_scratch_bytes default
 
 
-def forward_scratch(plan: Plan) -> list:
-    """The forward kernel's shared memory and barriers, in the order it unpacks them: the R =
-    Plan.rows_per_program rows' q, output and lse tiles, then per row its k and v slots, then
-    the biases' and mask's slots (pair_scratch: shared over the batch once) and per row the
-    live keys'."""
-    _, plgpu = modules()
-    cdt = jnp.dtype(plan.compute_dtype)
-    per = plan.rows_per_program
-    rows = []
-    for _ in range(per):
-        rows += [
-            plan.smem((DEPTH, plan.block_k, plan.head_dim), cdt, operand=True),
-            plgpu.Barrier(num_barriers=DEPTH),
-            plan.smem(kv_tile(plan, plan.value_dim), cdt, operand=True),
-            plgpu.Barrier(num_barriers=DEPTH),
-        ]
-    return [
-        plan.smem((per, plan.block_q, plan.head_dim), cdt, operand=True),
-        plgpu.Barrier(num_barriers=per),
-        plgpu.Barrier(num_barriers=DEPTH),  # consumed
-        plan.smem((per, plan.block_q, plan.value_dim), cdt, operand=True),
-        plan.smem((per, plan.block_q), jnp.float32),
-        *staging_scratch(plan, plan.block_q, plan.block_k),
-        *rows,
-        *pair_scratch(plan, rows=per),
-        *(live_scratch(plan, plan.block_k) * per),
-    ]
+def _bound(scratch) -> int:
+    """_bytes with each buffer rounded up to 1 KiB, 8 B a barrier and Mosaic GPU's reduction
+    scratch: what a float32 two-consumer forward's compile took, to the byte (233,616)."""
+    barriers = sum(math.prod(x.num_barriers) for x in scratch if hasattr(x, "num_arrivals"))
+    padded = sum(-(-_bytes([x]) // 1024) * 1024 for x in scratch)
+    return padded + 8 * barriers + REDUCTION_SCRATCH
 
 
 def shared_memory_bytes(plan: Plan) -> int:
-    """The most shared memory one of the three kernels' blocks takes (barriers aside)."""
-
-    def total(scratch):
-        return sum(
-            math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-            for x in scratch
-            if hasattr(x, "dtype") and hasattr(x, "shape")
-        )
-
-    return max(total(f(plan)) for f in (forward_scratch, dkdv_scratch, dq_scratch))
+    """The most shared memory one of the three kernels' blocks takes (barriers aside; the
+    two-consumer forward's _bound: its plain sum was 3,216 B short of a float32 compile's)."""
+    back = plan.with_one_consumer()  # the plan backward() runs them with
+    forward = (_bytes if plan.consumer_warpgroups == 1 else _bound)(forward_scratch(plan))
+    return max(forward, _bytes(dkdv_scratch(back)), _bytes(dq_scratch(back)))
 
 
-def forward(plan: Plan, q, k, v, biases, extras):
-    """(out [B, Tp, N, Dv] ([Tp, B, N, Dv] with Plan.columns) in the compute dtype, lse
-    [B, N, Tp] float32) of padded inputs."""
-    batch, heads, cdt = q.shape[1 if plan.columns else 0], plan.heads, jnp.dtype(plan.compute_dtype)
-    perm = (1, 2, 3, 0) if plan.columns else (0, 2, 3, 1)  # v transposed: [B, K, Dv, S]
-    v_op = jnp.transpose(v, perm) if plan.tf32 else v
-    rows = (plan.q_pad, batch) if plan.columns else (batch, plan.q_pad)
-    out_type = (
-        jax.ShapeDtypeStruct((*rows, heads, plan.value_dim), cdt),
-        jax.ShapeDtypeStruct((batch, heads, plan.q_pad), jnp.float32),
-    )
-    groups = -(-batch // plan.rows_per_program)  # the last group's rows clamped to the batch
-    return plan.launch(
-        _forward_kernel,
-        (groups, heads, plan.q_blocks),
-        ("b", "n", "i"),
-        out_type,
-        forward_scratch(plan),
-        (q, k, v_op, *biases, *extras),
-        "gated_attention_mosaic_forward",
-    )
+def forward_bytes(plan: Plan) -> int:
+    """The forward kernel's shared memory (barriers aside)."""
+    return _bytes(forward_scratch(plan))
 
 
 def _load_whole(copies, barriers):
@@ -227,7 +107,7 @@ def _p_and_ds(plan: Plan, s, cap_grad, lse_ref, delta_ref, do_ref, v_ref, transp
     ops = plan.ops
     q_axis = 1 if transposed else 0
     lse = ops.load(lse_ref, axis=1 - q_axis)
-    p = _weights(s, lse, q_axis)
+    p = weights(s, lse, q_axis)
     lhs, rhs = (v_ref, do_ref) if transposed else (do_ref, v_ref)
     dp = ops.dot(lhs, rhs, trans_b=True)
     delta = ops.load(delta_ref, axis=1 - q_axis)
@@ -297,10 +177,10 @@ def _dkdv_kernel(*refs, plan: Plan):
         tiles = [(plan.rows(k_ref, b, ks, kv, K), k_smem), (plan.rows(v_ref, b, ks, kv, V), v_smem)]
         _load_whole(tiles, kv_bar)
 
-    def begin(r):
+    def begin(c, r):  # one consumer: c is 0
         return ops.zeros((plan.block_k, plan.head_dim)), ops.zeros((plan.block_k, plan.value_dim))
 
-    def step(r, i, slot, carry):
+    def step(c, r, i, slot, carry):
         dk, dv = carry
         st_ = ops.dot(k_smem, q_buf.at[slot], trans_b=True)  # [bk, bq]
         s, cap_grad = _slot_logits(
@@ -314,7 +194,7 @@ def _dkdv_kernel(*refs, plan: Plan):
         dk = _grad_dot(plan, ds, staging, q_buf, qt_buf, slot, dk)
         return dk, dv
 
-    def end(r, carry):  # after the group's last head: the accumulators span the group
+    def end(c, r, carry):  # after the group's last head: the accumulators span the group
         dk, dv = carry
         dk_smem[...] = (dk * plan.scale).astype(dk_smem.dtype)
         dv_smem[...] = dv.astype(dv_smem.dtype)
@@ -438,7 +318,7 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
         streams.append(Stream(source, live_buf, live_bar))
     dbias_tile = _dbias_tiles(plan, dbias_refs, g, n, i, qs, ks)
 
-    def begin(r):
+    def begin(c, r):  # one consumer: c is 0
         b = b_of(r)
         tiles = [(plan.rows(q_ref, b, qs, n, Q), q_smem), (plan.rows(do_ref, b, qs, n), do_smem)]
         tiles += [(lse_ref.at[b, n, qs], lse_smem), (delta_ref.at[b, n, qs], delta_smem)]
@@ -446,7 +326,7 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
         _zero_dbias(plan, rmw, dbias_tile, r, b)
         return ops.zeros((plan.block_q, plan.head_dim))
 
-    def step(r, j, slot, dq):
+    def step(c, r, j, slot, dq):
         b = b_of(r)
         st = row_structure(meta_ref, b)
         if plan.live:
@@ -458,7 +338,7 @@ def _dq_dbias_kernel(*refs, plan: Plan, batch: int):
         _accumulate_dbias(plan, rmw, dbias_tile, b, j, ds)
         return _grad_dot(plan, ds, staging, k_buf, kt_buf, slot, dq)
 
-    def end(r, dq):
+    def end(c, r, dq):
         dq_smem[...] = (dq * plan.scale).astype(dq_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(dq_smem, plan.rows(dq_ref, b_of(r), qs, n))
@@ -533,6 +413,7 @@ def dq_scratch(plan: Plan) -> list:
 def backward(plan: Plan, residuals, cotangents):
     """(dq, dk, dv, dbiases, None per extra) of padded inputs (base.kernel_attention)."""
     _, plgpu = modules()
+    plan = plan.with_one_consumer()  # the forward's consumers leave its out/lse layout as is
     q, k, v, biases, extras, out, lse = residuals
     d_out, d_lse = cotangents
     batch, heads, cdt = q.shape[1 if plan.columns else 0], plan.heads, jnp.dtype(plan.compute_dtype)

@@ -1,6 +1,6 @@
 """What the Mosaic GPU kernels (attention/pallas_mosaic_gpu/kernels_sm90.py) share: the pipeline (`pipeline`: a producer
-warpgroup streams tiles by TMA into DEPTH shared-memory slots, the consumer warpgroup waits for
-each slot, computes with wgmma and releases it), the streams of bias, mask and live-row tiles, the
+warpgroup streams tiles by TMA into DEPTH shared-memory slots, each consumer warpgroup waits for
+each slot, computes with wgmma and releases it; Schedule, two consumers' ping-pong), the streams of bias, mask and live-row tiles, the
 zeroing of dead rows in shared memory, the logits of a tile and the key and query block ranges
 (masking's one rule).
 
@@ -26,7 +26,7 @@ from gated_attention.attention.pallas_mosaic_gpu.plan import (
     broadcast_form,
     modules,
 )
-from gated_attention.core import masking
+from gated_attention.core import compat, masking
 
 
 class Stream(NamedTuple):
@@ -38,21 +38,34 @@ class Stream(NamedTuple):
     barriers: Any
 
 
+# Registers a thread of a 3-warpgroup program (65536 / 384 = 170 each at launch): the
+# producer gives back to the two consumers (setmaxnreg; 2 x 232 + 40 <= 512, multiples of 8).
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 40, 232
+SCHEDULE = 4  # named barriers 4 and 5: Mosaic GPU keeps 0 and 1 .. warpgroups for its own
+
+
 def pipeline(plan, rows: int, span, streams, consumed, begin, step, end, carry_rows=False):
-    """For r < rows and j in span(r) = [lo, hi): the producer (wg 1) copies every stream's slice
-    of (r, j) into slot count % DEPTH, first waiting until the consumer released the slot's
-    previous use; the consumer (wg 0) runs carry = begin(r), carry = step(r, j, slot, carry) once
-    the slot's copies arrived, then end(r, carry). carry_rows: one carry over all rows,
-    begin(None) before the first and end(None, carry) after the last."""
+    """For r < rows and j in span(r) = [lo, hi): the producer (the last warpgroup) copies every
+    stream's slice of (r, j) into slot count % DEPTH, first waiting until every consumer released
+    the slot's previous use; each consumer c < Plan.consumer_warpgroups (warpgroup c) runs carry
+    = begin(c, r), carry = step(c, r, j, slot, carry) once the slot's copies arrived, then
+    end(c, r, carry), all consumers over the same slots. carry_rows: one carry over all rows,
+    begin(c, None) before the first and end(c, None, carry) after the last. Alone (the
+    interpreter's one warpgroup) the consumers run one after the other, issuing their copies."""
     pl, plgpu = modules()
     wg = lax.axis_index("wg")
+    consumers = plan.consumer_warpgroups
     alone = plan.warpgroups == 1  # the consumer issues its own copies (INTERPRET_WARPGROUPS)
+    rebalance = consumers > 1 and not plan.interpret  # the interpreter has no registers
 
     def issue(r, j, slot):
         for s in streams:
             plgpu.copy_gmem_to_smem(s.source(r, j), s.buffers.at[slot], s.barriers.at[slot])
 
     def produce():
+        if rebalance:
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
         def row(r, count):
             def load(j, count):
                 slot = lax.rem(count, jnp.int32(DEPTH))
@@ -74,10 +87,12 @@ def pipeline(plan, rows: int, span, streams, consumed, begin, step, end, carry_r
             plgpu.barrier_wait(consumed.at[lax.rem(c, jnp.int32(DEPTH))])
 
     if not alone:
-        pl.when(wg == 1)(produce)
+        pl.when(wg == consumers)(produce)
 
-    @pl.when(wg == 0)
-    def _consume():
+    def consume(c):
+        if rebalance:
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+
         def steps(r, count, carry):
             def compute(j, state):
                 count, carry = state
@@ -86,7 +101,7 @@ def pipeline(plan, rows: int, span, streams, consumed, begin, step, end, carry_r
                     issue(r, j, slot)
                 for s in streams:
                     plgpu.barrier_wait(s.barriers.at[slot])
-                carry = step(r, j, slot, carry)
+                carry = step(c, r, j, slot, carry)
                 if not alone:
                     plgpu.barrier_arrive(consumed.at[slot])
                 return count + 1, carry
@@ -95,17 +110,51 @@ def pipeline(plan, rows: int, span, streams, consumed, begin, step, end, carry_r
 
         if carry_rows:
             _, carry = lax.fori_loop(
-                0, rows, lambda r, state: steps(r, *state), (jnp.int32(0), begin(None))
+                0, rows, lambda r, state: steps(r, *state), (jnp.int32(0), begin(c, None))
             )
-            end(None, carry)
+            end(c, None, carry)
             return
 
         def row(r, count):
-            count, carry = steps(r, count, begin(r))
-            end(r, carry)
+            count, carry = steps(r, count, begin(c, r))
+            end(c, r, carry)
             return count
 
         lax.fori_loop(0, rows, row, jnp.int32(0))
+
+    for c in range(consumers):
+        if alone:
+            consume(c)
+        else:
+            pl.when(wg == c)(functools.partial(consume, c))
+
+
+class Schedule(NamedTuple):
+    """Ping-pong of two consumer warpgroups over hardware named barriers (compiled only): a
+    consumer hands the tensor cores over once its s = q @ k.T is issued and waits for its turn
+    before p @ v, so one's wgmma runs under the other's softmax. Consumer 1 starts by waiting
+    (first), consumer 0 ends by handing over (last), so both barriers balance."""
+
+    on: bool
+
+    def _bar(self, action: str, barrier: int):
+        if self.on:
+            _, plgpu = modules()
+            compat.named_barrier(plgpu, action, SCHEDULE + barrier, 2 * 128)
+
+    def hand_over(self, c: int):
+        self._bar("arrive", 1 - c)
+
+    def wait_turn(self, c: int):
+        self._bar("sync", c)
+
+    def first(self, c: int):
+        if c == 1:
+            self.wait_turn(c)
+
+    def last(self, c: int):
+        if c == 0:
+            self.hand_over(c)
 
 
 def zero_dead_rows(plan: Plan, ref, live_ref):
@@ -278,44 +327,46 @@ def pair_streams(
     return streams, bias_slots, mask_slots
 
 
-def row_pair_streams(plan: Plan, bias_refs, mask_ref, scratch, rows, n, i):
-    """pair_streams for a step over several batch rows `rows` (Plan.rows_per_program): an array
-    shared over the batch is one stream whose slot every row reads (its tile loaded once a key
-    block), one per batch row gets a stream per row. (streams, bias slot refs per row [row][t],
-    mask slot ref per row or None), popping buffers and barriers from `scratch` in
-    pair_scratch(plan, rows=len(rows))'s order."""
+def row_pair_streams(plan: Plan, bias_refs, mask_ref, scratch, parts, n):
+    """pair_streams for a forward step over several parts (Plan.parts: batch row b, query block
+    i for each): an array each part needs its own tiles of (Plan.own_tiles) gets a stream per
+    part, any other one stream whose slot every part reads (a bias shared over the batch loaded
+    once a key block for all rows; a key-only one for both consumers). (streams, bias slot refs
+    per part [part][t], mask slot ref per part or None), popping buffers and barriers from
+    `scratch` in pair_scratch(plan, parts=len(parts))'s order."""
     streams = []
-    per_row = [[] for _ in rows]
+    per_part = [[] for _ in parts]
     shapes = list(plan.bias_shapes) + ([plan.mask_shape] if mask_ref is not None else [])
     refs = list(bias_refs) + ([mask_ref] if mask_ref is not None else [])
     for ref, shape in zip(refs, shapes, strict=True):
         form = broadcast_form(shape)
-        owners = rows if shape[0] > 1 else rows[:1]
+        own = plan.own_tiles(shape)
         bufs = []
-        for b in owners:
+        for b, i in parts if own else parts[:1]:
             buf, bar = scratch.pop(0), scratch.pop(0)
 
-            def source(r, j, ref=ref, form=form, b=b):
+            def source(r, j, ref=ref, form=form, b=b, i=i):
                 return gather(ref, form, b, n, i, j, plan)
 
             streams.append(Stream(source, buf, bar))
             bufs.append(buf)
-        for c, slots in enumerate(per_row):
-            slots.append(bufs[c] if shape[0] > 1 else bufs[0])
-    masks = [slots.pop() for slots in per_row] if mask_ref is not None else [None] * len(rows)
-    return streams, per_row, masks
+        for c, slots in enumerate(per_part):
+            slots.append(bufs[c] if own else bufs[0])
+    masks = [slots.pop() for slots in per_part] if mask_ref is not None else [None] * len(parts)
+    return streams, per_part, masks
 
 
-def pair_scratch(plan: Plan, transposed: bool = False, rows: int = 1):
-    """Scratch for pair_streams: (buffer, barriers) per bias, then the mask's; `rows` of them
-    for an array given per batch row (row_pair_streams), one for one shared over the batch."""
+def pair_scratch(plan: Plan, transposed: bool = False, parts: int = 1):
+    """Scratch for pair_streams: (buffer, barriers) per bias, then the mask's; `parts` of them
+    for an array each part of a forward program needs its own tiles of (row_pair_streams), one
+    for the others."""
     _, plgpu = modules()
     out = []
     pairs = list(zip(plan.bias_shapes, plan.bias_dtypes, strict=True))
     if plan.mask_shape is not None:
         pairs.append((plan.mask_shape, plan.mask_dtype))
     for shape, dtype in pairs:
-        for _ in range(rows if shape[0] > 1 else 1):
+        for _ in range(parts if plan.own_tiles(shape) else 1):
             buffer = tile_buffer(plan, shape, dtype, transposed)
             out += [buffer, plgpu.Barrier(num_barriers=DEPTH)]
     return out

@@ -3,7 +3,7 @@ Mosaic GPU form JAX's Mosaic GPU interpreter cannot run (the `Ops` of a plan).
 
 Plan is hashable (the custom VJP's static argument): tiles, padded sizes, the broadcast form of
 each bias and of the mask, the options the kernels apply. `launch` is plgpu.kernel with a
-producer warpgroup (TMA loads) and a consumer warpgroup (wgmma and the softmax).
+producer warpgroup (TMA loads) and one or two consumer warpgroups (wgmma and the softmax).
 
 The interpreter (jax 0.10.2 and 0.12) runs TMA copies, barriers, threads and loops, but not
 `plgpu.load` with a register layout, layout casts, `broadcasted_iota` with a layout, nor wgmma
@@ -97,6 +97,30 @@ class Plan(base.KernelPlan):
     # Batch rows of one forward program (MosaicAttention.rows_per_program): they read the tiles
     # of a bias (and mask) shared over the batch once a key block.
     rows_per_program: int = 1
+    # Consumer warpgroups of a forward program (MosaicAttention.consumer_warpgroups): each owns
+    # block_q query rows of the program's consumer_warpgroups * block_q, all read the same K/V
+    # slots. The backward kernels run on with_one_consumer() (one consumer, as before).
+    consumer_warpgroups: int = 1
+
+    @property
+    def parts(self) -> int:
+        """The (batch row, query block) parts of one forward program: its rows or consumers."""
+        return self.rows_per_program * self.consumer_warpgroups
+
+    def own_tiles(self, shape) -> bool:
+        """Whether each part of a forward program needs its own tiles of a [B|1, N|1, T|1, S|1]
+        array: its rows differ in B, its consumers in T; else one tile serves them all."""
+        return (self.rows_per_program > 1 and shape[0] > 1) or (
+            self.consumer_warpgroups > 1 and shape[2] > 1
+        )
+
+    @property
+    def threads(self) -> int:
+        """Warpgroups a program runs: the consumers and a producer; 1 alone (interpreter)."""
+        return 1 if self.warpgroups == 1 else self.consumer_warpgroups + 1
+
+    def with_one_consumer(self) -> Plan:
+        return dataclasses.replace(self, consumer_warpgroups=1)
 
     def rows(self, ref, b, span, n, slot: int | None = None):
         """ref [B, L, N, D] ([L, B, N, D] with columns) at batch row b, rows span, head n; `slot`
@@ -129,8 +153,9 @@ class Plan(base.KernelPlan):
         return Ops(self.interpret)
 
     def launch(self, kernel, grid, names, out_type, scratch, args, name: str):
-        """plgpu.kernel over `grid` (axes `names`) with its warpgroups, axis 'wg': 0 computes,
-        1 loads; `name` names the kernel (ptxas reports it)."""
+        """plgpu.kernel over `grid` (axes `names`) with its warpgroups, axis 'wg': 0 ..
+        consumer_warpgroups - 1 compute, the last loads; `name` names the kernel (ptxas reports
+        it)."""
         _, plgpu = modules()
         body = functools.partial(kernel, plan=self)
         body.__name__ = name
@@ -140,7 +165,7 @@ class Plan(base.KernelPlan):
             scratch_types=scratch,
             grid=grid,
             grid_names=names,
-            num_threads=self.warpgroups,
+            num_threads=self.threads,
             thread_name="wg",
             # ex2.approx.ftz for exp2 (no subnormal fix-up: 3 instructions a score); its tanh
             # would be approx too (2**-11), so a soft cap keeps the exact functions.
@@ -184,6 +209,7 @@ class Plan(base.KernelPlan):
         shared = any(b.shape[0] == 1 for b in biases)
         per = impl.rows_per_program or 1
         per = per if shared and not extra else 1
+        consumers = check_consumers(impl.consumer_warpgroups, impl.rows_per_program)
         return cls(
             **base.KernelPlan.shared(impl, query, key, scale, compute_dtype, options),
             block_q=block_q,
@@ -203,7 +229,20 @@ class Plan(base.KernelPlan):
             columns=options.positions_first,
             packed=options.packed,
             rows_per_program=max(1, min(per, batch)),
+            consumer_warpgroups=consumers,
         )
+
+
+def check_consumers(consumers, rows) -> int:
+    """MosaicAttention.consumer_warpgroups, refused where the forward cannot run it."""
+    if isinstance(consumers, bool) or consumers not in (1, 2):
+        raise ValueError(f"consumer_warpgroups must be 1 or 2, got {consumers!r}")
+    if consumers == 2 and (rows or 1) > 1:
+        raise ValueError(
+            f"consumer_warpgroups=2 takes rows_per_program None or 1 (one batch row a program, "
+            f"two query blocks), got rows_per_program={rows}"
+        )
+    return consumers
 
 
 @functools.cache
@@ -245,9 +284,10 @@ class Ops:
         _, plgpu = modules()
         return plgpu.broadcasted_iota(jnp.int32, shape, dimension, layout=plgpu.Layout.WGMMA)
 
-    def dot(self, a, b, *, trans_b: bool = False, acc=None):
+    def dot(self, a, b, *, trans_b: bool = False, acc=None, issued=None):
         """acc + a @ b (b.T with trans_b) in float32: `a` a shared-memory ref or registers, `b`
-        a shared-memory ref; acc None: from zero."""
+        a shared-memory ref; acc None: from zero. issued(): run once the wgmma is issued, before
+        its result is awaited (compiled only)."""
         if self.interpret:
             bv = b[...]
             out = jnp.dot(
@@ -260,6 +300,8 @@ class Ops:
 
         def step(acc_ref):
             plgpu.wgmma(acc_ref, a, rhs)
+            if issued is not None:
+                issued()
 
         if acc is None:
             shape = (a.shape[0], b.shape[0] if trans_b else b.shape[1])
