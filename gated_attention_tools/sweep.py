@@ -95,14 +95,22 @@ def cells(cfg) -> list[device_benchmark.Cell]:
     ]
 
 
+def skipped(candidate, skip) -> bool:
+    """Whether cfg.skip names the candidate or one of its fields ('c2': every two-consumer one)."""
+    name = candidate.name
+    return any(x == name or x in name.partition(":")[2].split(",") for x in skip)
+
+
 def cell_candidates(cell, cap, cfg) -> list[tuning_candidates.Candidate]:
     """The candidates a GPU of capability `cap` takes at the cell (its bias and mask form), of
-    cfg.implementations, the first cfg.candidates_per_implementation of each (0: all)."""
+    cfg.implementations, less those cfg.skip names, the first cfg.candidates_per_implementation
+    of each (0: all)."""
     s = cell.shape
     found = tuning_candidates.for_target(
         cap, cell.dtype, s.head_dim, bias="shared" if s.bias else "none",
         mask="key" if s.mask else "none", implementations=tuple(cfg.implementations),
     )  # fmt: skip
+    found = [c for c in found if not skipped(c, cfg.get("skip", ()))]
     if not cfg.candidates_per_implementation:
         return found
     kept, count = [], {}

@@ -18,7 +18,7 @@ from gated_attention.attention.pallas_mosaic_gpu import implementation as mosaic
 from gated_attention.attention.pallas_mosaic_gpu import plan as mosaic_plan
 from tests import implementation_harness as harness
 from tests import reference
-from tests.helpers import assert_close, rand
+from tests.helpers import assert_close, on_device, rand
 
 
 def _impl(consumers: int = 2, **kw):
@@ -162,3 +162,19 @@ def test_the_backward_runs_one_consumer():
     back = plan.with_one_consumer()
     assert (plan.consumer_warpgroups, back.consumer_warpgroups) == (2, 1)
     assert plan.q_pad == back.q_pad == 192
+
+
+@on_device("gpu")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_two_consumers_compiled_against_the_reference(dtype, block_k):
+    """The compiled two-consumer forward (named-barrier ping-pong, setmaxnreg: what the
+    interpreter cannot run), each candidate tile, at AF2's MSA row form with uneven lengths (the
+    last program's second block clamped): forward and every gradient against the reference. A
+    device run checks it before its sweep times the `c2` candidates."""
+    shape = (3, 200, 150, 2, 32, 32)  # B, T, S, N, H, Hv
+    case, case64 = harness.problem(shape, dtype, "shared_bias+key_mask", seed=21)
+    impl = ga.MosaicAttention(block_k=block_k, consumer_warpgroups=2)
+    [result] = harness.run(impl, [case])
+    [expected] = harness.reference_run([case64])
+    harness.assert_matches(result, expected, dtype, f"two consumers compiled, bk{block_k}")
