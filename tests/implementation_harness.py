@@ -576,3 +576,57 @@ def allowed_by(t, s, kw):
         ok &= (j >= i - left) & (j <= i + right)
     q_ok = i < kw["query_seq_lengths"][:, None, None]
     return (ok & q_ok & (j < kw["key_value_seq_lengths"][:, None, None]))[:, None]
+
+
+def check_forward_batch_first_and_packed(impl, b: int, t: int, seed: int, keyless_rows) -> None:
+    """impl's bfloat16 forward, one head of 32, a bias shared over the batch and a key mask
+    (`keyless_rows` without a key): output and log-sum-exp (what the backward reads) against the
+    float64 reference, batch first from q, k, v and positions first from a packed q/k/v read in
+    place (Plan.columns, Plan.packed), in one jitted program."""
+    n, h = 1, 32
+    rng = np.random.default_rng(seed)
+    draw = lambda *shape: rng.normal(size=shape).astype(np.float32)  # noqa: E731
+    qkv, bias = draw(b, t, 3, n, h), draw(1, n, t, t)
+    mask = rng.random((b, 1, 1, t)) > 0.3
+    mask[list(keyless_rows)] = False
+    half = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
+    first = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731
+
+    @jax.jit
+    def run(qkv, bias):
+        q, k, v = (qkv[:, :, slot] for slot in range(3))
+        kw = dict(implementation=impl, compute_dtype="input", return_residual=True)
+        rows = ga.dot_product_attention(q, k, v, bias, jnp.asarray(mask), **kw)
+        packed = ga.packed_dot_product_attention(
+            first(qkv), bias, jnp.asarray(mask), positions_first=True, **kw
+        )
+        return rows, packed
+
+    exact = half(qkv).astype(np.float64), half(bias).astype(np.float64)
+    rows, packed = run(*(half(x) for x in (qkv, bias)))
+    with jax.enable_x64(True):
+        q, k, v = (np.asarray(exact[0][:, :, slot]) for slot in range(3))
+        out = reference.dot_product_attention(q, k, v, np.asarray(exact[1]), mask, xp=jnp)
+        _, lse = ga.dot_product_attention(
+            q, k, v, np.asarray(exact[1]), mask, implementation="xla", return_residual=True
+        )
+    live = np.asarray(mask).any(axis=(1, 2, 3))  # rows without a key: no log-sum-exp to match
+    for name, (o, r) in (("batch first", rows), ("packed", packed)):
+        o, r = (o, r) if name == "batch first" else (first(o), first(r))
+        assert_close(o.astype(jnp.float32), out, reference.tolerance("bfloat16"), name)
+        assert_close(r[live], np.asarray(lse)[live], dict(rtol=1e-5, atol=1e-5), name)
+
+
+def check_eagerly(impl, case: Case, case64: Case, dtype: str, name: str) -> None:
+    """impl's output and vjp at case.cot, run eagerly (the interpreter's several warpgroups run
+    only outside jit), against the float64 reference."""
+
+    def loss(q, k, v, bias):
+        out = ga.dot_product_attention(q, k, v, bias, case.mask, implementation=impl)
+        return jnp.sum(out.astype(jnp.float32) * case.cot.astype(jnp.float32)), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
+        case.q, case.k, case.v, case.bias
+    )
+    [expected] = reference_run([case64])
+    assert_matches((out, grads), expected, dtype, name)

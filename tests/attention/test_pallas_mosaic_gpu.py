@@ -21,8 +21,7 @@ from gated_attention.attention.pallas_mosaic_gpu import pipeline as mosaic_tiles
 from gated_attention.attention.pallas_mosaic_gpu import plan as mosaic_plan
 from gated_attention.core import masking
 from tests import implementation_harness as harness
-from tests import reference
-from tests.helpers import assert_close, device_param, on_device, rand
+from tests.helpers import device_param, on_device, rand
 from tests.implementation_harness import ImplementationTests
 
 # One group of batch rows for a shared bias's gradient (2 heads x 1 query block per row, 2
@@ -114,39 +113,9 @@ def test_rows_per_program_forward_in_bfloat16_positions_first_and_packed():
     key mask (rows 1 and 4 without a key): output and log-sum-exp (what the unchanged backward
     reads) against the float64 reference, batch first from q, k, v and positions first from a
     packed q/k/v read in place (Plan.columns, Plan.packed), in one jitted program."""
-    b, t, n, h = 5, 64, 1, 32
-    rng = np.random.default_rng(17)
-    draw = lambda *shape: rng.normal(size=shape).astype(np.float32)  # noqa: E731
-    qkv, bias = draw(b, t, 3, n, h), draw(1, n, t, t)
-    mask = rng.random((b, 1, 1, t)) > 0.3
-    mask[[1, 4]] = False
-    impl = _rows_impl(2)
-    half = lambda x: jnp.asarray(x, jnp.bfloat16)  # noqa: E731
-    first = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731
-
-    @jax.jit
-    def run(qkv, bias):
-        q, k, v = (qkv[:, :, slot] for slot in range(3))
-        kw = dict(implementation=impl, compute_dtype="input", return_residual=True)
-        rows = ga.dot_product_attention(q, k, v, bias, jnp.asarray(mask), **kw)
-        packed = ga.packed_dot_product_attention(
-            first(qkv), bias, jnp.asarray(mask), positions_first=True, **kw
-        )
-        return rows, packed
-
-    exact = half(qkv).astype(np.float64), half(bias).astype(np.float64)
-    rows, packed = run(*(half(x) for x in (qkv, bias)))
-    with jax.enable_x64(True):
-        q, k, v = (np.asarray(exact[0][:, :, slot]) for slot in range(3))
-        out = reference.dot_product_attention(q, k, v, np.asarray(exact[1]), mask, xp=jnp)
-        _, lse = ga.dot_product_attention(
-            q, k, v, np.asarray(exact[1]), mask, implementation="xla", return_residual=True
-        )
-    live = np.asarray(mask).any(axis=(1, 2, 3))  # rows without a key: no log-sum-exp to match
-    for name, (o, r) in (("batch first", rows), ("packed", packed)):
-        o, r = (o, r) if name == "batch first" else (first(o), first(r))
-        assert_close(o.astype(jnp.float32), out, reference.tolerance("bfloat16"), name)
-        assert_close(r[live], np.asarray(lse)[live], dict(rtol=1e-5, atol=1e-5), name)
+    harness.check_forward_batch_first_and_packed(
+        _rows_impl(2), b=5, t=64, seed=17, keyless_rows=(1, 4)
+    )
 
 
 def test_rows_per_program_only_with_a_bias_shared_over_the_batch():
@@ -183,15 +152,7 @@ def test_two_warpgroups_in_the_interpreter(monkeypatch):
         impl, case.q, case.k, case.v, [case.bias], case.mask, 1.0, jnp.bfloat16, ga.attention.base.PLAIN
     ).warpgroups == 2  # fmt: skip
 
-    def loss(q, k, v, bias):
-        out = ga.dot_product_attention(q, k, v, bias, case.mask, implementation=impl)
-        return jnp.sum(out.astype(jnp.float32) * case.cot.astype(jnp.float32)), out
-
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(
-        case.q, case.k, case.v, case.bias
-    )
-    [expected] = harness.reference_run([case64])
-    harness.assert_matches((out, grads), expected, "bfloat16", "two warpgroups")
+    harness.check_eagerly(impl, case, case64, "bfloat16", "two warpgroups")
 
 
 def test_key_loops_skip_exactly_the_tiles_the_structure_masks_whole():
