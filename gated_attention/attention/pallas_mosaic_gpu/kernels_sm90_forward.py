@@ -1,6 +1,7 @@
 """The Mosaic GPU forward kernel (attention/pallas_mosaic_gpu/implementation.py's docstring: grid, numerics), its
-shared-memory scratch and launch: one program per (batch rows, head, query blocks), the online
-softmax over the key blocks the pipeline (attention/pallas_mosaic_gpu/pipeline.py) streams.
+shared-memory scratch and launch: one program per tile (batch rows, head, query blocks), or
+(persistent) one per streaming multiprocessor looping over the tiles; the online softmax over
+the key blocks the pipeline (attention/pallas_mosaic_gpu/pipeline.py) streams.
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def _tile(plan: Plan, r, batch: int):
     last = math.prod(plan.tiles(batch)) - 1
     # Items past the last tile redo it: the same values stored twice, as for clamped rows.
     t = jnp.minimum(lax.axis_index("t") + r * plan.programs, jnp.int32(last))
-    per_row = jnp.int32(heads * spans)
+    per_group = jnp.int32(heads * spans)
     spans = jnp.int32(spans)
-    return lax.div(t, per_row), lax.div(lax.rem(t, per_row), spans), lax.rem(t, spans)
+    return lax.div(t, per_group), lax.div(lax.rem(t, per_group), spans), lax.rem(t, spans)
 
 
 class _Item(NamedTuple):
