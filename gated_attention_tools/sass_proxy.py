@@ -49,6 +49,9 @@ KERNELS = {
     "ours_mosaic_r2": ("gated_attention_mosaic_forward_mosaic_gpu_kernel", 32, "bfloat16"),
     # The Mosaic forward with two consumer warpgroups (MosaicAttention.consumer_warpgroups).
     "ours_mosaic_c2": ("gated_attention_mosaic_forward_mosaic_gpu_kernel", 32, "bfloat16"),
+    # The persistent Mosaic forward (MosaicAttention.persistent), one and two consumers.
+    "ours_mosaic_p1": ("gated_attention_mosaic_forward_mosaic_gpu_kernel", 32, "bfloat16"),
+    "ours_mosaic_c2p1": ("gated_attention_mosaic_forward_mosaic_gpu_kernel", 32, "bfloat16"),
     # The backward's two kernels (a vjp at the same shape): each recomputes p = exp(s - lse).
     "ours_mosaic_dkdv": ("gated_attention_mosaic_dkdv_mosaic_gpu_kernel", 32, "bfloat16"),
     "ours_mosaic_dq_dbias": ("gated_attention_mosaic_dq_dbias_mosaic_gpu_kernel", 32, "bfloat16"),
@@ -176,6 +179,16 @@ def missing() -> str | None:
     return targets.missing("h100")
 
 
+# The Mosaic forwards by option: two rows a program (the shared bias's tiles read once for both),
+# two consumer warpgroups on one producer's slots, persistent (one program per multiprocessor).
+_FORWARDS = dict(
+    r2=dict(rows_per_program=2),
+    c2=dict(consumer_warpgroups=2),
+    p1=dict(persistent=True),
+    c2p1=dict(consumer_warpgroups=2, persistent=True),
+)
+
+
 def _program(kernel: str):
     """(fn, abstract args) of the kernel's forward at SHAPE."""
     import jax
@@ -190,10 +203,8 @@ def _program(kernel: str):
     mask = sd((b, 1, 1, t), jnp.bool_)
     if kernel.startswith("ours_"):
         impl, _, backward = kernel.removeprefix("ours_").partition("_")
-        if backward == "r2":  # a forward, with the shared bias's tiles read once for two rows
-            impl, backward = ga.MosaicAttention(rows_per_program=2), ""
-        if backward == "c2":  # a forward, two consumer warpgroups on one producer's slots
-            impl, backward = ga.MosaicAttention(consumer_warpgroups=2), ""
+        if backward in _FORWARDS:  # a forward with some of MosaicAttention's options
+            impl, backward = ga.MosaicAttention(**_FORWARDS[backward]), ""
         fn = lambda q, k, v, b_, m: ga.dot_product_attention(q, k, v, b_, m, implementation=impl)
         if backward:  # the cotangent an argument, as in a training step
             op = fn

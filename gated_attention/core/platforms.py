@@ -97,6 +97,26 @@ def gpu_is_hopper() -> bool:
     return capability is not None and capability[0] == HOPPER
 
 
+# Streaming multiprocessors of the Hopper GPUs by kind, where a device does not say (core_count).
+_CORE_COUNTS = (("H100 PCIe", 114), ("H100 NVL", 132), ("H100", 132), ("H200", 132),
+                ("H800", 132), ("GH200", 132))  # fmt: skip
+CORE_COUNT_FALLBACK = 132  # an H100 SXM's: what the Mosaic GPU kernels are tuned for
+
+
+def gpu_core_count() -> int:
+    """The streaming multiprocessors of the GPU a program is being compiled for: its core_count
+    (a real device's or a deviceless compile's abstract one), else its kind's, else
+    CORE_COUNT_FALLBACK (no GPU: the interpreter's)."""
+    device = _gpu()
+    if device is None:
+        return CORE_COUNT_FALLBACK
+    count = getattr(device, "core_count", None)
+    if count:
+        return int(count)
+    found = _named(str(getattr(device, "device_kind", "")), _CORE_COUNTS)
+    return CORE_COUNT_FALLBACK if found is None else found
+
+
 # Opt-in shared memory per block by compute capability, bytes: the target configs'
 # (gated_attention_tools/target_configs/) and XLA's published ones for sm_86 (RTX A6000) and
 # sm_103 (B300); sm_87 (Jetson Orin) as the A100 in CUDA's table of compute capabilities.

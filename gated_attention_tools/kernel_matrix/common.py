@@ -40,6 +40,7 @@ FIELDS = {
     "consumer_warpgroups": "the Mosaic GPU forward's compute warpgroups a program "
     "(MosaicAttention's)",
     "block_k": "the Mosaic GPU kernels' keys a tile (MosaicAttention's; None: its rule)",
+    "persistent": "the Mosaic GPU forward as one program per multiprocessor (MosaicAttention's)",
 }
 REQUIRED = ("dtype", "head_dim", "bias", "mask")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -125,6 +126,7 @@ def case_name(case: dict[str, Any], sizes: Sizes = Sizes(), batch: bool = False)
         + (f" R={case['rows_per_program']}" if case.get("rows_per_program") else "")
         + (f" C={case['consumer_warpgroups']}" if case.get("consumer_warpgroups") else "")
         + (f" bk={case['block_k']}" if case.get("block_k") else "")
+        + (" persistent" if case.get("persistent") else "")
     )
 
 

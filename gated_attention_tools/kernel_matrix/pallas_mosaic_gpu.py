@@ -89,10 +89,10 @@ def compile_cases(target: str, cases: list[dict[str, Any]]) -> list[dict[str, An
 def _compile(
     target, dtype, head_dim, bias, mask, precision="default", options=False, batch=2, q_len=200,
     k_len=136, heads=2, positions_first=False, rows_per_program=None, consumer_warpgroups=1,
-    block_k=None,
+    block_k=None, persistent=False,
 ):  # fmt: skip
-    """Compiles one case's forward and vjp (`rows_per_program`, `consumer_warpgroups`, `block_k`:
-    MosaicAttention's); returns the kernels' shared memory (bytes: the largest of the three,
+    """Compiles one case's forward and vjp (`rows_per_program`, `consumer_warpgroups`, `block_k`,
+    `persistent`: MosaicAttention's); returns the kernels' shared memory (bytes: the largest of the three,
     the forward's)."""
     import jax.numpy as jnp
 
@@ -104,8 +104,9 @@ def _compile(
     del precision  # float32 at the default precision only: the one MosaicAttention takes
     dt = jnp.dtype(dtype)
     impl = mosaic.MosaicAttention(
-        rows_per_program=rows_per_program, consumer_warpgroups=consumer_warpgroups, block_k=block_k
-    )
+        rows_per_program=rows_per_program, consumer_warpgroups=consumer_warpgroups, block_k=block_k,
+        persistent=persistent,
+    )  # fmt: skip
     step, args = common.case_program(
         impl, dtype, head_dim, bias, mask, None, options, batch, q_len, k_len, heads,
         positions_first,

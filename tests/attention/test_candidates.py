@@ -20,12 +20,13 @@ def test_each_target_gets_what_it_can_take():
     hopper = names(H100, "bfloat16", 32)
     # The defaults first, each tuning named with every field it sets.
     # Mosaic's: its default tiles one row a program, two rows (the shared bias's tiles loaded
-    # once for both), then the other tile, then both tiles with two consumer warpgroups.
-    assert hopper[:6] == [
+    # once for both), then the other tile, then both tiles with two consumer warpgroups, last
+    # the default tile's two consumers as a persistent forward.
+    assert hopper[:7] == [
         "mosaic:bk128,r1", "mosaic:bk128,r2", "mosaic:bk64,r1", "mosaic:bk128,r1,c2",
-        "mosaic:bk64,r1,c2", "pallas:bq64,bk64,w4,s2,r2",
+        "mosaic:bk64,r1,c2", "mosaic:bk128,r1,c2,p1", "pallas:bq64,bk64,w4,s2,r2",
     ]  # fmt: skip
-    assert hopper[-2:] == ["cudnn", "xla"] and len(hopper) == len(set(hopper)) == 16
+    assert hopper[-2:] == ["cudnn", "xla"] and len(hopper) == len(set(hopper)) == 17
     assert "pallas:bq64,bk64,w4,s3,r2" in hopper and "pallas:bq64,bk64,w4,s2,r1" in hopper
     # Mosaic on Hopper only; the Triton kernel's default there takes two rows a program.
     for other in (A100, B200):
@@ -34,8 +35,9 @@ def test_each_target_gets_what_it_can_take():
         assert got[0] == "pallas:bq64,bk64,w4,s2,r1"
     # float32: no cuDNN, one Mosaic tile; the table's tiles for float32 at head dim 32.
     f32 = names(H100, "float32", 32)
-    assert f32[:4] == [
-        "mosaic:bk64,r1", "mosaic:bk64,r2", "mosaic:bk64,r1,c2", "pallas:bq32,bk32,w4,s2,r1"
+    assert f32[:5] == [
+        "mosaic:bk64,r1", "mosaic:bk64,r2", "mosaic:bk64,r1,c2", "mosaic:bk64,r1,c2,p1",
+        "pallas:bq32,bk32,w4,s2,r1",
     ]  # fmt: skip
     assert "cudnn" not in f32
     # float32 at head dim 64: two rows' (or two consumers') tiles are over an H100 block's
@@ -76,7 +78,7 @@ def test_bad_candidates_are_refused():
     with pytest.raises(
         ValueError,
         match=r"options of 'mosaic' must be fields of "
-        r"\['block_k', 'consumer_warpgroups', 'rows_per_program'\]",
+        r"\['block_k', 'consumer_warpgroups', 'persistent', 'rows_per_program'\]",
     ):
         candidates.candidate("mosaic", dict(block_q=64))
     with pytest.raises(TypeError, match="options must be a mapping of field to value, got list"):
@@ -112,7 +114,7 @@ def test_every_h100_candidate_matches_the_reference(family):
     """AF2's form (a pair bias shared over the batch, a key mask), bfloat16, forward and vjp, of
     every candidate an H100 takes, interpreted, in one program, against the float64 reference."""
     found = [c for c in candidates.for_target(H100, "bfloat16", 32) if c.implementation == family]
-    assert len(found) == {"pallas": 9, "mosaic": 5}[family]
+    assert len(found) == {"pallas": 9, "mosaic": 6}[family]
     # Warps and pipeline stages are Triton's compiler's alone: candidates that differ only in
     # them are one program in the interpreter, run once for them all.
     compiled_only = {"num_warps", "num_stages"}

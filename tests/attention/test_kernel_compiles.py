@@ -63,7 +63,8 @@ def test_kernels_compile_without_spills_and_use_the_tensor_cores():
 
 # AF2's form in bfloat16 (as the column-wise modules hand it too: positions first), float32
 # (TF32 wgmma) with both bias forms, a full mask and every further argument, and the forward with
-# two consumer warpgroups; the whole matrix: benchmark_results/mosaic_kernels/h100.md.
+# two consumer warpgroups, as a grid and persistent; the whole matrix:
+# benchmark_results/mosaic_kernels/h100.md.
 MOSAIC_CASES = [
     dict(dtype="bfloat16", head_dim=32, bias="shared", mask="key"),
     dict(dtype="bfloat16", head_dim=32, bias="shared", mask="key", positions_first=True),
@@ -71,6 +72,15 @@ MOSAIC_CASES = [
     # Two consumer warpgroups (setmaxnreg, named barriers), a bias with a query dim per consumer;
     # a form of its own, so that the backward kernels compile (and dump) in this row too.
     dict(dtype="bfloat16", head_dim=16, bias="both", mask="key", consumer_warpgroups=2),
+    # The persistent forward (one program per multiprocessor looping over tiles), two consumers.
+    dict(
+        dtype="float16",
+        head_dim=32,
+        bias="shared",
+        mask="key",
+        consumer_warpgroups=2,
+        persistent=True,
+    ),
 ]
 
 

@@ -10,6 +10,7 @@ and does the online softmax in registers (attention/pallas_mosaic_gpu/kernels_sm
     some query of the block may attend (masking's rule: tiles the causal, window and length masks
     hide whole are never loaded); saves the log-sum-exp. With consumer_warpgroups=2, two blocks
     a program, a consumer warpgroup each, on the same key blocks (their union) and K/V slots.
+    With persistent=True, one program per streaming multiprocessor looping over those tiles.
   * dk, dv: one program per (batch row, key/value head, key block), over the group's query heads
     and the query blocks, in the transposed orientation (k @ q.T) so that p.T and ds.T are the
     left operands in registers.
@@ -84,6 +85,10 @@ class MosaicAttention(base.Implementation):
         reading the same k, v (and key-only bias and mask) tiles the one producer streams, their
         wgmma and softmax alternating (named barriers); a bias or mask with a query dim gets a
         tile per warpgroup. Not with rows_per_program > 1. The backward is unchanged.
+      persistent: launch the forward as one program per streaming multiprocessor of the GPU
+        (at most one per tile), each looping over the tiles t, t + programs, ... a grid would
+        launch a program for, so its producer loads the next tile's k and v while the consumers
+        finish the last one's output. False: one program a tile. The backward is unchanged.
       interpret: run the kernels in JAX's Mosaic GPU interpreter (any backend; slow, for tests).
     """
 
@@ -92,11 +97,14 @@ class MosaicAttention(base.Implementation):
     bias_grad_programs: int = 512
     rows_per_program: int | None = None
     consumer_warpgroups: int = 1
+    persistent: bool = False
     interpret: bool = False
 
     # Reads [T, B, N, H] (Plan.columns) and packed q/k/v (Plan.packed) in place.
     TAKES = base.ALL_OPTIONS | {"positions_first", "packed"}
-    CANDIDATE_FIELDS = dict(block_k="bk", rows_per_program="r", consumer_warpgroups="c")
+    CANDIDATE_FIELDS = dict(
+        block_k="bk", rows_per_program="r", consumer_warpgroups="c", persistent="p"
+    )
 
     @classmethod
     def candidates(
@@ -107,8 +115,9 @@ class MosaicAttention(base.Implementation):
         shared memory fits, then the other of 64 and 128 keys a tile where 128 compiled without
         spills (half precision, head dims <= 32; in float32 twice the TF32 tiles' shared
         memory), then each of those tiles with two consumer warpgroups where their shared memory
-        fits; none past the head dims plan() takes. The two-consumer ones name the field (c2),
-        the others keep their names (one consumer)."""
+        fits, last the persistent forward (p1) at the default tile with two consumers where
+        they fit; none past the head dims plan() takes. The two-consumer and persistent ones
+        name their field (c2, p1), the others keep their names (one consumer, a grid)."""
         if capability is None or capability[0] != platforms.HOPPER or head_dim > MAX_HEAD_DIM:
             return []
         if mask != "none" and head_dim > MAX_HEAD_DIM_MASKED:
@@ -124,6 +133,10 @@ class MosaicAttention(base.Implementation):
         for bk in tiles:
             if _fits(dtype, head_dim, bk, 1, bias, mask, consumers=2):
                 out.append(dict(block_k=bk, rows_per_program=1, consumer_warpgroups=2))
+        if _fits(dtype, head_dim, default, 1, bias, mask, consumers=2):
+            out.append(
+                dict(block_k=default, rows_per_program=1, consumer_warpgroups=2, persistent=True)
+            )
         return out
 
     def __post_init__(self):
@@ -137,6 +150,7 @@ class MosaicAttention(base.Implementation):
                 f"rows_per_program must be None or an int in [1, {MAX_ROWS_PER_PROGRAM}], got {rows}"
             )
         check_consumers(self.consumer_warpgroups, rows)
+        checks.check_bool("persistent", self.persistent)
         checks.check_bool("interpret", self.interpret)
 
     def tiles(self, compute_dtype, head_dim: int, options: bool = False) -> tuple[int, int]:

@@ -1,9 +1,14 @@
 """The Mosaic GPU forward kernel (attention/pallas_mosaic_gpu/implementation.py's docstring: grid, numerics), its
-shared-memory scratch and launch: one program per (batch rows, head, query blocks), the online
-softmax over the key blocks the pipeline (attention/pallas_mosaic_gpu/pipeline.py) streams.
+shared-memory scratch and launch: one program per tile (batch rows, head, query blocks), or
+(persistent) one per streaming multiprocessor looping over the tiles; the online softmax over
+the key blocks the pipeline (attention/pallas_mosaic_gpu/pipeline.py) streams.
 """
 
 from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +45,7 @@ def weights(s, shift, q_axis: int):
 
 
 def _parts(plan: Plan, g, p, batch: int):
-    """(batch rows, query blocks) of program (g, p): R = Plan.rows_per_program rows g * R ..
+    """(batch rows, query blocks) of tile (g, p): R = Plan.rows_per_program rows g * R ..
     g * R + R - 1 of block p, or C = Plan.consumer_warpgroups blocks p * C .. p * C + C - 1 of
     row g; past the batch or the last block, the last again (the same values stored twice)."""
     per, cons = plan.rows_per_program, plan.consumer_warpgroups
@@ -49,6 +54,37 @@ def _parts(plan: Plan, g, p, batch: int):
         [p] if cons == 1 else [jnp.minimum(p * cons + c, plan.q_blocks - 1) for c in range(cons)]
     )
     return rows, blocks
+
+
+def _tile(plan: Plan, r, batch: int):
+    """(g, n, p): the tile of the program's work item r: its grid position, or (persistent,
+    Plan.programs) tile t = program + r * programs of Plan.tiles in order, p fastest (the
+    programs running at once read the same k and v)."""
+    if not plan.programs:
+        return lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("i")
+    _, heads, spans = plan.tiles(batch)
+    last = math.prod(plan.tiles(batch)) - 1
+    # Items past the last tile redo it: the same values stored twice, as for clamped rows.
+    t = jnp.minimum(lax.axis_index("t") + r * plan.programs, jnp.int32(last))
+    per_group = jnp.int32(heads * spans)
+    spans = jnp.int32(spans)
+    return lax.div(t, per_group), lax.div(lax.rem(t, per_group), spans), lax.rem(t, spans)
+
+
+class _Item(NamedTuple):
+    """A work item: its batch rows, query blocks, head, (row, block) parts and structure."""
+
+    rows: list
+    blocks: list
+    n: Any
+    parts: list
+    st: Any
+
+
+def _items(plan: Plan, batch: int) -> int:
+    """Work items a program loops over: 1 (a grid), or the persistent forward's ceil(tiles /
+    programs), the last one past the last tile in some programs."""
+    return -(-math.prod(plan.tiles(batch)) // plan.programs) if plan.programs else 1
 
 
 def _key_span(plan: Plan, st, blocks):
@@ -61,24 +97,50 @@ def _key_span(plan: Plan, st, blocks):
     return lo, hi
 
 
-def _live_streams(plan: Plan, live_k_ref, rows, n, scratch):
+def _live_streams(plan: Plan, live_k_ref, at, scratch):
     """(streams, slot buffers) of each row's live-key vector (Plan.live: keys no query of head n
-    sees, zeroed in v before p @ v), popped from `scratch`; none without them."""
+    sees, zeroed in v before p @ v; at(r) -> (batch rows, n) of work item r), popped from
+    `scratch`; none without them."""
     streams, bufs = [], []
-    for b in rows if plan.live else []:
+    for a in range(plan.rows_per_program) if plan.live else []:
         buf, bar = scratch.pop(0), scratch.pop(0)
-        source = vector_source(plan, live_k_ref, lambda r, b=b: b, lambda r: n,
-                                lambda r, j: j, plan.block_k)  # fmt: skip
+        source = vector_source(plan, live_k_ref, lambda r, a=a: at(r)[0][a],
+                               lambda r: at(r)[1], lambda r, j: j, plan.block_k)  # fmt: skip
         streams.append(Stream(source, buf, bar))
         bufs.append(buf)
     return streams, bufs
 
 
+def _item(plan: Plan, meta_ref, batch: int, r) -> _Item:
+    """The program's work item r (_tile): its rows, blocks, head, parts and structure."""
+    g, n, p = _tile(plan, r, batch)
+    rows, blocks = _parts(plan, g, p, batch)
+    parts = [(b, i) for b in rows for i in blocks]  # one of the two has one entry
+    # Several rows only without a structure (Plan.make): the first row's is every row's.
+    return _Item(rows, blocks, n, parts, row_structure(meta_ref, rows[0]))
+
+
+def _streams(plan: Plan, item, refs, scratch):
+    """The forward's streams of work item item(r) (k and v per row, the biases and mask, the
+    live keys) and their slot buffers: (streams, k, v, bias slots per part, mask slot per part,
+    live-key slots), popped from `scratch` in forward_scratch's order."""
+    k_ref, v_ref, bias_refs, mask_ref, live_k_ref = refs
+    kv = lambda n: lax.div(n, jnp.int32(plan.q_heads_per_kv_head))  # noqa: E731
+    streams, k_bufs, v_bufs = row_streams(
+        plan, lambda r: (item(r).rows, kv(item(r).n)), k_ref, v_ref, scratch
+    )
+    pair, bias_slots, mask_slots = row_pair_streams(
+        plan, bias_refs, mask_ref, scratch, lambda r: (item(r).parts, item(r).n)
+    )
+    live, live_bufs = _live_streams(plan, live_k_ref, lambda r: (item(r).rows, item(r).n), scratch)
+    return streams + pair + live, k_bufs, v_bufs, bias_slots, mask_slots, live_bufs
+
+
 def _forward_kernel(*refs, plan: Plan):
-    """The parts (Plan.parts, _parts) of head n in program (g, n, p): a consumer warpgroup each
-    (Plan.consumer_warpgroups), or one for all the rows (Plan.rows_per_program). Each key block's
-    step streams every row's k and v tiles, and a bias or mask tile once for all the parts that
-    read the same one (row_pair_streams)."""
+    """The parts (Plan.parts, _parts) of head n in each tile (g, n, p) of the program (_tile): a
+    consumer warpgroup each (Plan.consumer_warpgroups), or one for all the rows
+    (Plan.rows_per_program). Each key block's step streams every row's k and v tiles, and a bias
+    or mask tile once for all the parts that read the same one (row_pair_streams)."""
     pl, plgpu = modules()
     ops, per, cons = plan.ops, plan.rows_per_program, plan.consumer_warpgroups
     front, bias_refs, mask_ref, (_, live_k_ref), meta_ref, refs = split_refs(plan, refs, 3)
@@ -86,23 +148,18 @@ def _forward_kernel(*refs, plan: Plan):
     o_ref, lse_ref = refs.pop(0), refs.pop(0)
     q_smem, q_bar, consumed, o_smem, lse_smem, *scratch = refs
     stagings = [scratch.pop(0) if plan.tf32 else None for _ in range(cons)]
-    g, n = lax.axis_index("b"), lax.axis_index("n")
-    rows, blocks = _parts(plan, g, lax.axis_index("i"), lse_ref.shape[0])
-    parts = [(b, i) for b in rows for i in blocks]  # one of the two has one entry
-    kv = lax.div(n, jnp.int32(plan.q_heads_per_kv_head))
-    st = row_structure(meta_ref, rows[0])  # several rows only without a structure (Plan.make)
-    lo, hi = _key_span(plan, st, blocks)
-    streams, k_bufs, v_bufs = row_streams(plan, rows, kv, k_ref, v_ref, scratch)
-    pair, bias_slots, mask_slots = row_pair_streams(plan, bias_refs, mask_ref, scratch, parts, n)
-    streams += pair
-    live, live_bufs = _live_streams(plan, live_k_ref, rows, n, scratch)
-    streams += live
+
+    item = functools.partial(_item, plan, meta_ref, lse_ref.shape[0])
+    streams, k_bufs, v_bufs, bias_slots, mask_slots, live_bufs = _streams(
+        plan, item, (k_ref, v_ref, bias_refs, mask_ref, live_k_ref), scratch
+    )
     schedule = Schedule(cons > 1 and not plan.interpret)  # named barriers: compiled only
     mine = lambda c: list(range(per)) if cons == 1 else [c]  # noqa: E731 (consumer c's parts)
     row_of = lambda a: a if per > 1 else 0  # noqa: E731
     q_span = lambda i: pl.ds(i * plan.block_q, plan.block_q)  # noqa: E731
 
     def begin(c, r):
+        _, _, n, parts, _ = item(r)
         for a in mine(c):
             b, i = parts[a]
             plgpu.copy_gmem_to_smem(plan.rows(q_ref, b, q_span(i), n, Q), q_smem.at[a], q_bar.at[a])
@@ -113,8 +170,9 @@ def _forward_kernel(*refs, plan: Plan):
         carry = acc, ops.zeros((plan.block_q,), 1, -jnp.inf), ops.zeros((plan.block_q,), 1)
         return (carry,) * len(mine(c))
 
-    def part_step(c, a, j, slot, carry):
+    def part_step(c, a, r, j, slot, carry):
         acc, m_prev, l_prev = carry
+        _, _, _, parts, st = item(r)
         s = ops.dot(
             q_smem.at[a], k_bufs[row_of(a)].at[slot], trans_b=True,
             issued=lambda: schedule.hand_over(c),
@@ -138,9 +196,10 @@ def _forward_kernel(*refs, plan: Plan):
         return acc, m, l_prev * correction + jnp.sum(p, axis=1)
 
     def step(c, r, j, slot, carries):
-        return tuple(part_step(c, a, j, slot, x) for a, x in zip(mine(c), carries, strict=True))
+        return tuple(part_step(c, a, r, j, slot, x) for a, x in zip(mine(c), carries, strict=True))
 
     def end(c, r, carries):
+        _, _, n, parts, st = item(r)
         schedule.last(c)
         for a, (acc, m, total) in zip(mine(c), carries, strict=True):
             if st is not None:  # a row whose every key block was skipped: 0 and a finite lse
@@ -157,7 +216,8 @@ def _forward_kernel(*refs, plan: Plan):
             plgpu.copy_smem_to_gmem(lse_smem.at[a], lse_ref.at[b, n, q_span(i)])
         plgpu.wait_smem_to_gmem(0)
 
-    pipeline(plan, 1, lambda r: (lo, hi), streams, consumed, begin, step, end)
+    span = lambda r: _key_span(plan, item(r).st, item(r).blocks)  # noqa: E731
+    pipeline(plan, _items(plan, lse_ref.shape[0]), span, streams, consumed, begin, step, end)
 
 
 def forward_scratch(plan: Plan) -> list:
@@ -200,12 +260,11 @@ def forward(plan: Plan, q, k, v, biases, extras):
         jax.ShapeDtypeStruct((*rows, heads, plan.value_dim), cdt),
         jax.ShapeDtypeStruct((batch, heads, plan.q_pad), jnp.float32),
     )
-    groups = -(-batch // plan.rows_per_program)  # the last group's rows clamped to the batch
-    spans = -(-plan.q_blocks // plan.consumer_warpgroups)  # the last's blocks clamped likewise
+    grid = (plan.programs,) if plan.programs else plan.tiles(batch)
     return plan.launch(
         _forward_kernel,
-        (groups, heads, spans),
-        ("b", "n", "i"),
+        grid,
+        ("t",) if plan.programs else ("b", "n", "i"),
         out_type,
         forward_scratch(plan),
         (q, k, v_op, *biases, *extras),

@@ -327,32 +327,34 @@ def pair_streams(
     return streams, bias_slots, mask_slots
 
 
-def row_pair_streams(plan: Plan, bias_refs, mask_ref, scratch, parts, n):
+def row_pair_streams(plan: Plan, bias_refs, mask_ref, scratch, at):
     """pair_streams for a forward step over several parts (Plan.parts: batch row b, query block
-    i for each): an array each part needs its own tiles of (Plan.own_tiles) gets a stream per
-    part, any other one stream whose slot every part reads (a bias shared over the batch loaded
-    once a key block for all rows; a key-only one for both consumers). (streams, bias slot refs
-    per part [part][t], mask slot ref per part or None), popping buffers and barriers from
-    `scratch` in pair_scratch(plan, parts=len(parts))'s order."""
+    i for each; at(r) -> (parts, head n) of work item r): an array each part needs its own tiles
+    of (Plan.own_tiles) gets a stream per part, any other one stream whose slot every part reads
+    (a bias shared over the batch loaded once a key block for all rows; a key-only one for both
+    consumers). (streams, bias slot refs per part [part][t], mask slot ref per part or None),
+    popping buffers and barriers from `scratch` in pair_scratch(plan, parts=Plan.parts)'s order."""
     streams = []
-    per_part = [[] for _ in parts]
+    per_part = [[] for _ in range(plan.parts)]
     shapes = list(plan.bias_shapes) + ([plan.mask_shape] if mask_ref is not None else [])
     refs = list(bias_refs) + ([mask_ref] if mask_ref is not None else [])
     for ref, shape in zip(refs, shapes, strict=True):
         form = broadcast_form(shape)
         own = plan.own_tiles(shape)
         bufs = []
-        for b, i in parts if own else parts[:1]:
+        for a in range(plan.parts if own else 1):
             buf, bar = scratch.pop(0), scratch.pop(0)
 
-            def source(r, j, ref=ref, form=form, b=b, i=i):
+            def source(r, j, ref=ref, form=form, a=a):
+                parts, n = at(r)
+                b, i = parts[a]
                 return gather(ref, form, b, n, i, j, plan)
 
             streams.append(Stream(source, buf, bar))
             bufs.append(buf)
         for c, slots in enumerate(per_part):
             slots.append(bufs[c] if own else bufs[0])
-    masks = [slots.pop() for slots in per_part] if mask_ref is not None else [None] * len(parts)
+    masks = [slots.pop() for slots in per_part] if mask_ref is not None else [None] * plan.parts
     return streams, per_part, masks
 
 
@@ -389,24 +391,32 @@ def split_refs(plan: Plan, refs, n_front: int):
     return front, biases, mask, live, meta, refs
 
 
-def row_streams(plan: Plan, rows, kv, k_ref, v_ref, scratch):
-    """(streams, k buffers, v buffers) of the forward's rows: each row's k and v tiles of
-    key/value head kv, in the slots it takes from the front of `scratch` (forward_scratch's
-    order)."""
+def row_streams(plan: Plan, at, k_ref, v_ref, scratch):
+    """(streams, k buffers, v buffers) of the forward's rows (at(r) -> (batch rows, key/value
+    head kv) of work item r): each row's k and v tiles of head kv, in the slots it takes from
+    the front of `scratch` (forward_scratch's order)."""
     pl, _ = modules()
 
-    def k_source(b):
-        return lambda r, j: plan.rows(k_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, K)
+    def k_source(a):
+        def source(r, j):
+            rows, kv = at(r)
+            return plan.rows(k_ref, rows[a], pl.ds(j * plan.block_k, plan.block_k), kv, K)
 
-    def v_source(b):
-        if plan.tf32:  # v transposed: [B, K, Dv, S]
-            return lambda r, j: v_ref.at[b, kv, :, pl.ds(j * plan.block_k, plan.block_k)]
-        return lambda r, j: plan.rows(v_ref, b, pl.ds(j * plan.block_k, plan.block_k), kv, V)
+        return source
+
+    def v_source(a):
+        def source(r, j):
+            rows, kv = at(r)
+            if plan.tf32:  # v transposed: [B, K, Dv, S]
+                return v_ref.at[rows[a], kv, :, pl.ds(j * plan.block_k, plan.block_k)]
+            return plan.rows(v_ref, rows[a], pl.ds(j * plan.block_k, plan.block_k), kv, V)
+
+        return source
 
     streams, k_bufs, v_bufs = [], [], []
-    for b in rows:
+    for a in range(plan.rows_per_program):
         k_buf, k_bar, v_buf, v_bar = (scratch.pop(0) for _ in range(4))
-        streams += [Stream(k_source(b), k_buf, k_bar), Stream(v_source(b), v_buf, v_bar)]
+        streams += [Stream(k_source(a), k_buf, k_bar), Stream(v_source(a), v_buf, v_bar)]
         k_bufs.append(k_buf)
         v_bufs.append(v_buf)
     return streams, k_bufs, v_bufs

@@ -17,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 
 import jax.numpy as jnp
 from jax import lax
 
 from gated_attention.attention import base
 from gated_attention.attention.gpu_common import bias_grad_groups, extra_options
-from gated_attention.core import compat
+from gated_attention.core import compat, platforms
 
 Q, K, V = 0, 1, 2  # the slots of a packed q/k/v array (Plan.packed)
 DEPTH = 2  # pipeline slots: the producer loads step t + 1 while the consumer computes step t
@@ -101,6 +102,15 @@ class Plan(base.KernelPlan):
     # block_q query rows of the program's consumer_warpgroups * block_q, all read the same K/V
     # slots. The backward kernels run on with_one_consumer() (one consumer, as before).
     consumer_warpgroups: int = 1
+    # Programs of a persistent forward (MosaicAttention.persistent; 0: one program a tile, the
+    # grid of tiles): program t computes tiles t, t + programs, ... (persistent_programs).
+    programs: int = 0
+
+    def tiles(self, batch: int) -> tuple[int, int, int]:
+        """The forward's tiles (row groups, heads, query spans): groups of rows_per_program batch
+        rows, spans of consumer_warpgroups query blocks, the last of each clamped (_parts)."""
+        groups = -(-batch // self.rows_per_program)
+        return groups, self.heads, -(-self.q_blocks // self.consumer_warpgroups)
 
     @property
     def parts(self) -> int:
@@ -210,7 +220,8 @@ class Plan(base.KernelPlan):
         per = impl.rows_per_program or 1
         per = per if shared and not extra else 1
         consumers = check_consumers(impl.consumer_warpgroups, impl.rows_per_program)
-        return cls(
+        per = max(1, min(per, batch))
+        plan = cls(
             **base.KernelPlan.shared(impl, query, key, scale, compute_dtype, options),
             block_q=block_q,
             block_k=block_k,
@@ -228,9 +239,11 @@ class Plan(base.KernelPlan):
             warpgroups=INTERPRET_WARPGROUPS if impl.interpret else 2,
             columns=options.positions_first,
             packed=options.packed,
-            rows_per_program=max(1, min(per, batch)),
+            rows_per_program=per,
             consumer_warpgroups=consumers,
         )
+        tiles = math.prod(plan.tiles(batch))
+        return dataclasses.replace(plan, programs=persistent_programs(impl.persistent, tiles))
 
 
 def check_consumers(consumers, rows) -> int:
@@ -243,6 +256,12 @@ def check_consumers(consumers, rows) -> int:
             f"two query blocks), got rows_per_program={rows}"
         )
     return consumers
+
+
+def persistent_programs(persistent: bool, tiles: int) -> int:
+    """Programs of the forward: 0 (one a tile) unless persistent, else one per streaming
+    multiprocessor of the GPU compiled for (platforms.gpu_core_count), at most one a tile."""
+    return min(platforms.gpu_core_count(), tiles) if persistent else 0
 
 
 @functools.cache
