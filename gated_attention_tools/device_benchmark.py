@@ -202,14 +202,20 @@ def attention_fn(variant: str, dtype, *, interpret: bool = False) -> Callable:
     raise ValueError(f"variant must be one of {OP_VARIANTS}, got {variant!r}")
 
 
-def _af2_colabfold(dtype) -> Callable:
-    """AF2's kernel choice as alphafold.model.modules.Attention makes it on a GPU."""
-    _on_gpu("ColabFold's attention kernel")
+def _colabfold(what: str):
+    """(colabfold_kernels.fused_ops, the global_config its AF2 dispatches on this device) for a
+    ColabFold kernel adapter, or UnavailableError off a GPU or without the package."""
+    _on_gpu(what)
     try:
         from colabfold_kernels import device, fused_ops
     except ImportError as e:
         raise UnavailableError(f"colabfold-kernels is not installed ({e})") from None
-    global_config = ml_collections.ConfigDict(device.dispatch("auto"))
+    return fused_ops, ml_collections.ConfigDict(device.dispatch("auto"))
+
+
+def _af2_colabfold(dtype) -> Callable:
+    """AF2's kernel choice as alphafold.model.modules.Attention makes it on a GPU."""
+    fused_ops, global_config = _colabfold("ColabFold's attention kernel")
     del dtype
 
     def fn(q, k, v, bias, mask):
@@ -228,12 +234,7 @@ def _af2_colabfold(dtype) -> Callable:
 def _af2_colabfold_packed(dtype) -> Callable:
     """ColabFold's packed kernel as alphafold-colabfold's modules call it on a GPU (Attention.packed:
     p [X, Y, G, N, H], the nonbatched bias [N, S, S], kmask [X, S] True where kept; no gate)."""
-    _on_gpu("ColabFold's packed attention kernel")
-    try:
-        from colabfold_kernels import device, fused_ops
-    except ImportError as e:
-        raise UnavailableError(f"colabfold-kernels is not installed ({e})") from None
-    global_config = ml_collections.ConfigDict(device.dispatch("auto"))
+    fused_ops, global_config = _colabfold("ColabFold's packed attention kernel")
 
     def fn(q, k, v, bias, mask):
         h = q.shape[-1]

@@ -61,6 +61,11 @@ def _times(cells: list[dict], level: str) -> dict:
     return found
 
 
+def _round_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median over interleaved rounds of ours / theirs in the same round."""
+    return statistics.median(o / p for o, p in zip(ours, theirs, strict=True))
+
+
 def _span(ratios: list[float]) -> str:
     if not ratios:
         return "not measured"
@@ -71,7 +76,7 @@ def _span(ratios: list[float]) -> str:
 def _ratios(times: dict, ours: str, peer: str, mode: str, long: bool) -> list[float]:
     """Per shape, the median over rounds of ours / the peer's time in the same round."""
     return [
-        statistics.median(o / p for o, p in zip(t[ours], t[peer], strict=True))
+        _round_ratio(t[ours], t[peer])
         for (shape, m), t in times.items()
         if m == mode and shape.startswith(LONG) == long and ours in t and peer in t
     ]
@@ -92,7 +97,7 @@ def _family_ratios(cells: list[dict], mode: str) -> list[float]:
         if c["mode"] == mode and c["dtype"] == "bfloat16" and c.get("rounds_ms"):
             by_cell.setdefault(c["cell"], {})[c["variant"]] = c["rounds_ms"]
     return [
-        statistics.median(o / p for o, p in zip(t["ours"], t["colabfold"], strict=True))
+        _round_ratio(t["ours"], t["colabfold"])
         for t in by_cell.values()
         if "ours" in t and "colabfold" in t
     ]

@@ -242,7 +242,7 @@ def dot_product_attention(
     checks.check_bool("positions_first", positions_first)
     if positions_first:  # validated as the batch-first call whose transposes they are
         shapes = _positions_first(query, key, value, (shard_rows_over, shard_keys_over))
-        if any(sharding.typed_sharded(x) for x in (query, key, value)):
+        if sharding.typed_sharded(query, key, value, bias, mask):
             # A kernel indexes no typed-sharded ref by row: the batch-first call, transposed.
             swap = lambda x: jnp.swapaxes(x, 0, 1)
             out = dot_product_attention(
@@ -361,8 +361,7 @@ def packed_dot_product_attention(
     one = base.slot_shape(qkv)
     shape = base.batch_first(one) if positions_first else one
     checks.check_qkv(shape, shape, shape)
-    biases = tuple(bias) if isinstance(bias, (list, tuple)) else (bias,)
-    if any(sharding.typed_sharded(x) for x in (qkv, *biases, mask) if x is not None):
+    if sharding.typed_sharded(qkv, bias, mask):
         # Typed sharded (explicit axes, or manual ones inside a shard_map): a kernel may not index
         # such a ref by slot; dot_product_attention's per-device shard_map, on slices.
         return dot_product_attention(

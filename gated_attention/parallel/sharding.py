@@ -63,11 +63,19 @@ def explicit_axes(x: Any) -> tuple[Any, tuple[Axes, ...]]:
     return (mesh if any(axes) else None), axes
 
 
-def typed_sharded(x: Any) -> bool:
-    """Whether x's type names mesh axes (explicit, or manual inside a shard_map): Pallas refs
-    of such arrays take no integer index."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    return any(entry is not None for entry in getattr(sharding, "spec", ()))
+def typed_sharded(*arrays: Any) -> bool:
+    """Whether any of the arrays (None skipped, a list or tuple looked into) has a type naming
+    mesh axes (explicit, or manual inside a shard_map): Pallas refs of such arrays take no
+    integer index."""
+    for x in arrays:
+        if isinstance(x, (list, tuple)):
+            if typed_sharded(*x):
+                return True
+        elif x is not None:
+            spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", ())
+            if any(entry is not None for entry in spec):
+                return True
+    return False
 
 
 def _entry_axes(entry: Any) -> Axes:
