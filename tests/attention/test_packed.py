@@ -179,11 +179,14 @@ def test_a_sharded_packed_array_runs_per_device(axis_type):
     assert_close(out, expected, dict(rtol=1e-6, atol=1e-6))
 
 
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
-def test_positions_first_on_explicit_mesh_axes_runs_the_kernel_batch_first(packed):
-    """Positions first, rows over an explicit 'data' axis: a Pallas kernel may not index a
-    typed-sharded ref by slot or row, so the call runs batch first (its per-device shard_map) and
-    comes back transposed, with the reference's values."""
+def test_positions_first_on_a_mesh_runs_the_kernel(packed, axis_type):
+    """Positions first, rows over a 'data' axis, both ways users shard. Explicit: a Pallas kernel
+    may not index a typed-sharded ref by slot or row, so the call runs batch first (its
+    per-device shard_map) and comes back transposed; Auto (jax.jit with sharded inputs): the
+    kernel as it is, XLA partitioning around it. The reference's values and the rows' sharding
+    either way."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -198,7 +201,7 @@ def test_positions_first_on_explicit_mesh_axes_runs_the_kernel_batch_first(packe
             *base.unpacked(qkv), *a, implementation=impl, positions_first=True
         )
     expected = attend(qkv, bias, mask)
-    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
     put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
     with jax.set_mesh(mesh):
         out = jax.jit(attend)(put(qkv, P(None, "data")), bias, put(mask, P("data")))
