@@ -57,6 +57,8 @@ KERNELS = {
     "ours_mosaic_dq_dbias": ("gated_attention_mosaic_dq_dbias_mosaic_gpu_kernel", 32, "bfloat16"),
     "ours_pallas_dkdv": ("gated_attention_dkdv", 32, "bfloat16"),
     "ours_pallas_dq_dbias": ("gated_attention_dq_dbias", 32, "bfloat16"),
+    # The one-pass Triton backward (PallasAttention.fused_backward): p and ds once a score.
+    "ours_pallas_fused": ("gated_attention_fused_backward", 32, "bfloat16"),
     "colabfold_tri_flash": ("tri_flash_fwd", 32, "bfloat16"),
     "tokamax_triton": (None, 32, "bfloat16"),
     "tokamax_mosaic": (None, 32, "bfloat16"),
@@ -205,6 +207,8 @@ def _program(kernel: str):
         impl, _, backward = kernel.removeprefix("ours_").partition("_")
         if backward in _FORWARDS:  # a forward with some of MosaicAttention's options
             impl, backward = ga.MosaicAttention(**_FORWARDS[backward]), ""
+        elif backward == "fused":
+            impl = ga.PallasAttention(fused_backward=True)
         fn = lambda q, k, v, b_, m: ga.dot_product_attention(q, k, v, b_, m, implementation=impl)
         if backward:  # the cotangent an argument, as in a training step
             op = fn

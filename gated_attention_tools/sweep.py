@@ -101,16 +101,24 @@ def skipped(candidate, skip) -> bool:
     return any(x == name or x in name.partition(":")[2].split(",") for x in skip)
 
 
+def backward_only(candidate) -> bool:
+    """Whether the candidate sets a field of its implementation's BACKWARD_FIELDS."""
+    impl = type(candidate.build())
+    return any(value for field, value in candidate.options if field in impl.BACKWARD_FIELDS)
+
+
 def cell_candidates(cell, cap, cfg) -> list[tuning_candidates.Candidate]:
     """The candidates a GPU of capability `cap` takes at the cell (its bias and mask form), of
-    cfg.implementations, less those cfg.skip names, the first cfg.candidates_per_implementation
-    of each (0: all)."""
+    cfg.implementations, less those cfg.skip names (and in the forward those that only change
+    the backward), the first cfg.candidates_per_implementation of each (0: all)."""
     s = cell.shape
     found = tuning_candidates.for_target(
         cap, cell.dtype, s.head_dim, bias="shared" if s.bias else "none",
         mask="key" if s.mask else "none", implementations=tuple(cfg.implementations),
     )  # fmt: skip
     found = [c for c in found if not skipped(c, cfg.get("skip", ()))]
+    if cell.mode == "forward":  # a backward-only option's forward is its twin's
+        found = [c for c in found if not backward_only(c)]
     if not cfg.candidates_per_implementation:
         return found
     kept, count = [], {}

@@ -134,6 +134,9 @@ class Implementation(abc.ABC):
     # The dataclass fields a tuning candidate sets (candidates()), in its name's order, each with
     # the short label its name spells it with (attention/candidates.py: 'pallas:bq64,bk64,...').
     CANDIDATE_FIELDS: ClassVar[dict[str, str]] = {}
+    # Those of them that change only the backward: a candidate that sets one differs from its
+    # forward twin in a training step alone (the sweep times it there only).
+    BACKWARD_FIELDS: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def candidates(

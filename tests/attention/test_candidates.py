@@ -26,13 +26,16 @@ def test_each_target_gets_what_it_can_take():
         "mosaic:bk128,r1", "mosaic:bk128,r2", "mosaic:bk64,r1", "mosaic:bk128,r1,c2",
         "mosaic:bk64,r1,c2", "mosaic:bk128,r1,c2,p1", "pallas:bq64,bk64,w4,s2,r2",
     ]  # fmt: skip
-    assert hopper[-2:] == ["cudnn", "xla"] and len(hopper) == len(set(hopper)) == 17
+    assert hopper[-2:] == ["cudnn", "xla"] and len(hopper) == len(set(hopper)) == 18
     assert "pallas:bq64,bk64,w4,s3,r2" in hopper and "pallas:bq64,bk64,w4,s2,r1" in hopper
+    # The Triton default with the one-pass backward, the only candidate that names that field.
+    assert hopper[-3] == "pallas:bq64,bk64,w4,s2,r2,f1"
+    assert [n for n in hopper if ",f" in n] == [hopper[-3]]
     # Mosaic on Hopper only; the Triton kernel's default there takes two rows a program.
     for other in (A100, B200):
         got = names(other, "bfloat16", 32)
-        assert not any(n.startswith("mosaic") for n in got) and len(got) == 11
-        assert got[0] == "pallas:bq64,bk64,w4,s2,r1"
+        assert not any(n.startswith("mosaic") for n in got) and len(got) == 12
+        assert got[0] == "pallas:bq64,bk64,w4,s2,r1" and got[-3] == got[0] + ",f1"
     # float32: no cuDNN, one Mosaic tile; the table's tiles for float32 at head dim 32.
     f32 = names(H100, "float32", 32)
     assert f32[:5] == [
@@ -114,7 +117,7 @@ def test_every_h100_candidate_matches_the_reference(family):
     """AF2's form (a pair bias shared over the batch, a key mask), bfloat16, forward and vjp, of
     every candidate an H100 takes, interpreted, in one program, against the float64 reference."""
     found = [c for c in candidates.for_target(H100, "bfloat16", 32) if c.implementation == family]
-    assert len(found) == {"pallas": 9, "mosaic": 6}[family]
+    assert len(found) == {"pallas": 10, "mosaic": 6}[family]
     # Warps and pipeline stages are Triton's compiler's alone: candidates that differ only in
     # them are one program in the interpreter, run once for them all.
     compiled_only = {"num_warps", "num_stages"}

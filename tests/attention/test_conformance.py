@@ -119,9 +119,13 @@ IMPLEMENTATIONS = {
     "cudnn adapter": ga.CudnnAttention(jax_nn_implementation="xla"),  # takes no soft cap
     "pallas_tpu": ga.PallasTpuAttention(interpret=True),  # the TPU kernels, interpreted
     "pallas": ga.PallasAttention(block_q=16, block_k=16, interpret=True),  # the GPU kernels
+    "pallas fused": ga.PallasAttention(  # the one-pass backward
+        block_q=16, block_k=16, fused_backward=True, interpret=True
+    ),
     "mosaic": ga.MosaicAttention(interpret=True),  # the Hopper kernels, interpreted
     # Compiled and run on a device (`pytest -m device`): the kernels with their own tiles, cuDNN.
     "pallas compiled": ga.PallasAttention(),
+    "pallas fused compiled": ga.PallasAttention(fused_backward=True),
     "mosaic compiled": ga.MosaicAttention(),
     "cudnn": ga.CudnnAttention(),
     "pallas_tpu compiled": ga.PallasTpuAttention(),
@@ -143,6 +147,7 @@ RUNS = [
     # "everything" has the third CORE scenario's arguments (GQA, causal, a key mask) and more.
     ("pallas_tpu", "float32", CORE[1:]),
     ("pallas", "float32", CORE[1:]),
+    ("pallas fused", "float32", CORE[1:]),
     ("mosaic", "float32", CORE[1:]),
 ]
 # cuDNN takes jax.nn's arguments but a window right of the query without causal (its check says so).
@@ -158,6 +163,7 @@ CUDNN = tuple(
 DEVICE_RUNS = [
     ("gpu", "pallas compiled", "float32", NAMES),
     ("gpu", "pallas compiled", "bfloat16", NAMES),
+    ("gpu", "pallas fused compiled", "bfloat16", NAMES),
     ("gpu", "mosaic compiled", "float32", NAMES),  # the device machines are Hopper GPUs
     ("gpu", "mosaic compiled", "bfloat16", NAMES),
     ("gpu", "cudnn", "bfloat16", CUDNN),
@@ -166,8 +172,8 @@ DEVICE_RUNS = [
 ]
 # Their float32 runs (of every scenario) also check masked garbage beyond the lengths.
 GARBAGE_RUNS = (
-    "xla", "chunked", "pallas_tpu", "pallas", "mosaic", "pallas compiled", "mosaic compiled",
-    "pallas_tpu compiled",
+    "xla", "chunked", "pallas_tpu", "pallas", "pallas fused", "mosaic", "pallas compiled",
+    "mosaic compiled", "pallas_tpu compiled",
 )  # fmt: skip
 
 

@@ -23,6 +23,10 @@ IMPLEMENTATIONS = [
     pytest.param("xla", id="xla"),
     pytest.param("chunked", id="chunked"),
     pytest.param(ga.PallasAttention(block_q=16, block_k=16, interpret=True), id="pallas"),
+    pytest.param(
+        ga.PallasAttention(block_q=16, block_k=16, fused_backward=True, interpret=True),
+        id="pallas fused",
+    ),
 ]
 # The Mosaic kernel reads a packed array in place where it needs no preparation (half precision,
 # whole tiles: 64 queries and block_k keys, a head dim wgmma takes).

@@ -2,6 +2,7 @@
 harness, and lengths spanning several uneven tiles), their lowering to Triton for a CUDA target,
 the bias-gradient buffers' size, and dispatch (GPU only unless interpreted; 'auto' on GPU)."""
 
+import dataclasses
 import functools
 import subprocess
 import sys
@@ -39,6 +40,26 @@ class TestPallasInterpreted(ImplementationTests):
     DTYPES = ("float32",)
 
 
+FUSED = dataclasses.replace(INTERPRETED, fused_backward=True)
+
+
+class TestPallasFusedBackwardInterpreted(ImplementationTests):
+    """The one-pass backward (one program per key block, dq from per-key-block partials, the
+    bias gradients' group tiles read-modify-written per key block), interpreted: the whole
+    contract in float32."""
+
+    IMPL = FUSED
+    DTYPES = ("float32",)
+
+
+@on_device("gpu")
+class TestPallasFusedBackwardCompiled(ImplementationTests):
+    """The one-pass backward compiled by Triton, in every dtype."""
+
+    IMPL = ga.PallasAttention(fused_backward=True)
+    DTYPES = ("float32", "bfloat16", "float16")
+
+
 @on_device("gpu")
 class TestPallasCompiled(ImplementationTests):
     """The kernels compiled by Triton and run on the GPU, with pallas_tiles' tiles: the whole
@@ -72,17 +93,25 @@ def test_half_precision_against_the_reference(dtype):
     "impl",
     [
         pytest.param(INTERPRETED, id="interpreted"),
+        pytest.param(FUSED, id="fused interpreted"),
         device_param(ga.PallasAttention(block_q=16, block_k=16), kind="gpu", id="compiled"),
+        device_param(
+            ga.PallasAttention(block_q=16, block_k=16, fused_backward=True),
+            kind="gpu",
+            id="fused compiled",
+        ),
     ],
 )
 def test_several_uneven_tiles_against_the_reference(impl):
     """T = 37 and S = 21 in tiles of 16 (partial last tiles), head dims 8 and 4 padded to 16, a
-    shared pair bias and a per-row key bias, a key mask; float32 forward and every gradient."""
+    shared pair bias, a per-row key bias, a query bias and a head bias (each bias gradient's
+    partials over two key blocks), a key mask; float32 forward and every gradient."""
     shape = (3, 37, 21, 2, 8, 4)  # B, T, S, N, H, Hv
     case, case64 = harness.problem(shape, "float32", "shared_bias+key_mask", seed=3)
-    key_bias, key_bias64 = rand(np.random.default_rng(5), (3, 1, 1, 21), "float32")
-    case = case._replace(bias=[case.bias, key_bias])
-    case64 = case64._replace(bias=[case64.bias, key_bias64])
+    rng = np.random.default_rng(5)
+    more = [rand(rng, dims, "float32") for dims in ((3, 1, 1, 21), (1, 2, 37, 1), (1, 2, 1, 1))]
+    case = case._replace(bias=[case.bias, *(x for x, _ in more)])
+    case64 = case64._replace(bias=[case64.bias, *(x64 for _, x64 in more)])
     [result] = harness.run(impl, [case])
     [expected] = harness.reference_run([case64])
     harness.assert_matches(result, expected, "float32", "uneven tiles")
@@ -104,13 +133,15 @@ def _loss(impl, q, k, v, bias, mask):
     return jnp.sum(out.astype(jnp.float32))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernel backward", "fused backward"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_lowers_to_triton_for_cuda(dtype):
+def test_lowers_to_triton_for_cuda(dtype, fused):
     """Forward and gradients lower to Triton kernels for a CUDA target on a machine without a GPU
     (Pallas's Triton lowering runs; compiling the kernels needs the GPU)."""
+    impl = ga.PallasAttention(fused_backward=fused)
 
     def loss(q, k, v, bias, mask):  # the implementation itself: the op's check() wants a GPU
-        out = ga.PallasAttention()(q, k, v, (bias,), mask, scale=0.3, compute_dtype=q.dtype)
+        out = impl(q, k, v, (bias,), mask, scale=0.3, compute_dtype=q.dtype)
         return jnp.sum(out.astype(jnp.float32))
 
     grad = jax.grad(loss, argnums=(0, 1, 2, 3))
@@ -123,13 +154,17 @@ def test_lowers_to_triton_for_cuda(dtype):
         traced = jax.jit(grad).trace(*_specs(jnp.dtype(dtype)))
         lowered = traced.lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
-    for name in ("gated_attention_forward", "gated_attention_dkdv", "gated_attention_dq_dbias"):
+    backward = ("gated_attention_fused_backward",) if fused else (
+        "gated_attention_dkdv", "gated_attention_dq_dbias"
+    )  # fmt: skip
+    for name in ("gated_attention_forward", *backward):
         assert name in text, name
-    assert text.count("__gpu$xla.gpu.triton") == 3
+    assert text.count("__gpu$xla.gpu.triton") == 1 + len(backward)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernel backward", "fused backward"])
 @pytest.mark.parametrize("form", [f for f, (bias, _) in harness.FORMS.items() if bias])
-def test_every_bias_form_lowers_to_triton_for_cuda(form):
+def test_every_bias_form_lowers_to_triton_for_cuda(form, fused):
     """Each of the harness's bias and mask forms (a [1, N, 1, 1] bias too: no load mask, where
     Triton refuses a fill value) lowers, forward and gradients, as the compiled harness runs it.
     The interpreter runs none of Triton's lowering rules."""
@@ -140,7 +175,9 @@ def test_every_bias_form_lowers_to_triton_for_cuda(form):
     mask = None if mask_dims is None else jnp.ones(harness.dims(mask_dims, harness.SHAPE), bool)
 
     def loss(q, k, v, bias):
-        out = ga.PallasAttention()(q, k, v, (bias,), mask, scale=0.3, compute_dtype=q.dtype)
+        out = ga.PallasAttention(fused_backward=fused)(
+            q, k, v, (bias,), mask, scale=0.3, compute_dtype=q.dtype
+        )
         return jnp.sum(out)
 
     h100 = jax.sharding.AbstractDevice(
@@ -150,7 +187,7 @@ def test_every_bias_form_lowers_to_triton_for_cuda(form):
     with jax.sharding.use_abstract_mesh(mesh):
         traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*qkv, bias)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 3
+    assert text.count("__gpu$xla.gpu.triton") == (2 if fused else 3)
 
 
 def test_rows_per_program_changes_no_value():

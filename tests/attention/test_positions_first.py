@@ -22,6 +22,10 @@ IMPLEMENTATIONS = [
     pytest.param("xla", id="xla"),
     pytest.param("chunked", id="chunked"),
     pytest.param(ga.PallasAttention(block_q=16, block_k=16, interpret=True), id="pallas"),
+    pytest.param(
+        ga.PallasAttention(block_q=16, block_k=16, fused_backward=True, interpret=True),
+        id="pallas fused",
+    ),
     pytest.param(ga.MosaicAttention(bias_grad_programs=2, interpret=True), id="mosaic"),
 ]
 

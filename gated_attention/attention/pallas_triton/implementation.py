@@ -14,6 +14,9 @@ Backward, two kernels, no atomics, so the gradients are deterministic:
     [B, N, T, S] array is written for a shared bias; XLA sums the few group partials afterwards.
     Groups exist only to give the GPU enough programs: about `bias_grad_programs` of them, so
     the partials take about bias_grad_programs x block_q x S x 4 bytes (128 MiB at S = 1,024).
+Or, with `fused_backward`, one kernel, still without atomics: per (group of batch rows, head,
+block of keys), each tile's weights and their gradient computed once, dq summed by XLA from
+per-key-block float32 partials (attention/pallas_triton/kernels_fused.py).
 
 Numerics follow numerics.py: logits, softmax and accumulation in float32; masked logits are
 selected to MASK_VALUE (a fully masked row is then uniform); queries with no key and keys no query
@@ -40,6 +43,7 @@ import jax.numpy as jnp
 from gated_attention.attention import base
 from gated_attention.attention.gpu_common import dot_precision
 from gated_attention.attention.pallas_triton import kernels as pallas_kernels
+from gated_attention.attention.pallas_triton import kernels_fused as fused_kernels
 from gated_attention.attention.pallas_triton import tile_table as pallas_tiles
 from gated_attention.attention.pallas_triton.plan import (
     ROWS_HEAD_DIM,
@@ -76,6 +80,11 @@ class PallasAttention(base.Implementation):
         on Hopper, else 1. Always 1 without such a bias or with the op's further arguments (a causal,
         window or length mask, whose key blocks differ from row to row; grouped heads; a soft
         cap).
+      fused_backward: run the backward as one kernel (attention/pallas_triton/kernels_fused.py)
+        that computes each tile's softmax weights and their gradient once, where the two
+        kernels compute them twice: one program per key block writes its float32 share of dq
+        into a buffer of (key blocks) x q's size, which XLA sums (no atomics). False: the
+        dk/dv and dq/bias-gradient kernels, which need no such buffer.
       interpret: run the kernels in Pallas's interpreter (any backend; slow, for tests).
     """
 
@@ -86,13 +95,20 @@ class PallasAttention(base.Implementation):
     num_stages: int | None = None
     bias_grad_programs: int = 512
     rows_per_program: int | None = None
+    fused_backward: bool = False
     interpret: bool = False
 
     # Reads [T, B, N, H] (Plan.columns) and packed q/k/v (Plan.packed) in place.
     TAKES = base.ALL_OPTIONS | {"positions_first", "packed"}
     CANDIDATE_FIELDS = dict(
-        block_q="bq", block_k="bk", num_warps="w", num_stages="s", rows_per_program="r"
+        block_q="bq",
+        block_k="bk",
+        num_warps="w",
+        num_stages="s",
+        rows_per_program="r",
+        fused_backward="f",
     )
+    BACKWARD_FIELDS = frozenset({"fused_backward"})
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -107,6 +123,7 @@ class PallasAttention(base.Implementation):
             raise ValueError(
                 f"rows_per_program must be None or an int in [1, {MAX_ROWS_PER_PROGRAM}], got {rows}"
             )
+        checks.check_bool("fused_backward", self.fused_backward)
         checks.check_bool("interpret", self.interpret)
 
     def plan(
@@ -166,9 +183,10 @@ class PallasAttention(base.Implementation):
         JAX's default precision, the head dim and the form; the rows a program Plan.make takes)
         first, then each one-field neighbour of it: block_q or block_k halved or doubled (16 to
         128), the other of 4 and 8 warps, one pipeline stage fewer or more (1 to 4), and with a
-        bias shared over the batch the other of 1 and 2 rows a program. Those whose shared memory
-        (memory.gpu_shared_memory_bytes) is over the GPU's shared-memory class's limit, which
-        plan() refuses there, are left out. Head dims over MAX_HEAD_DIM: none."""
+        bias shared over the batch the other of 1 and 2 rows a program; last the first with the
+        fused backward (f1). Those whose shared memory (memory.gpu_shared_memory_bytes) is over
+        the GPU's shared-memory class's limit, which plan() refuses there, are left out. Head
+        dims over MAX_HEAD_DIM: none."""
         if head_dim > MAX_HEAD_DIM:
             return []
         dtype = jnp.dtype(dtype)
@@ -206,7 +224,7 @@ class PallasAttention(base.Implementation):
             )  # fmt: skip
             if need <= pallas_tiles.SHARED_MEMORY_CLASSES[group] and option not in out:
                 out.append(option)
-        return out
+        return out + [out[0] | dict(fused_backward=True)] if out else out
 
     def _make(self, query, key, value, biases, mask, scale, compute_dtype, options) -> Plan:
         live_q, _ = base.live_shapes(options.structure, mask, query.shape[1], key.shape[1])
@@ -269,4 +287,10 @@ class PallasAttention(base.Implementation):
         )
 
 
-_attention = base.kernel_attention(pallas_kernels.forward, pallas_kernels.backward)
+def _backward(plan: Plan, residuals, cotangents):
+    """The two-kernel backward, or the one fused kernel (Plan.fused_backward)."""
+    run = fused_kernels.backward if plan.fused_backward else pallas_kernels.backward
+    return run(plan, residuals, cotangents)
+
+
+_attention = base.kernel_attention(pallas_kernels.forward, _backward)

@@ -378,6 +378,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: 
             return dk, dv
 
         dk, dv = lax.fori_loop(*tiles.query_blocks(st, j), body, (dk, dv))
+    store_dkdv(tiles, dk_ref, dv_ref, b, k_span, kv, dk, dv, seen)
+
+
+def store_dkdv(tiles: _Tiles, dk_ref, dv_ref, b, k_span, kv, dk, dv, seen):
+    """Stores one key block's dk (times the scale) and dv of batch row b, key/value head kv,
+    zero where no query head of the group sees a key (`seen`, or None), and zero in a packed
+    gradient's slots after V (the caller's)."""
+    plan = tiles.plan
     dk = dk * plan.scale
     if seen is not None:  # keys no query sees were zeroed: no gradient reaches them
         dk, dv = (jnp.where(seen[:, None] != 0, x, 0.0) for x in (dk, dv))
@@ -385,6 +393,27 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: 
     tiles.store_rows(dv_ref, b, k_span, kv, plan.value_dim, dv, V)
     for slot in range(V + 1, dk_ref.shape[-3] if plan.packed else 0):  # the caller's: zero
         tiles.store_rows(dk_ref, b, k_span, kv, plan.head_dim, jnp.zeros_like(dk), slot)
+
+
+def accumulate_bias_grad(ref, shape, slot, n, q_span, i, k_span, j, ds):
+    """Adds ds, reduced to the bias's broadcast dims, into the tile (slot, n, q_span, k_span) of
+    a float32 bias-gradient buffer that one program owns: a bias without T takes row i (query
+    block i's partial), one without S column j (key block j's; 0 where one program walks them
+    all)."""
+    _, plgpu = _pallas()
+    (q_index, q_ok), (k_index, k_ok) = q_span, k_span
+    mask = None
+    if shape[2] > 1:
+        mask = q_ok[:, None]
+    else:  # one partial row per query block
+        ds, q_index = jnp.sum(ds, axis=0, keepdims=True), _ds(i, 1)
+    if shape[3] > 1:
+        mask = k_ok[None, :] if mask is None else mask & k_ok[None, :]
+    else:
+        ds, k_index = jnp.sum(ds, axis=1, keepdims=True), _ds(j, 1)
+    view = ref.at[slot, n, q_index, k_index]
+    old = plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=0.0)
+    plgpu.store(view, old + ds, mask=mask)
 
 
 def _dq_dbias_kernel(
@@ -401,23 +430,6 @@ def _dq_dbias_kernel(
     batch = tiles.batch
     q_span = tiles.span(i, plan.block_q, tiles.q_len)
 
-    def accumulate(ref, shape, b, k_span, ds):
-        """Adds ds, reduced to the bias's broadcast dims, into this program's tile of ref."""
-        slot = b if shape[0] > 1 else g
-        (q_index, q_ok), (k_index, k_ok) = q_span, k_span
-        mask = None
-        if shape[2] > 1:
-            mask = q_ok[:, None]
-        else:  # one partial row per query block
-            ds, q_index = jnp.sum(ds, axis=0, keepdims=True), _ds(i, 1)
-        if shape[3] > 1:
-            mask = k_ok[None, :] if mask is None else mask & k_ok[None, :]
-        else:
-            ds, k_index = jnp.sum(ds, axis=1, keepdims=True), _ds(0, 1)
-        view = ref.at[slot, n, q_index, k_index]
-        old = plgpu.load(view) if mask is None else plgpu.load(view, mask=mask, other=0.0)
-        plgpu.store(view, old + ds, mask=mask)
-
     def row(r, carry):
         b = g + plan.row_groups * r
         st = tiles.structure(extras, b)
@@ -432,7 +444,8 @@ def _dq_dbias_kernel(
             _, ds = _grads(tiles, q, k, v, do, lse, delta, bias_refs, extras, st, b, n, q_span,
                            k_span)  # fmt: skip
             for ref, shape in zip(dbias_refs, shapes, strict=True):
-                accumulate(ref, shape, b, k_span, ds)
+                slot = b if shape[0] > 1 else g
+                accumulate_bias_grad(ref, shape, slot, n, q_span, i, k_span, 0, ds)
             return dq + _dot(ds.astype(k.dtype), k, precision=plan.precision)
 
         init = jnp.zeros((plan.block_q, _pow2_tile(plan.head_dim)), jnp.float32)
@@ -472,6 +485,24 @@ def forward(plan: Plan, q, k, v, biases, extras):
     return plan.call(kernel, grid, out_shape, args, "gated_attention_forward")
 
 
+def bias_grad_buffers(plan: Plan, shapes, batch, heads, q_len, k_len, k_parts: int) -> tuple:
+    """Zero-filled float32 bias-gradient buffers [B or row groups, N, T or query blocks, S or
+    k_parts] (k_parts: per key block where programs split the keys, else 1)."""
+    q_blocks = -(-q_len // plan.block_q)
+    return tuple(
+        jnp.zeros(
+            (
+                batch if s[0] > 1 else plan.row_groups,
+                heads,
+                q_len if s[2] > 1 else q_blocks,
+                k_len if s[3] > 1 else k_parts,
+            ),
+            jnp.float32,
+        )
+        for s in shapes
+    )
+
+
 def backward(plan, residuals, cotangents):
     q, k, v, biases, extras, out, lse = residuals
     d_out, d_lse = cotangents
@@ -490,21 +521,9 @@ def backward(plan, residuals, cotangents):
         "gated_attention_dkdv",
     )
 
-    # Bias-gradient buffers [slots, N, T or query blocks, S or 1], float32, zero-filled.
     q_blocks = -(-q_len // plan.block_q)
     shapes = tuple(tuple(b.shape) for b in biases)
-    buffers = tuple(
-        jnp.zeros(
-            (
-                batch if s[0] > 1 else plan.row_groups,
-                heads,
-                q_len if s[2] > 1 else q_blocks,
-                k_len if s[3] > 1 else 1,
-            ),
-            jnp.float32,
-        )
-        for s in shapes
-    )
+    buffers = bias_grad_buffers(plan, shapes, batch, heads, q_len, k_len, 1)
     first_buffer = len(common)
     aliases = {first_buffer + t: 1 + t for t in range(len(buffers))}
     if plan.packed:  # dq written into slot 0 of the dk/dv kernel's packed gradient, in place

@@ -51,7 +51,7 @@ ROWS_HEAD_DIM = 32
 
 @dataclasses.dataclass(frozen=True)
 class Plan(base.KernelPlan):
-    """Static facts of one call, shared by the three kernels (hashable: a custom_vjp argument)."""
+    """Static facts of one call, shared by its kernels (hashable: a custom_vjp argument)."""
 
     block_q: int
     block_k: int
@@ -75,6 +75,8 @@ class Plan(base.KernelPlan):
     # Packed (Options.packed): q, k and v are slots 0, 1, 2 of one [B, L, 3, N, D] array ([L, B,
     # 3, N, D] with columns), read in place; the backward writes dq, dk, dv into one such array.
     packed: bool = False
+    # One backward kernel (PallasAttention.fused_backward, attention/pallas_triton/kernels_fused.py).
+    fused_backward: bool = False
 
     @classmethod
     def make(
@@ -128,6 +130,7 @@ class Plan(base.KernelPlan):
             base2=plain,
             columns=options.positions_first,
             packed=options.packed,
+            fused_backward=impl.fused_backward,
         )
 
     def call(self, kernel, grid, out_shape, args, name, aliases=None):
