@@ -32,6 +32,7 @@ names an H100's, '9.0', and runs the kernels interpreted).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import statistics
 import sys
@@ -50,6 +51,9 @@ from gated_attention_tools import child, device_benchmark, measure, tuning_table
 MODES = device_benchmark.MODES
 DTYPES = ("bfloat16", "float32")
 REFERENCE = "reference"  # the float32 reference's program among a cell's compiles
+# The child's tagged lines: its environment first, then each group's rows as they are done, so
+# that a child that dies (a kernel that crashes the GPU) leaves the groups before it (run()).
+_HEAD, _ROWS = "sweep-head: ", "sweep-rows: "
 
 
 def check_config(cfg) -> None:
@@ -256,27 +260,42 @@ def time_cells(config: dict[str, Any], seconds: float | None) -> dict[str, Any]:
     cfg = ml_collections.ConfigDict(config)
     deadline = None if seconds is None else time.monotonic() + seconds
     cap = capability(cfg.capability) or platforms.gpu_capability()
+    head = dict(environment=device_benchmark.environment(), capability=cap and list(cap))
+    print(_HEAD + json.dumps(head), flush=True)
     todo, rows = groups(cfg), []
     for i, group in enumerate(todo):
         if cap is None:
             why = "not run: no GPU here and config.capability names none"
-            rows += [r for cell in group for r in _not_run(cell, why)]
-            continue
-        if deadline is not None and time.monotonic() > deadline:
+            done = [r for cell in group for r in _not_run(cell, why)]
+        elif deadline is not None and time.monotonic() > deadline:
             why = "not run: the time budget was spent"
-            rows += [r for cell in group for r in _not_run(cell, why, cap, cfg)]
-            continue
-        print(f"[{i + 1}/{len(todo)}] {group[0].shape.name} {group[0].dtype}", flush=True)
-        try:
-            rows += run_group(group, cfg, cap, log=lambda line: print(line, flush=True))
-        except Exception as e:  # its inputs did not fit, say
-            why = device_benchmark._reason(e)
-            rows += [r for cell in group for r in _not_run(cell, why, cap, cfg)]
-    return dict(
-        environment=device_benchmark.environment(),
-        capability=None if cap is None else list(cap),
-        rows=rows,
-    )
+            done = [r for cell in group for r in _not_run(cell, why, cap, cfg)]
+        else:
+            print(f"[{i + 1}/{len(todo)}] {group[0].shape.name} {group[0].dtype}", flush=True)
+            try:
+                done = run_group(group, cfg, cap, log=lambda line: print(line, flush=True))
+            except Exception as e:  # its inputs did not fit, say
+                why = device_benchmark._reason(e)
+                done = [r for cell in group for r in _not_run(cell, why, cap, cfg)]
+        print(_ROWS + json.dumps(done), flush=True)
+        rows += done
+    return dict(head, rows=rows)
+
+
+def _salvage(cfg, lines: list[str], error: Exception) -> dict[str, Any]:
+    """time_cells' result from a child that died: the rows of the groups it finished, every
+    other cell's candidates 'not run' with the child's last error."""
+    head = next((json.loads(x[len(_HEAD) :]) for x in lines if x.startswith(_HEAD)), None)
+    if head is None:  # it died before it began: nothing to keep
+        raise error
+    rows = [r for x in lines if x.startswith(_ROWS) for r in json.loads(x[len(_ROWS) :])]
+    ran = {(r["shape"], r["dtype"], r["mode"]) for r in rows}
+    cap = head["capability"] and tuple(head["capability"])
+    why = f"not run: the sweep's process died ({device_benchmark._reason(error)})"
+    for cell in cells(cfg):
+        if (cell.shape.name, cell.dtype, cell.mode) not in ran:
+            rows += _not_run(cell, why, cap, cfg) if cap else _not_run(cell, why)
+    return dict(head, rows=rows)
 
 
 def _not_run(cell, why: str, cap=None, cfg=None) -> list[dict]:
@@ -289,15 +308,29 @@ def _not_run(cell, why: str, cap=None, cfg=None) -> list[dict]:
 
 def run(cfg: ml_collections.ConfigDict, log=print) -> dict:
     """Every cell in one child process (time_cells), within cfg.time_budget_s (0: none); the
-    results and the table entries they give (`table`: {device: entries})."""
+    results and the table entries they give (`table`: {device: entries}). A child that dies
+    leaves the groups it finished, the other cells 'not run' with its error (_salvage)."""
     check_config(cfg)
     seconds = cfg.time_budget_s or None
     env = device_benchmark.child_env(cfg)
     if cfg.xla_flags:
         env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {cfg.xla_flags}".strip()
-    timed = child.call(
-        f"{__name__}:time_cells", dict(config=cfg.to_dict(), seconds=seconds), log=log, env=env
-    )
+    tagged = []
+
+    def read(line: str) -> None:
+        if line.startswith((_HEAD, _ROWS)):
+            tagged.append(line)
+        else:
+            log(line)
+
+    kwargs = dict(config=cfg.to_dict(), seconds=seconds)
+    try:
+        timed = child.call(f"{__name__}:time_cells", kwargs, log=read, env=env)
+    except RuntimeError as e:  # the child died: keep what it finished
+        log(
+            f"sweep: the child died; keeping the groups it finished ({device_benchmark._reason(e)})"
+        )
+        timed = _salvage(cfg, tagged, e)
     environment = timed["environment"] | dict(command=" ".join(sys.argv))  # not the child's
     results = dict(environment=environment, capability=timed["capability"], cells=timed["rows"])
     results["table"] = tuning_table.updated({}, [results])
@@ -307,8 +340,6 @@ def run(cfg: ml_collections.ConfigDict, log=print) -> dict:
 def write_table(results: dict, cfg, out_dir) -> None:
     """out_dir/tuning.json: the package's table with this device's entries replaced (copy it over
     gated_attention/attention/tuning.json, or run tuning_table on results.json, to install)."""
-    import json
-
     from gated_attention.attention import tuning
 
     current = json.loads(tuning.TABLE_FILE.read_text())

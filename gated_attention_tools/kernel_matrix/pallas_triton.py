@@ -13,7 +13,7 @@ these say what compiles and how, never how fast.
 compiles the whole case matrix (each case in a child process) and writes the figures with a
 markdown summary beside them; `--tiles 32,32,8,1` compiles every case with those tiles instead of
 the table's (candidates for kernel_matrix/tile_table.py, which makes the table from these
-results); `--dtypes`, `--head-dims`, `--precisions`, `--biases` and `--masks` narrow the matrix
+results), `--fused-backward` the one-pass backward (PallasAttention.fused_backward); `--dtypes`, `--head-dims`, `--precisions`, `--biases` and `--masks` narrow the matrix
 (to one table key's cases, say) and `--append` adds the rows to --out's instead of replacing them.
 """
 
@@ -33,6 +33,8 @@ from gated_attention_tools import targets
 from gated_attention_tools.kernel_matrix import common
 
 KERNELS = ("gated_attention_forward", "gated_attention_dkdv", "gated_attention_dq_dbias")
+# With PallasAttention.fused_backward: the forward and the one backward kernel.
+FUSED_KERNELS = ("gated_attention_forward", "gated_attention_fused_backward")
 DTYPES = common.DTYPES
 HEAD_DIMS = (8, 16, 32, 64, 128)
 BIASES = common.BIASES
@@ -140,7 +142,8 @@ def ptx_kernels(dump: str, arch: str) -> dict[str, dict[str, Any]]:
     kernels = {}
     for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
         text = Path(path).read_text()
-        names = [k for k in KERNELS if f".entry {k}" in text or f".entry {k}(" in text]
+        ours = (*KERNELS, *FUSED_KERNELS[1:])
+        names = [k for k in ours if f".entry {k}" in text or f".entry {k}(" in text]
         if not names:
             continue
         run = subprocess.run(
@@ -191,13 +194,16 @@ def matrix(
     return common.matrix(dtypes, head_dims, biases, masks, tuple(precisions), options)
 
 
-def verdict(target: str, case: dict[str, Any], stats: dict[str, Any]) -> list[str]:
+def verdict(
+    target: str, case: dict[str, Any], stats: dict[str, Any], fused: bool = False
+) -> list[str]:
     """What is wrong with a case's kernels (empty: nothing): spills, shared memory over the
-    target's limit, a missing kernel, no MMA where the precision asks for the tensor cores."""
+    target's limit, a missing kernel (`fused`: the fused backward's), no MMA where the precision
+    asks for the tensor cores."""
     limit = targets.target(target).shared_memory_bytes
     wants_mma = case["dtype"] != "float32" or case["precision"] != "highest"
     problems = []
-    for name in KERNELS:
+    for name in FUSED_KERNELS if fused else KERNELS:
         k = stats["kernels"].get(name)
         if k is None:
             problems.append(f"{name}: not found")
@@ -223,10 +229,12 @@ def run(
             return dict(
                 case=case, tiles=stats["tiles"], problems=[f"compile failed: {stats['error']}"]
             )
-        return dict(case=case, **stats, problems=verdict(target, case, stats))
+        fused = bool((tuning or {}).get("fused_backward"))
+        return dict(case=case, **stats, problems=verdict(target, case, stats, fused))
 
     def failed(case, error):
-        stats = dict(tiles=list(tuning.values())) if tuning else {}  # a failed candidate's
+        tiles = [tuning[f] for f in TILE_FIELDS if f in (tuning or {})]
+        stats = dict(tiles=tiles) if tiles else {}  # a failed candidate's
         return dict(case=case, **stats, problems=[common.failure(error)])
 
     return common.run(
@@ -258,6 +266,9 @@ def main() -> None:
         "--tiles", default="", help="block_q,block_k,num_warps,num_stages for every case"
     )
     parser.add_argument(
+        "--fused-backward", action="store_true", help="PallasAttention(fused_backward=True)"
+    )
+    parser.add_argument(
         "--append", action="store_true", help="add the rows to --out's (the same target's)"
     )
     parser.add_argument(
@@ -270,6 +281,8 @@ def main() -> None:
     tuning = None
     if args.tiles:
         tuning = dict(zip(TILE_FIELDS, map(int, args.tiles.split(",")), strict=True))
+    if args.fused_backward:
+        tuning = (tuning or {}) | dict(fused_backward=True)
     cases = matrix(
         args.biases.split(","),
         args.masks.split(","),

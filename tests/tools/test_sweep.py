@@ -1,6 +1,8 @@
 """The sweep (gated_attention_tools/sweep.py): its preset's cells and budget, its smoke run end to
 end on CPU (interpreted kernels: the results, the table 'auto' reads), refused configs."""
 
+import contextlib
+import io
 import json
 import pathlib
 
@@ -127,3 +129,45 @@ def test_a_candidate_that_does_not_build_is_a_row_with_the_reason(monkeypatch):
     )
     assert "cuDNN attention runs on GPU only" in rows["cudnn"]["unavailable"]
     assert rows["xla"]["time_ms"] > 0 and rows["xla"]["accurate"]
+
+
+def test_a_child_that_dies_leaves_the_groups_it_finished(monkeypatch):
+    """The child's tagged lines (its environment, each group's rows as that group ends) are
+    kept when it dies in a later group (a kernel that crashes the GPU): those rows as they were,
+    every cell after them 'not run' with the child's error; dead before its first line: raised."""
+    cfg = _config(dtypes=("float32", "bfloat16"), implementations=("pallas", "xla"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        whole = sweep.time_cells(cfg.to_dict(), seconds=0.0)  # both groups, budget spent
+    lines = printed.getvalue().splitlines()
+    rows_lines = [x for x in lines if x.startswith("sweep-rows: ")]
+    assert len(rows_lines) == 2  # one per group (float32, then bfloat16)
+    error = RuntimeError("child failed: Segmentation fault")
+
+    def dying(target, kwargs, log, env):
+        for line in lines[: lines.index(rows_lines[1])]:  # dies in the second group
+            log(line)
+        raise error
+
+    monkeypatch.setattr(sweep.child, "call", dying)
+    results = sweep.run(cfg, log=lambda line: None)
+    first = [r for r in whole["rows"] if r["dtype"] == "float32"]
+    assert results["cells"][: len(first)] == first
+    rest = results["cells"][len(first) :]
+    assert [r["variant"] for r in rest] == [
+        r["variant"] for r in whole["rows"] if r["dtype"] == "bfloat16"
+    ]
+    assert all(
+        r["unavailable"]
+        == "not run: the sweep's process died (failed: RuntimeError: child failed: "
+        "Segmentation fault)"
+        for r in rest
+    ), rest[0]["unavailable"]
+    assert results["capability"] == [9, 0]
+
+    def dead_at_once(target, kwargs, log, env):
+        raise error
+
+    monkeypatch.setattr(sweep.child, "call", dead_at_once)
+    with pytest.raises(RuntimeError, match="Segmentation fault"):
+        sweep.run(cfg, log=lambda line: None)
