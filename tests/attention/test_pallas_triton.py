@@ -289,6 +289,21 @@ def test_check_says_why(specs, compute_dtype, match):
         INTERPRETED.check(q, k, v, (bias,), mask, compute_dtype=compute_dtype)
 
 
+def test_the_fused_backward_refuses_more_key_blocks_than_its_partials_take():
+    """Over MAX_FUSED_KEY_BLOCKS key blocks (its float32 dq partials, one copy of q each) the
+    fused backward is refused, saying which block_k would take the keys; at the bound it runs."""
+    from gated_attention.attention.pallas_triton.implementation import MAX_FUSED_KEY_BLOCKS
+
+    keys = 16 * MAX_FUSED_KEY_BLOCKS
+    q, k, v, bias, mask = _specs(q_len=20, k_len=keys + 1)
+    with pytest.raises(NotImplementedError, match=r"9 blocks of 16 at 129 keys, over its 8 \("
+                       r"take fused_backward=False, or block_k >= 17\)"):  # fmt: skip
+        FUSED.check(q, k, v, (bias,), mask, compute_dtype=jnp.float32)
+    INTERPRETED.check(q, k, v, (bias,), mask, compute_dtype=jnp.float32)  # two kernels: taken
+    q, k, v, bias, mask = _specs(q_len=20, k_len=keys)
+    FUSED.check(q, k, v, (bias,), mask, compute_dtype=jnp.float32)
+
+
 def test_auto_takes_it_on_gpu():
     q, k, v, bias, mask = _specs()
     impl, reason = ga.Auto().choose(

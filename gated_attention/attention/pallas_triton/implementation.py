@@ -60,6 +60,10 @@ MAX_ROWS_PER_PROGRAM = 4  # each row holds its own accumulator and queries in re
 # stages (benchmark_results/gpu_kernels/); one doubling past them is tried, no further.
 MAX_CANDIDATE_TILE = 128
 MAX_CANDIDATE_STAGES = 4
+# The fused backward's float32 dq partials are one copy of q per key block: at most this many
+# (8 x q's float32 size; AF2's MSA row at 384 keys takes 6 blocks of 64, a triangle at 1,024
+# refused at 64 keys a tile, taken at 128).
+MAX_FUSED_KEY_BLOCKS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +87,9 @@ class PallasAttention(base.Implementation):
       fused_backward: run the backward as one kernel (attention/pallas_triton/kernels_fused.py)
         that computes each tile's softmax weights and their gradient once, where the two
         kernels compute them twice: one program per key block writes its float32 share of dq
-        into a buffer of (key blocks) x q's size, which XLA sums (no atomics). False: the
-        dk/dv and dq/bias-gradient kernels, which need no such buffer.
+        into a buffer of (key blocks) x q's size, which XLA sums (no atomics); refused past
+        MAX_FUSED_KEY_BLOCKS key blocks. False: the dk/dv and dq/bias-gradient kernels, which
+        need no such buffer.
       interpret: run the kernels in Pallas's interpreter (any backend; slow, for tests).
     """
 
@@ -172,6 +177,13 @@ class PallasAttention(base.Implementation):
                 f"tiles {block_q} x {block_k} with {stages} stages need about {need:,} bytes of "
                 f"shared memory at head dim {max(dims)} ({jnp.dtype(compute_dtype)}), over the "
                 f"{limit:,} a block has on this GPU ({group} shared memory): take smaller tiles"
+            )
+        blocks = -(-key.shape[1] // block_k)
+        if plan.fused_backward and blocks > MAX_FUSED_KEY_BLOCKS:
+            raise NotImplementedError(
+                f"the fused backward keeps a float32 copy of dq per key block: {blocks} blocks "
+                f"of {block_k} at {key.shape[1]} keys, over its {MAX_FUSED_KEY_BLOCKS} (take "
+                f"fused_backward=False, or block_k >= {-(-key.shape[1] // MAX_FUSED_KEY_BLOCKS)})"
             )
         return plan
 
