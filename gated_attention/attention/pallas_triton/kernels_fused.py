@@ -13,6 +13,7 @@ tiles, per group for a bias shared over the batch, as the dq kernel's are.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,7 +33,7 @@ from gated_attention.attention.pallas_triton.kernels import (
 )
 from gated_attention.attention.pallas_triton.plan import Plan
 from gated_attention.attention.pallas_triton.plan import pallas_modules as _pallas
-from gated_attention.attention.pallas_triton.tile_table import _pow2_tile
+from gated_attention.attention.pallas_triton.tile_table import MIN_TILE, _pow2_tile
 
 
 def _fused_kernel(
@@ -107,8 +108,17 @@ def _fused_kernel(
     lax.fori_loop(0, rows, row, 0)
 
 
+def fused_plan(plan: Plan) -> Plan:
+    """The plan the fused kernel runs: half the forward's query tile (at least MIN_TILE). Its
+    dk and dv accumulators live beside each tile's p, ds and dq partial; at the forward's tiles
+    it spilled 4-208 B in 44 of 180 forms compiled for an H100, at half the queries in 1
+    (benchmark_results/gpu_kernels/fused_backward/)."""
+    return dataclasses.replace(plan, block_q=max(MIN_TILE, plan.block_q // 2))
+
+
 def backward(plan: Plan, residuals, cotangents):
     """(dq, dk, dv, dbiases, None per extra) of the custom VJP, by the one fused kernel."""
+    plan = fused_plan(plan)
     q, k, v, biases, extras, out, lse = residuals
     d_out, d_lse = cotangents
     batch, q_len, k_len = _lengths(plan, q, k)
