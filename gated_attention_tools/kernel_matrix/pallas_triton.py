@@ -325,15 +325,19 @@ def markdown(result: dict[str, Any]) -> str:
         "",
     ]
     columns = ("case", "tiles", "kernel", "registers", "spill stores (B)", "shared memory (B)")
-    lines += common.table((*columns, "MMA", "problems"), _table_rows(rows), right=columns[3:])
+    fused = any(FUSED_KERNELS[1] in r.get("kernels", {}) for r in rows)
+    kernels = FUSED_KERNELS if fused else KERNELS
+    lines += common.table(
+        (*columns, "MMA", "problems"), _table_rows(rows, kernels), right=columns[3:]
+    )
     return "\n".join(lines) + "\n"
 
 
-def _table_rows(rows):
+def _table_rows(rows, kernels=KERNELS):
     for r in rows:
         name = common.case_name(r["case"])
         tiles = ", ".join(map(str, r.get("tiles", [])))
-        for kernel in KERNELS:
+        for kernel in kernels:
             k = r.get("kernels", {}).get(kernel, {})
             problems = [p for p in r["problems"] if p.startswith(kernel) or "compile" in p]
             yield (

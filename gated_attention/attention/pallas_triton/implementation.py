@@ -195,8 +195,8 @@ class PallasAttention(base.Implementation):
         JAX's default precision, the head dim and the form; the rows a program Plan.make takes)
         first, then each one-field neighbour of it: block_q or block_k halved or doubled (16 to
         128), the other of 4 and 8 warps, one pipeline stage fewer or more (1 to 4), and with a
-        bias shared over the batch the other of 1 and 2 rows a program; last the first with the
-        fused backward (f1). Those whose shared memory (memory.gpu_shared_memory_bytes) is over
+        bias shared over the batch the other of 1 and 2 rows a program; last, in half
+        precision, the first with the fused backward (f1). Those whose shared memory (memory.gpu_shared_memory_bytes) is over
         the GPU's shared-memory class's limit, which plan() refuses there, are left out. Head
         dims over MAX_HEAD_DIM: none."""
         if head_dim > MAX_HEAD_DIM:
@@ -236,7 +236,9 @@ class PallasAttention(base.Implementation):
             )  # fmt: skip
             if need <= pallas_tiles.SHARED_MEMORY_CLASSES[group] and option not in out:
                 out.append(option)
-        return out + [out[0] | dict(fused_backward=True)] if out else out
+        if out and half:  # float32's fused kernel spills on the A100, Ada and sm_120
+            out.append(out[0] | dict(fused_backward=True))
+        return out
 
     def _make(self, query, key, value, biases, mask, scale, compute_dtype, options) -> Plan:
         live_q, _ = base.live_shapes(options.structure, mask, query.shape[1], key.shape[1])
