@@ -354,7 +354,22 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: 
     dk_ref, dv_ref = outs * 2 if plan.packed else outs  # packed: one [B, S, 3, K, D] gradient
     b, kv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k_span = tiles.span(j, plan.block_k, tiles.k_len)
+    operands = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref)
+    dk, dv, seen = key_block_grads(tiles, operands, bias_refs, extras, b, kv, j, k_span)
+    store_dkdv(tiles, dk_ref, dv_ref, b, k_span, kv, dk, dv, seen)
+
+
+def key_block_grads(tiles: _Tiles, operands, bias_refs, extras, b, kv, j, k_span, each_tile=None,
+                    each_head=None):  # fmt: skip
+    """(dk, dv, seen) of key block j of key/value head kv for batch row b: float32, summed over
+    the group's query heads and the query blocks the structure leaves; `seen` the keys some
+    query head sees (None: all). operands: the (q, k, v, dO, lse, delta) refs. each_tile(n, i, q_span,
+    live_q, k, ds) runs after each tile's products, each_head(n, lo, hi) after a head's loop
+    over query blocks [lo, hi) (the fused backward's dq partials)."""
+    plan = tiles.plan
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = operands
     st = tiles.structure(extras, b)
+    lo, hi = tiles.query_blocks(st, j)
     dk = jnp.zeros((plan.block_k, _pow2_tile(plan.head_dim)), jnp.float32)
     dv = jnp.zeros((plan.block_k, _pow2_tile(plan.value_dim)), jnp.float32)
     seen = None  # keys some query head of the group sees
@@ -367,7 +382,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: 
         def body(i, carry, n=n, k=k, v=v):
             dk, dv = carry
             q_span = tiles.span(i, plan.block_q, tiles.q_len)
-            q, _ = tiles.queries(q_ref, extras, b, n, q_span)
+            q, live_q = tiles.queries(q_ref, extras, b, n, q_span)
             do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
             lse = tiles.vector(lse_ref, b, n, q_span)
             delta = tiles.vector(delta_ref, b, n, q_span)
@@ -375,10 +390,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, tiles: 
                            k_span)  # fmt: skip
             dv = dv + _dot(p.astype(do.dtype), do, trans_a=True, precision=plan.precision)
             dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True, precision=plan.precision)
+            if each_tile is not None:
+                each_tile(n, i, q_span, live_q, k, ds)
             return dk, dv
 
-        dk, dv = lax.fori_loop(*tiles.query_blocks(st, j), body, (dk, dv))
-    store_dkdv(tiles, dk_ref, dv_ref, b, k_span, kv, dk, dv, seen)
+        dk, dv = lax.fori_loop(lo, hi, body, (dk, dv))
+        if each_head is not None:
+            each_head(n, lo, hi)
+    return dk, dv, seen
 
 
 def store_dkdv(tiles: _Tiles, dk_ref, dv_ref, b, k_span, kv, dk, dv, seen):

@@ -24,11 +24,11 @@ from gated_attention.attention.gpu_common import softmax_delta, sum_bias_partial
 from gated_attention.attention.pallas_triton.kernels import (
     Q,
     _dot,
-    _grads,
     _lengths,
     _Tiles,
     accumulate_bias_grad,
     bias_grad_buffers,
+    key_block_grads,
     store_dkdv,
 )
 from gated_attention.attention.pallas_triton.plan import Plan
@@ -52,6 +52,7 @@ def _fused_kernel(
     dq_ref, dbias_refs = rest[outs], rest[outs + 1 :]
     g, kv, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     k_span = tiles.span(j, plan.block_k, tiles.k_len)
+    operands = (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref)
     q_blocks = -(-tiles.q_len // plan.block_q)
     dq_width = _pow2_tile(plan.head_dim)
 
@@ -60,47 +61,31 @@ def _fused_kernel(
 
     def row(r, carry):
         b = g + plan.row_groups * r
-        st = tiles.structure(extras, b)
-        lo, hi = tiles.query_blocks(st, j)
-        dk = jnp.zeros((plan.block_k, dq_width), jnp.float32)
-        dv = jnp.zeros((plan.block_k, _pow2_tile(plan.value_dim)), jnp.float32)
-        seen = None  # keys some query head of the group sees
-        for h in range(plan.q_heads_per_kv_head):
-            n = kv * plan.q_heads_per_kv_head + h
-            k, v, live_k = tiles.keys_values(k_ref, v_ref, extras, b, n, k_span)
-            if live_k is not None:
-                seen = live_k if seen is None else jnp.maximum(seen, live_k)
 
-            def body(i, carry, n=n, k=k, v=v):
-                dk, dv = carry
+        def each_tile(n, i, q_span, live_q, k, ds):  # key block j's share of dq; the biases'
+            dq = _dot(ds.astype(k.dtype), k, precision=plan.precision) * plan.scale
+            if live_q is not None:
+                dq = jnp.where(live_q[:, None] != 0, dq, 0.0)
+            store_dq(b, n, q_span, dq)
+            for ref, shape in zip(dbias_refs, shapes, strict=True):
+                slot = b if shape[0] > 1 else g
+                accumulate_bias_grad(ref, shape, slot, n, q_span, i, k_span, j, ds)
+
+        def each_head(n, lo, hi):  # query blocks the structure skips: their dq partial is 0
+            if extras.meta is None:
+                return
+
+            def zero(i, carry):
                 q_span = tiles.span(i, plan.block_q, tiles.q_len)
-                q, live_q = tiles.queries(q_ref, extras, b, n, q_span)
-                do = tiles.rows(do_ref, b, q_span, n, plan.value_dim)
-                lse = tiles.vector(lse_ref, b, n, q_span)
-                delta = tiles.vector(delta_ref, b, n, q_span)
-                p, ds = _grads(tiles, q, k, v, do, lse, delta, bias_refs, extras, st, b, n,
-                               q_span, k_span)  # fmt: skip
-                dv = dv + _dot(p.astype(do.dtype), do, trans_a=True, precision=plan.precision)
-                dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True, precision=plan.precision)
-                dq = _dot(ds.astype(k.dtype), k, precision=plan.precision) * plan.scale
-                if live_q is not None:
-                    dq = jnp.where(live_q[:, None] != 0, dq, 0.0)
-                store_dq(b, n, q_span, dq)
-                for ref, shape in zip(dbias_refs, shapes, strict=True):
-                    slot = b if shape[0] > 1 else g
-                    accumulate_bias_grad(ref, shape, slot, n, q_span, i, k_span, j, ds)
-                return dk, dv
+                store_dq(b, n, q_span, jnp.zeros((plan.block_q, dq_width), jnp.float32))
+                return carry
 
-            dk, dv = lax.fori_loop(lo, hi, body, (dk, dv))
-            if st is not None:  # query blocks the structure skips: their dq partial is 0
+            lax.fori_loop(0, lo, zero, 0)
+            lax.fori_loop(hi, q_blocks, zero, 0)
 
-                def zero(i, carry, n=n):
-                    q_span = tiles.span(i, plan.block_q, tiles.q_len)
-                    store_dq(b, n, q_span, jnp.zeros((plan.block_q, dq_width), jnp.float32))
-                    return carry
-
-                lax.fori_loop(0, lo, zero, 0)
-                lax.fori_loop(hi, q_blocks, zero, 0)
+        dk, dv, seen = key_block_grads(
+            tiles, operands, bias_refs, extras, b, kv, j, k_span, each_tile, each_head
+        )
         store_dkdv(tiles, dk_ref, dv_ref, b, k_span, kv, dk, dv, seen)
         return carry
 
