@@ -71,7 +71,6 @@ LONG_TESTS = {
     "tests/attention/test_pallas_mosaic_gpu.py::TestMosaicInterpreted::test_reference_and_mask_contract": 37,
     "tests/tools/test_targets.py::test_auto_chooses_for_the_target_not_the_host": 30,
     "tests/af2/test_af2_package.py::test_whole_model": 30,
-    "tests/tools/test_sass_proxy.py::test_the_proxy_reads_our_kernel_and_colabfolds_from_their_compiles": 25,
     "tests/attention/test_pallas_mosaic_tpu.py::TestPallasTpuInterpreted::test_reference_and_mask_contract": 20,
     "tests/parallel/test_row_parallel.py::test_two_processes_match_one": 19,
     "tests/test_docs.py::test_alphafold3_block_runs": 19,
