@@ -227,10 +227,12 @@ def _time_cell(cell, args, rows, compiled, cfg, log) -> list[dict[str, Any]]:
             (first_s,), out = measure.time_calls(exe, args, 1)
             worst = None if reference is None else _worst(out, reference)
             del out
+            memory = measure.compiled_memory(exe)  # the fused backward's dq partials show here
             rows[name] |= dict(
                 first_call_s=first_s,
                 rel_diff_vs_float32=worst,
                 accurate=None if worst is None else worst <= tolerance,
+                temp_mib=None if memory is None else memory["temp"] / 2**20,
             )
             ready[name] = exe
         except Exception as e:  # e.g. out of memory, a launch the device refuses
@@ -369,19 +371,22 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "Time: median over interleaved rounds; / fastest: to the cell's fastest candidate. "
         "Difference: max |x - reference| / max |reference| over the outputs, the reference our "
-        "XLA implementation in float32 at 'highest' precision on the same rounded inputs.",
+        "XLA implementation in float32 at 'highest' precision on the same rounded inputs. "
+        "Temp: XLA's temporary memory of the compiled program (its memory analysis).",
         "",
-        "| shape | dtype | mode | candidate | time ms | / fastest | rel. diff |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: |",
+        "| shape | dtype | mode | candidate | time ms | / fastest | rel. diff | temp MiB |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in results["cells"]:
         head = f"| {r['shape']} | {r['dtype']} | {r['mode']} | {r['variant']} |"
         if "time_ms" not in r:
-            lines.append(f"{head} {r.get('unavailable', '')[:140]} | | |")
+            lines.append(f"{head} {r.get('unavailable', '')[:140]} | | | |")
             continue
         diff = "" if r["rel_diff_vs_float32"] is None else f"{r['rel_diff_vs_float32']:.1e}"
         diff += " INACCURATE" if r["accurate"] is False else ""
+        temp = "" if r.get("temp_mib") is None else measure.figure(r["temp_mib"])
         lines.append(
-            f"{head} {measure.figure(r['time_ms'])} | {r['ratio_to_fastest']:.3f} | {diff} |"
+            f"{head} {measure.figure(r['time_ms'])} | {r['ratio_to_fastest']:.3f} | {diff} | "
+            f"{temp} |"
         )
     return "\n".join(lines) + "\n"

@@ -63,7 +63,10 @@ def test_the_smoke_run_writes_results_and_the_table(tmp_path):
     for name, row in rows.items():
         assert row["time_ms"] > 0 and row["accurate"] and row["rel_diff_vs_float32"] < 1e-5, row
         assert row["implementation"] == name.partition(":")[0]
+        assert row["temp_mib"] >= 0, row  # XLA's memory analysis of the candidate's program
     assert rows["pallas:bq32,bk64,w8,s2,r1"]["options"]["block_q"] == 32
+    md = (tmp_path / "results.md").read_text()
+    assert "| rel. diff | temp MiB |" in md
     assert min(r["ratio_to_fastest"] for r in rows.values()) == 1.0
     written = json.loads((tmp_path / "tuning.json").read_text())
     assert written["H100"] == tuning.table()["H100"]  # other devices' entries stay
