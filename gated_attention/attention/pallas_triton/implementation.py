@@ -196,9 +196,9 @@ class PallasAttention(base.Implementation):
         first, then each one-field neighbour of it: block_q or block_k halved or doubled (16 to
         128), the other of 4 and 8 warps, one pipeline stage fewer or more (1 to 4), and with a
         bias shared over the batch the other of 1 and 2 rows a program; last, in half
-        precision, the first with the fused backward (f1). Those whose shared memory (memory.gpu_shared_memory_bytes) is over
-        the GPU's shared-memory class's limit, which plan() refuses there, are left out. Head
-        dims over MAX_HEAD_DIM: none."""
+        precision, the first with the fused backward (f1). Those whose shared memory
+        (memory.gpu_shared_memory_bytes) is over the GPU's shared-memory class's limit, which
+        plan() refuses there, are left out. Head dims over MAX_HEAD_DIM: none."""
         if head_dim > MAX_HEAD_DIM:
             return []
         dtype = jnp.dtype(dtype)

@@ -363,9 +363,9 @@ def key_block_grads(tiles: _Tiles, operands, bias_refs, extras, b, kv, j, k_span
                     each_head=None):  # fmt: skip
     """(dk, dv, seen) of key block j of key/value head kv for batch row b: float32, summed over
     the group's query heads and the query blocks the structure leaves; `seen` the keys some
-    query head sees (None: all). operands: the (q, k, v, dO, lse, delta) refs. each_tile(n, i, q_span,
-    live_q, k, ds) runs after each tile's products, each_head(n, lo, hi) after a head's loop
-    over query blocks [lo, hi) (the fused backward's dq partials)."""
+    query head sees (None: all). operands: the (q, k, v, dO, lse, delta) refs.
+    each_tile(n, i, q_span, live_q, k, ds) runs after each tile's products, each_head(n, lo,
+    hi) after a head's loop over query blocks [lo, hi) (the fused backward's dq partials)."""
     plan = tiles.plan
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = operands
     st = tiles.structure(extras, b)
