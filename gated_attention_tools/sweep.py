@@ -296,7 +296,7 @@ def _salvage(cfg, lines: list[str], error: Exception) -> dict[str, Any]:
     why = f"not run: the sweep's process died ({device_benchmark._reason(error)})"
     for cell in cells(cfg):
         if (cell.shape.name, cell.dtype, cell.mode) not in ran:
-            rows += _not_run(cell, why, cap, cfg) if cap else _not_run(cell, why)
+            rows += _not_run(cell, why, cap, cfg)
     return dict(head, rows=rows)
 
 

@@ -13,8 +13,9 @@ these say what compiles and how, never how fast.
 compiles the whole case matrix (each case in a child process) and writes the figures with a
 markdown summary beside them; `--tiles 32,32,8,1` compiles every case with those tiles instead of
 the table's (candidates for kernel_matrix/tile_table.py, which makes the table from these
-results), `--fused-backward` the one-pass backward (PallasAttention.fused_backward); `--dtypes`, `--head-dims`, `--precisions`, `--biases` and `--masks` narrow the matrix
-(to one table key's cases, say) and `--append` adds the rows to --out's instead of replacing them.
+results), `--fused-backward` the one-pass backward (PallasAttention.fused_backward); `--dtypes`,
+`--head-dims`, `--precisions`, `--biases` and `--masks` narrow the matrix (to one table key's
+cases, say) and `--append` adds the rows to --out's instead of replacing them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from gated_attention_tools.kernel_matrix import common
 KERNELS = ("gated_attention_forward", "gated_attention_dkdv", "gated_attention_dq_dbias")
 # With PallasAttention.fused_backward: the forward and the one backward kernel.
 FUSED_KERNELS = ("gated_attention_forward", "gated_attention_fused_backward")
+_ALL_KERNELS = (*KERNELS, *FUSED_KERNELS[1:])  # every kernel ptxas is asked about
 DTYPES = common.DTYPES
 HEAD_DIMS = (8, 16, 32, 64, 128)
 BIASES = common.BIASES
@@ -142,8 +144,7 @@ def ptx_kernels(dump: str, arch: str) -> dict[str, dict[str, Any]]:
     kernels = {}
     for path in sorted(glob.glob(os.path.join(dump, "*.ptx"))):
         text = Path(path).read_text()
-        ours = (*KERNELS, *FUSED_KERNELS[1:])
-        names = [k for k in ours if f".entry {k}" in text or f".entry {k}(" in text]
+        names = [k for k in _ALL_KERNELS if f".entry {k}" in text or f".entry {k}(" in text]
         if not names:
             continue
         run = subprocess.run(
