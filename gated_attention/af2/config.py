@@ -138,11 +138,12 @@ class GlobalConfig:
         shard_map (sharding.mesh_axes), under Auto axes as under Explicit ones; the column-wise
         modules turn to columns and back with one all-to-all each way.
       shard_columns_over: None, or the mesh axis (axes) that the positions a module attends over
-        are split over (context parallelism, ring.py): Attention's query and key positions;
-        with shard_rows_over, the pair [N, N, c] and the MSA [S, N, c] tiled over a 2D grid
-        (rows over one, columns over the other) for TriangleAttention, MSA row and MSA column
-        attention, each attending along its split axis by a ring of key blocks. MSA column
-        global attention and GlobalAttention refuse it.
+        are split over (context parallelism, ring.py): Attention's query and key positions,
+        GlobalAttention's positions (the op's ring splits its heads: num_head must divide by
+        the devices); with shard_rows_over, the pair [N, N, c] and the MSA [S, N, c] tiled over
+        a 2D grid (rows over one, columns over the other) for TriangleAttention and MSA row,
+        MSA column and MSA column global attention, each attending along its split axis by a
+        ring of key blocks (column global attention sums its masked mean over the devices).
     """
 
     zero_init: bool = True

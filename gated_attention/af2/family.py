@@ -389,22 +389,22 @@ class MSAColumnGlobalAttention(_FamilyModule):
           [..., N_seq, N_res, c_m] in msa_act's dtype.
         """
         _check_msa(msa_act, msa_mask)
-        if self.global_config.shard_columns_over is not None:
-            raise ValueError(
-                f"global_config.shard_columns_over={self.global_config.shard_columns_over!r}: "
-                "MSAColumnGlobalAttention splits its rows only (shard_rows_over)"
-            )
-
-        placement = self._placement()
+        grid = self._grid()
+        placement = None if grid else self._placement()
 
         def update(msa_act, msa_mask):
             norm = pair_bias.norm_params("query_norm", msa_act.shape[-1], msa_act.dtype)
+            # On the grid each column's sequences are split over the rows axes: a ring over them.
+            keys_over = grid[1][0] if grid else None
             attention = modules.GlobalAttention(
                 self.config,
                 self.global_config,
                 msa_act.shape[-1],
                 name="attention",
-                placement=sharding.Placement(),  # the rows placed here (_on_rows)
+                # the rows placed here (_on_rows, _on_grid)
+                placement=sharding.Placement.resolve(
+                    None, keys_over, initializing=hk.running_init()
+                ),
             )
             msa_act, msa_mask = _to_columns(placement, msa_act, msa_mask)
             # Each column (residue) attends over the sequences, the MSA as it lies: [s, r, c_m].
@@ -418,11 +418,10 @@ class MSAColumnGlobalAttention(_FamilyModule):
             )
             return _to_rows(placement, out)
 
-        return self._on_rows(
-            lambda *a: _map_leading(update, msa_act.ndim - 3, *a),
-            (msa_act, msa_mask),
-            row_dims=(-3, -2),
-        )
+        update_all = lambda *a: _map_leading(update, msa_act.ndim - 3, *a)
+        if grid:
+            return self._on_grid(update_all, (msa_act, msa_mask), (-3, -2), grid)
+        return self._on_rows(update_all, (msa_act, msa_mask), row_dims=(-3, -2))
 
 
 class TriangleAttention(_FamilyModule):

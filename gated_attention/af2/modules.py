@@ -468,7 +468,8 @@ class GlobalAttention(_AttentionModule):
         Returns:
           [..., b, q, output_dim] in q_data's dtype ([q, b, output_dim] with positions_first).
         """
-        pos = self._check_global(q_data, m_data, subbatch_size, positions_first)
+        placement = self._placement()
+        pos = self._check_global(q_data, m_data, subbatch_size, positions_first, placement)
         batch = q_data.shape[:-3] + (q_data.shape[-2 if positions_first else -3],)
         (q_len, a), (k_len, m) = (
             (q_data.shape[pos], q_data.shape[-1]),
@@ -479,7 +480,7 @@ class GlobalAttention(_AttentionModule):
         key_dim, value_dim = inputs.head_dims(self.config, a, m)
         params = _create_params(self, (a, h, key_dim), (m, key_dim), (m, value_dim), q_data.dtype)
         make_forward = functools.partial(
-            _global_forward, input_transform, key_dim**-0.5, pos, self.output_dim
+            _global_forward, input_transform, key_dim**-0.5, pos, self.output_dim, placement
         )
         # Per row: gate and gated average per query, k and v per key; in a training step also
         # the inputs, and the cotangents (memory.py).
@@ -499,7 +500,7 @@ class GlobalAttention(_AttentionModule):
             q_data.dtype,
             args,
             subbatch_size,
-            self._placement(),
+            placement,
             axis=1 if positions_first else 0,
             row_bytes=row_bytes,
             tile_row_bytes=tile_row_bytes,
@@ -507,17 +508,22 @@ class GlobalAttention(_AttentionModule):
             row_logits=None,
         )
 
-    def _check_global(self, q_data, m_data, subbatch_size, positions_first) -> int:
+    def _check_global(self, q_data, m_data, subbatch_size, positions_first, placement) -> int:
         """Validates the call; returns the positions' axis (-3 with positions_first, else -2)."""
         inputs.check_data(q_data, m_data)
         inputs.check_subbatch_size(subbatch_size)
         checks.check_bool("positions_first", positions_first)
-        if self.global_config.shard_columns_over is not None:
-            raise ValueError(
-                f"global_config.shard_columns_over={self.global_config.shard_columns_over!r}: "
-                "GlobalAttention's one query per row attends all positions; split its rows "
-                "(shard_rows_over) instead"
-            )
+        if placement.keys is not None and placement.ring == 1:
+            # The op's ring splits its queries, here the heads, over the devices too.
+            mesh, axes = _ring_axes(placement.keys)
+            devices = math.prod(mesh.shape[a] for a in axes)
+            if self.config.num_head % devices:
+                raise ValueError(
+                    f"global_config.shard_columns_over={placement.keys!r} splits GlobalAttention's "
+                    f"heads (its queries) over {devices} devices, but num_head is "
+                    f"{self.config.num_head}: give a multiple of {devices}, or call it inside a "
+                    "shard_map over the axis (each device on its own positions)"
+                )
         if positions_first and (q_data.ndim != 3 or m_data.ndim != 3):
             raise ValueError(
                 f"positions_first takes q_data [q, b, a] and m_data [k, b, m], got shapes "
@@ -532,15 +538,30 @@ class GlobalAttention(_AttentionModule):
         return pos
 
 
-def _global_forward(input_transform, scale, pos, output_dim, implementation, compute, p):
-    """GlobalAttention's forward over one tile (positions along `pos`), p closed over."""
+def _ring_axes(keys_over):
+    """(mesh, axes) that GlobalAttention's positions are split over (shard_columns_over)."""
+    return sharding.mesh_axes(keys_over, "global_config.shard_columns_over", manual=True)
+
+
+def _global_forward(
+    input_transform, scale, pos, output_dim, placement, implementation, compute, p
+):  # fmt: skip
+    """GlobalAttention's forward over one tile (positions along `pos`), p closed over. With the
+    positions split over placement.keys (a ring): inside a shard_map over them (placement.ring >
+    1) each device holds its own positions, so the masked mean's sums are summed over the
+    devices and every device attends its copy of the queries to all keys by the op's ring;
+    outside one, the op's ring splits the keys and the queries (the heads) itself."""
     positions_first = pos == -3
+    over = None
+    if placement.ring > 1:
+        axes = _ring_axes(placement.keys)[1]
+        over = lambda x: jax.lax.psum(x, axes)  # noqa: E731
 
     def forward(q_data, m_data, q_mask):
         q_data, m_data = _transformed(input_transform, q_data, m_data)
         out_dtype = q_data.dtype
         q_data, m_data = numerics.cast_floats((q_data, m_data), compute)
-        q = _project(_masked_mean(q_data, q_mask, pos), p["query_w"])  # [..., b, h, c]
+        q = _project(_masked_mean(q_data, q_mask, pos, over), p["query_w"])  # [..., b, h, c]
         k, v = _project(m_data, p["key_w"]), _project(m_data, p["value_w"])  # positions, c
         mask = q_mask.astype(bool)
         if positions_first:  # [k, b, c] -> [b, k, c]: the narrow projections, not the data
@@ -556,6 +577,7 @@ def _global_forward(input_transform, scale, pos, output_dim, implementation, com
             scale=scale,
             implementation=implementation,
             compute_dtype="input",  # cast to `compute` above: the policy is decided once
+            shard_keys_over=placement.keys,
         )  # [..., b, h, 1, cv]
         avg = jnp.swapaxes(avg, -3, -2)  # [..., b, 1, h, cv]
         if positions_first:
@@ -567,11 +589,12 @@ def _global_forward(input_transform, scale, pos, output_dim, implementation, com
     return forward
 
 
-def _masked_mean(q_data, q_mask, axis=-2):
+def _masked_mean(q_data, q_mask, axis=-2, over=None):
     """AF2's mean of q_data [..., b, q, a] over the positions (`axis`) q_mask [..., b, q, 1]
     weights (eps 1e-10); masked positions are zeroed first, so whatever they hold does not reach
-    the mean."""
+    the mean. over: None, or the sum over the devices the positions are split over."""
+    over = over or (lambda x: x)
     weights = q_mask.astype(q_data.dtype)
     kept = jnp.where(q_mask.astype(bool), q_data, jnp.zeros((), q_data.dtype))
-    total = jnp.sum(weights, axis=axis) + 1e-10
-    return jnp.sum(weights * kept, axis=axis) / total  # [..., b, a]
+    total = over(jnp.sum(weights, axis=axis)) + 1e-10
+    return over(jnp.sum(weights * kept, axis=axis)) / total  # [..., b, a]

@@ -215,6 +215,9 @@ def _family(what, grid):
             return module(msa, msa_mask, pair, is_training=True)
         if what == "msa_column":
             return ga.MSAColumnAttention(config("per_column"), gc)(msa, msa_mask, is_training=True)
+        if what == "msa_column_global":
+            module = ga.MSAColumnGlobalAttention(config("per_column"), gc)
+            return module(msa, msa_mask, is_training=True)
         orientation = "per_row" if what == "triangle_start" else "per_column"
         return ga.TriangleAttention(config(orientation), gc)(pair, pair_mask, is_training=True)
 
@@ -222,11 +225,12 @@ def _family(what, grid):
 
 
 # The devices along the axis each module attends over: the columns (4) or the rows (2).
-RING = dict(triangle_start=4, triangle_end=2, msa_row=4, msa_column=2)
+RING = dict(triangle_start=4, triangle_end=2, msa_row=4, msa_column=2, msa_column_global=2)
 # Suite time: a training step where the path has a bias (its gradient over the gather) and each
-# ring axis once; the starting node (the ending node's path without the transposes) and MSA
-# column attention (the ending node's without a bias) forward only.
-TRAINING = ("triangle_end", "msa_row")
+# ring axis once, and MSA column global attention's (its masked mean summed over the devices);
+# the starting node (the ending node's path without the transposes) and MSA column attention
+# (the ending node's without a bias) forward only.
+TRAINING = ("triangle_end", "msa_row", "msa_column_global")
 
 
 @pytest.mark.parametrize(
@@ -237,14 +241,15 @@ TRAINING = ("triangle_end", "msa_row")
 def test_family_modules_on_tiled_inputs_match_one_device(what, kind):
     """The pair [N, N, c] and the MSA [S, N, c] tiled over the 2 x 4 grid (shard_rows_over x
     shard_columns_over): each device keeps its tiles; the starting node and MSA row attention
-    attend along the columns by the ring, the ending node and MSA column attention along the
-    rows. A training step (parameters, MSA and pair gradients; TRAINING) or the forward matches
+    attend along the columns by the ring, the ending node and MSA column (global) attention
+    along the rows. A training step (parameters, MSA and pair gradients; TRAINING) or the forward matches
     one device, and the only gather is a bias [h, N, N / ring devices], never the pair or MSA."""
     rng = np.random.default_rng(11)
     n, c = 16, 8
     f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
     msa, pair = f(n, n, c), f(n, n, c)
     msa_mask, pair_mask = (jnp.asarray(rng.random((n, n)) > 0.2, jnp.float32) for _ in range(2))
+    msa_mask = msa_mask.at[:, 3].set(0.0)  # a column without a sequence: the uniform average
     cot = f(n, n, c)
     one = _family(what, grid=False)
     params = one.init(jax.random.PRNGKey(0), msa, msa_mask, pair, pair_mask)
@@ -271,9 +276,46 @@ def test_family_modules_on_tiled_inputs_match_one_device(what, kind):
     assert all(size <= 2 * n * n // RING[what] for size in sizes), gathered
 
 
+def test_global_attention_with_positions_over_devices_matches_one_device():
+    """GlobalAttention with its positions split over the 4 'keys' devices (shard_columns_over,
+    outside any shard_map: the op's ring splits the keys and the heads, the masked mean is
+    XLA's): a training step matches one device, a row without a position included, and the
+    keys go round the ring (collective-permutes)."""
+    rng = np.random.default_rng(5)
+    b, q, a = 3, 16, 8
+    x = jnp.asarray(rng.normal(size=(b, q, a)), jnp.float32)
+    mask = jnp.asarray(rng.random((b, q)) > 0.3).at[1].set(False)
+    cot = jnp.asarray(rng.normal(size=(b, q, a)), jnp.float32)
+
+    def transformed(gc):
+        fn = lambda x, m: ga.GlobalAttention(dict(num_head=4), dict(zero_init=False, **gc), a)(
+            x, x, m
+        )
+        return hk.without_apply_rng(hk.transform(fn))
+
+    one = transformed({})
+    params = one.init(jax.random.PRNGKey(0), x, mask)
+
+    def step(t, params, x, mask, cot):
+        out, vjp = jax.vjp(lambda p, x: t.apply(p, x, mask), params, x)
+        return out, vjp(cot)
+
+    want = jax.jit(functools.partial(step, one))(params, x, mask, cot)
+    mesh = _mesh()
+    split = lambda y: jax.device_put(y, NamedSharding(mesh, P(None, "keys")))
+    with jax.set_mesh(mesh):
+        ring = transformed(dict(shard_columns_over="keys"))
+        args = (params, split(x), split(mask), split(cot))
+        compiled = jax.jit(functools.partial(step, ring)).lower(*args).compile()
+        got = compiled(*args)
+    assert "collective-permute" in compiled.as_text()
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, reference.grad_tolerance("float32", w))
+
+
 def test_columns_over_devices_errors():
-    """shard_columns_over without rows, on MSA column global attention and GlobalAttention, and
-    one axis for both, are refused by name."""
+    """shard_columns_over without rows on a family module, GlobalAttention's heads that do not
+    split over the ring's devices, and one axis for both, are refused by name."""
     x = jnp.zeros((8, 8, 4))
     m = jnp.ones((8, 8))
     gc = dict(shard_columns_over="keys")
@@ -286,11 +328,11 @@ def test_columns_over_devices_errors():
             lambda: ga.MSAColumnGlobalAttention(dict(num_head=2, orientation="per_column"), gc)(
                 x, m
             ),
-            "splits its rows only",
+            "2D grid",
         ),
         (
             lambda: ga.GlobalAttention(dict(num_head=2), gc, 4)(x, x, m),
-            "GlobalAttention's one query",
+            r"splits GlobalAttention's heads \(its queries\) over 4 devices, but num_head is 2",
         ),
     ]
     with jax.set_mesh(_mesh()):
