@@ -525,7 +525,8 @@ def _rows_cells(smoke):
 def _keys_cells(smoke):
     """Keys over a mesh (context parallelism): the op with its query and key positions split over
     8 H100s and a TPU v5p slice of 8 chips, per-device memory and collectives against one
-    device's peak / 8; TriangleAttention with the pair tiled over a grid of 64 devices."""
+    device's peak / 8; TriangleAttention with the pair, and MSA column global attention with the
+    extra MSA, tiled over a grid of 64 devices."""
     cfg = ml_collections.ConfigDict()
     cfg.targets = ("h100", "v5p")
     cfg.devices = 8
@@ -536,10 +537,11 @@ def _keys_cells(smoke):
     cfg.causal = (False, True)
     cfg.key_bias = True  # a [B, 1, 1, S] bias: it travels with the keys
     cfg.variants = ("ring", "plain")
-    # TriangleAttention on the pair tiled over a grid of 64 devices: (mode, N_res) crops.
+    # The modules on their input tiled over a grid of 64 devices: (mode, N_res) crops.
     cfg.grid_targets = ("h100", "v5p")
     cfg.grid = (8, 8)
     cfg.grid_whats = ("triangle_start", "triangle_end")
+    cfg.grid_extra_msa_rows = 5120  # model_1's extra MSA: MSA column global attention's rows
     # The goals' crops and twice them (the longest that fits is reported).
     cfg.grid_crops = (
         ("training", 16384),

@@ -45,6 +45,7 @@ PLACEMENTS = ("one_device", "rows", "keys")
 WHATS = (*family_benchmark.MODULES, "evoformer")
 OP = "attention"  # a cell's `what`: dot_product_attention itself
 PAIR_CHANNELS = 128  # model_1's c_z
+EXTRA_MSA_CHANNELS = 64  # model_1's c_e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,16 +147,23 @@ def _op_problem(cell: Cell) -> Problem:
 
 
 def _grid_problem(cell: Cell) -> Problem:
-    """TriangleAttention (model_1's config) with the pair tiled over a (rows, cols) grid."""
-    orientation = "per_row" if cell.what == "triangle_start" else "per_column"
-    config = dict(num_head=4, orientation=orientation, dropout_rate=0.25)
+    """A family module (model_1's config) with its input tiled over a (rows, cols) grid:
+    TriangleAttention on the pair [N, N, 128], MSA column global attention on the extra MSA
+    [n_seq, N, 64]."""
     gc = dict(shard_rows_over="rows", shard_columns_over="cols") if cell.variant == "grid" else {}
-    training = cell.mode == "training"
-    t = hk.transform(lambda pair, mask: ga.TriangleAttention(config, gc)(pair, mask, training))
-    dtype, n = jnp.dtype(cell.dtype), cell.n_res
-    pair = jax.ShapeDtypeStruct((n, n, PAIR_CHANNELS), dtype)
-    mask = jax.ShapeDtypeStruct((n, n), dtype)
-    params = jax.eval_shape(t.init, jax.random.PRNGKey(0), pair, mask)
+    training, n = cell.mode == "training", cell.n_res
+    if cell.what == "msa_column_global":
+        config = dict(num_head=8, orientation="per_column")
+        module, shape = ga.MSAColumnGlobalAttention, (cell.n_seq, n, EXTRA_MSA_CHANNELS)
+    else:
+        orientation = "per_row" if cell.what == "triangle_start" else "per_column"
+        config = dict(num_head=4, orientation=orientation, dropout_rate=0.25)
+        module, shape = ga.TriangleAttention, (n, n, PAIR_CHANNELS)
+    t = hk.transform(lambda x, mask: module(config, gc)(x, mask, training))
+    dtype = jnp.dtype(cell.dtype)
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    mask = jax.ShapeDtypeStruct(shape[:2], dtype)
+    params = jax.eval_shape(t.init, jax.random.PRNGKey(0), x, mask)
     key = jax.random.PRNGKey(1)
     if training:
 
@@ -163,12 +171,12 @@ def _grid_problem(cell: Cell) -> Problem:
             out, vjp = jax.vjp(lambda p, x: t.apply(p, key, x, m), p, x)
             return out, vjp(cot)
 
-        args = [params, pair, mask, pair]
+        args = [params, x, mask, x]
     else:
-        fn, args = (lambda p, x, m: t.apply(p, key, x, m)), [params, pair, mask]
+        fn, args = (lambda p, x, m: t.apply(p, key, x, m)), [params, x, mask]
     tile = P("rows", "cols")
-    share = math.prod(pair.shape) * dtype.itemsize // cell.devices
-    out_spec = lambda o: tile if o.shape[:2] == (n, n) else P()
+    share = math.prod(shape) * dtype.itemsize // cell.devices
+    out_spec = lambda o: tile if o.shape[:2] == shape[:2] else P()
     specs = [P(), *[tile] * (len(args) - 1)]
     return Problem(fn, args, specs, out_spec, ("rows", "cols"), dict(pair_share=share))
 
@@ -280,7 +288,8 @@ def _keys(c) -> Iterator[Group]:
     plain = [("h100", *g) for g in c.grid_plain]  # the same pair left to XLA: the baseline
     grid = itertools.product(c.grid_targets, c.grid_whats, c.grid_crops)
     for target, what, (mode, n_res), *variant in [*grid, *plain]:
-        cell = Cell("keys", target, what, *(variant or ["grid"]), n_res, 1, c.dtypes[0], mode)
+        n_seq = c.grid_extra_msa_rows if what == "msa_column_global" else 1
+        cell = Cell("keys", target, what, *(variant or ["grid"]), n_res, n_seq, c.dtypes[0], mode)
         yield None, [dataclasses.replace(cell, mesh=tuple(c.grid))], False
     for target, dtype, mode, causal in itertools.product(c.targets, c.dtypes, c.modes, c.causal):
         one = Cell(
@@ -468,9 +477,10 @@ def _keys_tables(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     if grid:
         lines += [
             "",
-            "## TriangleAttention with the pair tiled over a 2D grid (rows x columns)",
+            "## Family modules with their input tiled over a 2D grid (rows x columns)",
             "",
-            "Share: the device's tile of the pair [N, N, 128]. Largest gather: the largest "
+            "Share: the device's tile of the pair [N, N, 128] (TriangleAttention) or of the extra "
+            "MSA [S, N, 64] (MSA column global attention, S rows). Largest gather: the largest "
             "all-gather's result in shares (the bias [h, N, N / columns] is gathered over the rows).",
             "",
             "| target | grid | variant | module | N_res | dtype | mode | peak GiB / device | "
@@ -480,7 +490,7 @@ def _keys_tables(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         for r in grid:
             head = (
                 f"| {r['target']} | {r['mesh'][0]} x {r['mesh'][1]} | {r['variant']} | "
-                f"{r['what']} | {r['n_res']} | {r['dtype']} | {r['mode']} |"
+                f"{_module(r)} | {r['n_res']} | {r['dtype']} | {r['mode']} |"
             )
             if "error" in r:
                 lines.append(f"{head} {r['error'][:120]} | | | | |")
@@ -496,6 +506,11 @@ def _keys_tables(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             for b in longest_fitting(grid)
         ]
     return "\n".join(lines) + "\n"
+
+
+def _module(row) -> str:
+    """A grid row's module, with the extra MSA's rows where it has them."""
+    return f"{row['what']} (S {row['n_seq']:,})" if row["n_seq"] > 1 else row["what"]
 
 
 TABLES = dict(one_device=_one_device_tables, rows=_rows_table, keys=_keys_tables)

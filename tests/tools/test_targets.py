@@ -5,6 +5,9 @@ install, where the targets extra is missing."""
 
 from __future__ import annotations
 
+import math
+
+import jax
 import pytest
 
 from gated_attention_tools import compile_memory, targets
@@ -225,3 +228,28 @@ def test_context_memory_summaries():
     assert compile_memory.longest_fitting(rows) == [
         dict(target="h100", what="triangle_start", variant="grid", mode="training", n_res=16384)
     ]
+
+
+def test_the_grid_cells_tile_each_modules_input():
+    """compile_memory's grid cells (the context_memory suite): TriangleAttention's pair [N, N, 128]
+    and MSA column global attention's extra MSA [S, N, 64], each with its mask (and in training
+    the update's cotangent) tiled over (rows, cols), the parameters replicated; the table names
+    the extra MSA's rows. Traced only (no compile)."""
+    from jax.sharding import PartitionSpec as P
+
+    cells = [("triangle_end", 1, (32, 32, 128)), ("msa_column_global", 48, (48, 32, 64))]
+    for what, n_seq, shape in cells:
+        cell = compile_memory.Cell(
+            "keys", "h100", what, "grid", 32, n_seq, "bfloat16", "training", mesh=(2, 4)
+        )
+        p = compile_memory.problem(cell)
+        assert [tuple(a.shape) for a in p.args[1:]] == [shape, shape[:2], shape], what
+        assert p.specs == [P(), *[P("rows", "cols")] * 3], what
+        assert p.sizes["pair_share"] == math.prod(shape) * 2 // 8, what
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        with jax.set_mesh(jax.make_mesh((2, 4), p.axes, auto, devices=jax.devices()[:8])):
+            out = jax.eval_shape(p.fn, *p.args)
+        assert jax.tree.leaves(out)[0].shape == shape, what
+    row = dict(what="msa_column_global", n_seq=5120)
+    assert compile_memory._module(row) == "msa_column_global (S 5,120)"
+    assert compile_memory._module(dict(what="triangle_end", n_seq=1)) == "triangle_end"
