@@ -81,7 +81,7 @@ class _AttentionModule(hk.Module):
 
     def _run(
         self, make_forward, params, dtype, args, subbatch_size, placement, axis=0,
-        positions_first=False, packable=False, **row,
+        positions_first=False, packable=False, recompute=False, **row,
     ):  # fmt: skip
         """make_forward(implementation, compute dtype, params cast to it) -> forward,
         called on args in tiles of rows along `axis` (the batch rows) by rows_per_tile(**row).
@@ -93,6 +93,8 @@ class _AttentionModule(hk.Module):
         packable: make_forward also takes packed=True, a forward that projects q, k and v as
         one packed array the kernel reads in place (Attention's self-attention): taken where
         the call is one pass on a GPU, as positions_first's reading in place.
+        recompute: a call that is not tiled saves for its backward pass what a tile would
+        (global_config.remat_policy) too, where tiles alone would otherwise.
 
         The compute dtype (numerics.compute_dtype), the budget and the tile rule follow the platform the
         program is compiled for, as the op's choice does (platforms.py): decided for every kind
@@ -120,7 +122,7 @@ class _AttentionModule(hk.Module):
                     args = (swap(args[0]), swap(args[1]), *args[2:])
                 forward = make_forward(implementation, compute, p)
                 if rows is None:
-                    out = forward(*args)
+                    out = (jax.checkpoint(forward, policy=remat) if recompute else forward)(*args)
                 else:
                     out = mapping.subbatch(
                         forward, args, subbatch_size=rows, batched=batched, axis=axis, remat=remat
@@ -502,6 +504,10 @@ class GlobalAttention(_AttentionModule):
             subbatch_size,
             placement,
             axis=1 if positions_first else 0,
+            # Over a ring its collectives keep XLA from fusing the LayerNorm's float32
+            # temporaries away: saved whole, they doubled a training step's peak on H100s
+            # (benchmark_results/context_memory_msa_column_global/).
+            recompute=placement.keys is not None,
             row_bytes=row_bytes,
             tile_row_bytes=tile_row_bytes,
             row_queries=queries,

@@ -18,7 +18,7 @@ import gated_attention as ga
 from gated_attention.af2 import config
 from gated_attention.attention import base
 from tests import reference
-from tests.helpers import assert_close
+from tests.helpers import all_eqns, assert_close
 
 B, T, N, K, H = 2, 32, 4, 2, 8  # 4 key blocks of 8 positions; grouped queries (4 over 2 heads)
 
@@ -279,8 +279,9 @@ def test_family_modules_on_tiled_inputs_match_one_device(what, kind):
 def test_global_attention_with_positions_over_devices_matches_one_device():
     """GlobalAttention with its positions split over the 4 'keys' devices (shard_columns_over,
     outside any shard_map: the op's ring splits the keys and the heads, the masked mean is
-    XLA's): a training step matches one device, a row without a position included, and the
-    keys go round the ring (collective-permutes)."""
+    XLA's): a training step matches one device, a row without a position included, the keys
+    go round the ring (collective-permutes), and the forward is recomputed in the backward
+    (a checkpoint: saved whole, the LayerNorm's float32 temporaries doubled the H100 peak)."""
     rng = np.random.default_rng(5)
     b, q, a = 3, 16, 8
     x = jnp.asarray(rng.normal(size=(b, q, a)), jnp.float32)
@@ -309,6 +310,11 @@ def test_global_attention_with_positions_over_devices_matches_one_device():
         compiled = jax.jit(functools.partial(step, ring)).lower(*args).compile()
         got = compiled(*args)
     assert "collective-permute" in compiled.as_text()
+    with jax.set_mesh(mesh):
+        ring_eqns = all_eqns(jax.make_jaxpr(functools.partial(step, ring))(*args).jaxpr)
+    one_eqns = all_eqns(jax.make_jaxpr(functools.partial(step, one))(params, x, mask, cot).jaxpr)
+    assert any(e.primitive.name == "remat2" for e in ring_eqns)  # jax.checkpoint's primitive
+    assert not any(e.primitive.name == "remat2" for e in one_eqns)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert_close(g, w, reference.grad_tolerance("float32", w))
 
