@@ -129,7 +129,8 @@ class GlobalConfig:
         loop of CPU-sized tiles (0.1 of an 80 GB GPU: 8 GB).
       compute_dtype: precision policy, one of numerics.POLICIES ('auto': bfloat16/float16 inputs
         are computed in float32 on CPU; 'input': in their own dtype, as AF2; 'float32').
-      remat_policy: what a module's row tiles save for the backward pass (training memory):
+      remat_policy: what a module's row tiles (and GlobalAttention over a ring, untiled)
+        save for the backward pass (training memory):
         'nothing' (the tile recomputed: the least memory, and on CPU the fastest), 'projections'
         (q/k/v/gate kept, attention recomputed) or 'everything' (nothing recomputed). See
         modules.remat_saveable.
