@@ -3,6 +3,7 @@ CPU devices: batch rows over one axis, query and key positions over the other. O
 and gradients match one device; keys, values and key-sharded biases are passed around the ring
 (collective-permutes), never all-gathered; blocks a causal mask hides are skipped."""
 
+import copy
 import functools
 import re
 
@@ -274,6 +275,57 @@ def test_family_modules_on_tiled_inputs_match_one_device(what, kind):
     gathered = re.findall(r"= \w+\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", compiled.as_text())
     sizes = [int(np.prod([int(d) for d in g.split(",") if d])) for g in gathered]
     assert all(size <= 2 * n * n // RING[what] for size in sizes), gathered
+
+
+def test_af2_extra_msa_evoformer_on_the_grid_through_the_swap():
+    """AF2's EvoformerIteration of the extra MSA stack (MSA column global attention's block),
+    through use_gated_attention with the MSA and the pair tiled over the 2 x 4 grid: our four
+    attention modules on their tiles, AF2's own modules left to XLA's partitioner. A training
+    step (the block's outputs, parameters' and inputs' gradients) matches one device."""
+    from alphafold.model import config as af2_config
+
+    from gated_attention.af2 import af2_package
+
+    c = af2_config.model_config("model_1").model
+    evo = c.embeddings_and_evoformer.evoformer
+
+    def transformed(grid):
+        gc = copy.deepcopy(c.global_config)
+        with gc.unlocked():
+            gc.deterministic, gc.zero_init = True, False
+            if grid:
+                gc.shard_rows_over, gc.shard_columns_over = "rows", "keys"
+
+        @af2_package.use_gated_attention()
+        def forward(msa, msa_mask, pair, pair_mask):
+            block = af2_package.alphafold_modules().EvoformerIteration(evo, gc, is_extra_msa=True)
+            acts, masks = {"msa": msa, "pair": pair}, {"msa": msa_mask, "pair": pair_mask}
+            return block(acts, masks, is_training=True)
+
+        return hk.transform(forward)  # AF2's dropout asks for a key even when deterministic
+
+    rng = np.random.default_rng(2)
+    n, c_e, c_z = 8, 16, 16
+    msa, pair = (jnp.asarray(rng.normal(size=(n, n, ch)), jnp.float32) for ch in (c_e, c_z))
+    msa_mask = jnp.asarray(rng.random((n, n)) > 0.2, jnp.float32).at[:, 1].set(0.0)
+    pair_mask = jnp.ones((n, n), jnp.float32)
+    one = transformed(grid=False)
+    params = one.init(jax.random.PRNGKey(0), msa, msa_mask, pair, pair_mask)
+
+    def step(t, params, msa, msa_mask, pair, pair_mask):
+        key = jax.random.PRNGKey(1)
+        apply = lambda p, msa, pair: t.apply(p, key, msa, msa_mask, pair, pair_mask)
+        out, vjp = jax.vjp(apply, params, msa, pair)
+        return out, vjp(jax.tree.map(jnp.ones_like, out))
+
+    want = jax.jit(functools.partial(step, one))(params, msa, msa_mask, pair, pair_mask)
+    mesh = _mesh()
+    tile = lambda x: jax.device_put(x, NamedSharding(mesh, P("rows", "keys")))
+    with jax.set_mesh(mesh):
+        args = (params, *(tile(x) for x in (msa, msa_mask, pair, pair_mask)))
+        got = jax.jit(functools.partial(step, transformed(grid=True)))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w, reference.grad_tolerance("float32", w))
 
 
 def test_global_attention_with_positions_over_devices_matches_one_device():
