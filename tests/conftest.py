@@ -85,6 +85,8 @@ LONG_TESTS = {
     "tests/attention/test_conformance.py::test_matches_jax_nn_or_the_reference[chunked-float32]": 11,
     "tests/attention/test_kernel_compiles.py::test_kernels_compile_without_spills_and_use_the_tensor_cores": 10,
     "tests/attention/test_pallas_mosaic_gpu.py::test_half_precision_against_the_reference": 10,
+    "tests/parallel/test_ring.py::test_af2_evoformer_on_the_grid_through_the_swap[main]": 10,
+    "tests/parallel/test_ring.py::test_af2_evoformer_on_the_grid_through_the_swap[extra_msa]": 9,
     "tests/tools/test_sweep.py::test_the_smoke_run_writes_results_and_the_table": 8,
     "tests/attention/test_pallas_mosaic_tpu.py::test_bfloat16_against_the_reference": 8,
     "tests/parallel/test_row_parallel.py::test_each_device_computes_its_own_rows": 8,
