@@ -447,20 +447,26 @@ def _rows_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def _keys_tables(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    lines = [
-        f"# Keys over {results['config']['keys']['devices']} devices (deviceless compiles; no "
-        "time measured)",
-        "",
-        "Peak: arguments + outputs + temporaries on one device of the mesh. Ideal: the same call "
-        "compiled for one device, its peak divided by the device count. Allowance (the goal): "
-        "1.3x ideal plus one K/V shard in flight. Largest gather: the largest all-gather's result "
-        "in K shards (a device's own block of K).",
-        "",
-        "| target | variant | tokens | dtype | mode | mask | peak MiB / device | / ideal | "
-        "allowance MiB | largest gather (K shards) | collective-permutes |",
-        "| --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in (r for r in rows if r["what"] == OP):
+    ops = [r for r in rows if r["what"] == OP]
+    devices = results["config"]["keys"]["devices"]
+    title = f"Keys over {devices} devices" if ops else "Family modules on a 2D grid"
+    lines = [f"# {title} (deviceless compiles; no time measured)"]
+    lines += (
+        []
+        if not ops
+        else [
+            "",
+            "Peak: arguments + outputs + temporaries on one device of the mesh. Ideal: the same call "
+            "compiled for one device, its peak divided by the device count. Allowance (the goal): "
+            "1.3x ideal plus one K/V shard in flight. Largest gather: the largest all-gather's result "
+            "in K shards (a device's own block of K).",
+            "",
+            "| target | variant | tokens | dtype | mode | mask | peak MiB / device | / ideal | "
+            "allowance MiB | largest gather (K shards) | collective-permutes |",
+            "| --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+    )
+    for r in ops:
         head = (
             f"| {r['target']} | {r['variant']} | {r['n_res']} | {r['dtype']} | {r['mode']} | "
             f"{'causal' if r['is_causal'] else 'full'} |"
