@@ -93,8 +93,7 @@ class _AttentionModule(hk.Module):
         packable: make_forward also takes packed=True, a forward that projects q, k and v as
         one packed array the kernel reads in place (Attention's self-attention): taken where
         the call is one pass on a GPU, as positions_first's reading in place.
-        recompute: a call that is not tiled saves for its backward pass what a tile would
-        (global_config.remat_policy) too, where tiles alone would otherwise.
+        recompute: an untiled call saves for its backward what a tile would (remat_policy).
 
         The compute dtype (numerics.compute_dtype), the budget and the tile rule follow the platform the
         program is compiled for, as the op's choice does (platforms.py): decided for every kind
@@ -504,9 +503,7 @@ class GlobalAttention(_AttentionModule):
             subbatch_size,
             placement,
             axis=1 if positions_first else 0,
-            # Over a ring its collectives keep XLA from fusing the LayerNorm's float32
-            # temporaries away: saved whole, they doubled a training step's peak on H100s
-            # (benchmark_results/context_memory_msa_column_global/).
+            # Over a ring, saved whole, its float32 temporaries doubled an H100 training peak.
             recompute=placement.keys is not None,
             row_bytes=row_bytes,
             tile_row_bytes=tile_row_bytes,
@@ -519,8 +516,7 @@ class GlobalAttention(_AttentionModule):
         inputs.check_data(q_data, m_data)
         inputs.check_subbatch_size(subbatch_size)
         checks.check_bool("positions_first", positions_first)
-        if placement.keys is not None and placement.ring == 1:
-            # The op's ring splits its queries, here the heads, over the devices too.
+        if placement.keys is not None and placement.ring == 1:  # the ring splits the heads
             mesh, axes = _ring_axes(placement.keys)
             devices = math.prod(mesh.shape[a] for a in axes)
             if self.config.num_head % devices:
@@ -552,13 +548,12 @@ def _ring_axes(keys_over):
 def _global_forward(
     input_transform, scale, pos, output_dim, placement, implementation, compute, p
 ):  # fmt: skip
-    """GlobalAttention's forward over one tile (positions along `pos`), p closed over. With the
-    positions split over placement.keys (a ring): inside a shard_map over them (placement.ring >
-    1) each device holds its own positions, so the masked mean's sums are summed over the
-    devices and every device attends its copy of the queries to all keys by the op's ring;
+    """GlobalAttention's forward over one tile (positions along `pos`), p closed over. Positions
+    split over placement.keys: inside a shard_map over them (ring > 1) the masked mean's sums are
+    summed over the devices, each attending its copy of the queries to all keys by the op's ring;
     outside one, the op's ring splits the keys and the queries (the heads) itself."""
     positions_first = pos == -3
-    over = None
+    over = lambda x: x  # noqa: E731
     if placement.ring > 1:
         axes = _ring_axes(placement.keys)[1]
         over = lambda x: jax.lax.psum(x, axes)  # noqa: E731
@@ -595,11 +590,10 @@ def _global_forward(
     return forward
 
 
-def _masked_mean(q_data, q_mask, axis=-2, over=None):
+def _masked_mean(q_data, q_mask, axis=-2, over=lambda x: x):
     """AF2's mean of q_data [..., b, q, a] over the positions (`axis`) q_mask [..., b, q, 1]
     weights (eps 1e-10); masked positions are zeroed first, so whatever they hold does not reach
-    the mean. over: None, or the sum over the devices the positions are split over."""
-    over = over or (lambda x: x)
+    the mean. over: the sum over the devices the positions are split over, if they are."""
     weights = q_mask.astype(q_data.dtype)
     kept = jnp.where(q_mask.astype(bool), q_data, jnp.zeros((), q_data.dtype))
     total = over(jnp.sum(weights, axis=axis)) + 1e-10
