@@ -12,6 +12,9 @@ def _add_xla_flag(flag: str, value: str) -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}={value}".strip()
 
 
+# The CPU alone where no GPU or TPU is, as the scripts start (no CUDA or libtpu traceback from the
+# targets extra's plugins, which stay registered for the deviceless compiles); children inherit.
+environment.cpu_unless_accelerator()
 # Before jax is imported (XLA reads XLA_FLAGS once, at backend start-up; child processes inherit).
 _add_xla_flag("--xla_force_host_platform_device_count", "8")
 # On a GPU each pytest-xdist worker is a process of its own: none may take 75 % of the memory.
