@@ -277,13 +277,13 @@ def test_family_modules_on_tiled_inputs_match_one_device(what, kind):
     assert all(size <= 2 * n * n // RING[what] for size in sizes), gathered
 
 
-@pytest.mark.parametrize("extra_msa", [True, False], ids=["extra_msa", "main"])
-def test_af2_evoformer_on_the_grid_through_the_swap(extra_msa):
-    """AF2's EvoformerIteration, the extra MSA stack's (MSA column global attention) and the main
-    stack's (MSA column attention), through use_gated_attention with the MSA and the pair tiled
-    over the 2 x 4 grid: our attention modules on their tiles, AF2's own modules left to XLA's
-    partitioner. A training step (the block's outputs, parameters' and inputs' gradients)
-    matches one device."""
+def test_af2_extra_msa_evoformer_on_the_grid_through_the_swap():
+    """AF2's EvoformerIteration of the extra MSA stack (MSA column global attention's block),
+    through use_gated_attention with the MSA and the pair tiled over the 2 x 4 grid: our
+    attention modules on their tiles, AF2's own modules left to XLA's partitioner. A training
+    step (the block's outputs, parameters' and inputs' gradients) matches one device. (The main
+    stack's block differs in MSA column attention alone, whose grid the family test checks; its
+    case here passed at 9259f4d and was left out for the suite's time.)"""
     from alphafold.model import config as af2_config
 
     from gated_attention.af2 import af2_package
@@ -301,7 +301,7 @@ def test_af2_evoformer_on_the_grid_through_the_swap(extra_msa):
         @af2_package.use_gated_attention()
         def forward(msa, msa_mask, pair, pair_mask):
             modules = af2_package.alphafold_modules()
-            block = modules.EvoformerIteration(evo, gc, is_extra_msa=extra_msa)
+            block = modules.EvoformerIteration(evo, gc, is_extra_msa=True)
             acts, masks = {"msa": msa, "pair": pair}, {"msa": msa_mask, "pair": pair_mask}
             return block(acts, masks, is_training=True)
 
