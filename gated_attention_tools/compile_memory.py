@@ -451,10 +451,8 @@ def _keys_tables(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     devices = results["config"]["keys"]["devices"]
     title = f"Keys over {devices} devices" if ops else "Family modules on a 2D grid"
     lines = [f"# {title} (deviceless compiles; no time measured)"]
-    lines += (
-        []
-        if not ops
-        else [
+    if ops:
+        lines += [
             "",
             "Peak: arguments + outputs + temporaries on one device of the mesh. Ideal: the same call "
             "compiled for one device, its peak divided by the device count. Allowance (the goal): "
@@ -465,7 +463,6 @@ def _keys_tables(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
             "allowance MiB | largest gather (K shards) | collective-permutes |",
             "| --- | --- | ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
         ]
-    )
     for r in ops:
         head = (
             f"| {r['target']} | {r['variant']} | {r['n_res']} | {r['dtype']} | {r['mode']} | "

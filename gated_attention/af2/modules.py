@@ -553,10 +553,8 @@ def _global_forward(
     summed over the devices, each attending its copy of the queries to all keys by the op's ring;
     outside one, the op's ring splits the keys and the queries (the heads) itself."""
     positions_first = pos == -3
-    over = lambda x: x  # noqa: E731
-    if placement.ring > 1:
-        axes = _ring_axes(placement.keys)[1]
-        over = lambda x: jax.lax.psum(x, axes)  # noqa: E731
+    axes = () if placement.keys is None else _ring_axes(placement.keys)[1]
+    over = (lambda x: jax.lax.psum(x, axes)) if placement.ring > 1 else (lambda x: x)
 
     def forward(q_data, m_data, q_mask):
         q_data, m_data = _transformed(input_transform, q_data, m_data)
@@ -580,6 +578,7 @@ def _global_forward(
             compute_dtype="input",  # cast to `compute` above: the policy is decided once
             shard_keys_over=placement.keys,
         )  # [..., b, h, 1, cv]
+        avg = sharding.without_axes(avg, axes)  # outside a shard_map the ring split the heads
         avg = jnp.swapaxes(avg, -3, -2)  # [..., b, 1, h, cv]
         if positions_first:
             avg = jnp.swapaxes(avg, -4, -3)  # [1, b, h, cv]

@@ -115,6 +115,15 @@ def conform(x: Any, mesh: Any, wanted: Sequence[Axes]) -> Any:
     return jax.sharding.reshard(x, NamedSharding(mesh, spec(wanted)))
 
 
+def without_axes(x: Any, names: Axes) -> Any:
+    """x resharded so that no dimension is split over the explicit mesh axes `names` (gathered
+    along them); as it is when it has no explicit sharding."""
+    mesh, axes = explicit_axes(x)
+    if mesh is None:
+        return x
+    return conform(x, mesh, [tuple(a for a in dim if a not in names) for dim in axes])
+
+
 def batch_shards(batched: Sequence[Any], axis: int) -> int:
     """Over how many devices the batch axis of these arrays is split (explicit mesh axes; 1 if
     none): the first array whose `axis` is sharded decides."""

@@ -236,8 +236,9 @@ TRAINING = ("triangle_end", "msa_row", "msa_column_global")
 
 @pytest.mark.parametrize(
     "what, kind",
-    [(w, AxisType.Auto) for w in sorted(RING)] + [("triangle_end", AxisType.Explicit)],
-    ids=[*sorted(RING), "triangle_end-explicit"],
+    [(w, AxisType.Auto) for w in sorted(RING)]
+    + [(w, AxisType.Explicit) for w in ("triangle_end", "msa_column_global")],
+    ids=[*sorted(RING), "triangle_end-explicit", "msa_column_global-explicit"],
 )
 def test_family_modules_on_tiled_inputs_match_one_device(what, kind):
     """The pair [N, N, c] and the MSA [S, N, c] tiled over the 2 x 4 grid (shard_rows_over x
@@ -331,7 +332,8 @@ def test_af2_extra_msa_evoformer_on_the_grid_through_the_swap():
         assert_close(g, w, reference.grad_tolerance("float32", w))
 
 
-def test_global_attention_with_positions_over_devices_matches_one_device():
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+def test_global_attention_with_positions_over_devices_matches_one_device(kind):
     """GlobalAttention with its positions split over the 4 'keys' devices (shard_columns_over,
     outside any shard_map: the op's ring splits the keys and the heads, the masked mean is
     XLA's): a training step matches one device, a row without a position included, the keys
@@ -357,7 +359,7 @@ def test_global_attention_with_positions_over_devices_matches_one_device():
         return out, vjp(cot)
 
     want = jax.jit(functools.partial(step, one))(params, x, mask, cot)
-    mesh = _mesh()
+    mesh = _mesh(kind)  # Auto: jax.jit with sharded inputs; Explicit: typed on the mesh
     split = lambda y: jax.device_put(y, NamedSharding(mesh, P(None, "keys")))
     with jax.set_mesh(mesh):
         ring = transformed(dict(shard_columns_over="keys"))
