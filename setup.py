@@ -1,6 +1,6 @@
 """Installs the library, gated_attention, alone: `pip install -e .[test,targets]` for the tests,
 `.[af2]` for AlphaFold 2 (alphafold-colabfold) beside it, `.[af3]` for AlphaFold 3's own model
-(Python >= 3.12; in `test` too), `.[bench]` for the benchmark (AF2's package as the baseline,
+(Python >= 3.12; in `test` too), `.[colabdesign]` for ColabDesign's design steps, `.[bench]` for the benchmark (AF2's package as the baseline,
 plots), `.[targets]` for compiling for GPUs and TPUs on a machine without them, `.[gpu-bench]` (with JAX's CUDA build) for the GPU
 benchmark's other kernels. The tooling behind scripts/, configs/ and tests/ (gated_attention_tools:
 the experiment schema, the benchmarks, the deviceless compiles) is not in the wheel: it runs from a
@@ -22,6 +22,11 @@ AF3 = [
     f"{requirement}; python_version >= '3.12'"
     for requirement in ("alphafold3-colabfold==3.1.18", "tokamax==0.0.17", "rdkit==2026.9.1")
 ]
+
+# ColabDesign (protein design through AF2; BindCraft runs it): the registry's release, which
+# gated_attention.colabdesign.adapt_colabdesign runs on jax >= 0.10. tests/af2/test_colabdesign.py
+# runs its design steps with our attention.
+COLABDESIGN = ["colabdesign==1.1.1"]
 
 setup(
     name="gated_attention",
@@ -64,11 +69,13 @@ setup(
             "matplotlib>=3.7",  # the benchmark's pictures are tested
             "alphafold-colabfold==2.3.27",
             "colabfold-kernels==0.9.0",
+            *COLABDESIGN,
             # The device benchmark's cuEquivariance adapter, tested on its JAX path (pure Python).
             "cuequivariance-jax==0.13.0",
             *AF3,
         ],
         "af3": AF3,
+        "colabdesign": COLABDESIGN,
         # Deviceless compiles for GPUs and TPUs (gated_attention_tools/targets.py): JAX's CUDA
         # plugin and PJRT at the installed jax's version (jax's cuda12-local extra pins them, with
         # no CUDA libraries), ptxas, and the libtpu that jax's tpu extra pins. Linux x86-64 wheels.

@@ -18,6 +18,8 @@ Public API (everything else is internal):
   head_parallel_specs                    partition specs sharding AF2's params by head.
   af2_package.use_gated_attention        AlphaFold 2's own model (alphafold-colabfold) built with
                                          these attention modules.
+  colabdesign.use_gated_attention        ColabDesign's AlphaFold 2 (protein design; BindCraft's) built
+                                         with them; colabdesign.adapt_colabdesign: it on this JAX.
   af3.use_gated_attention                AlphaFold 3's own model (alphafold3-colabfold, Python >= 3.12)
                                          with its pair attention on this op.
 """
@@ -30,7 +32,7 @@ _compat.check_jax(_jax)  # before any module touches what an older jax lacks
 _compat.import_pallas()  # before any trace: a setting it registers would change jit cache keys
 
 from gated_attention import af3
-from gated_attention.af2 import af2_package
+from gated_attention.af2 import af2_package, colabdesign
 from gated_attention.af2.config import GlobalConfig, ModuleConfig
 from gated_attention.af2.dropout import apply_dropout, dropout_update, dropout_wrapper
 from gated_attention.af2.family import (
@@ -80,6 +82,7 @@ __all__ = [
     "af2_package",
     "af3",
     "apply_dropout",
+    "colabdesign",
     "check_params",
     "diff_params",
     "dot_product_attention",

@@ -41,13 +41,15 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 import haiku as hk
 import jax
+import jax.numpy as jnp
 
 from gated_attention.af2 import family as alphafold
 from gated_attention.af2 import modules
@@ -105,37 +107,66 @@ class AF2Attention(modules.Attention):
           q_data: queries (and gate input).
           m_data: keys and values, q_data's dtype.
           bias: AF2's additive float bias, broadcastable (numpy rules, as AF2 adds it to its
-            logits) to [..., b, h, q, k], e.g. [b, 1, 1, k] or the template embedding's [1, 1, 1, T].
+            logits) to [..., b, h, q, k], e.g. [b, 1, 1, k] or the template embedding's [1, 1, 1, T];
+            keys at or below -logit_clip are masked as AF2's clip masks them (mask_from_bias).
           nonbatched_bias: None, [h, q, k] or [q, k], shared by the batch.
 
         Returns:
           [..., b, q, output_dim] in q_data's dtype.
         """
         logits_rank = q_data.ndim + 1  # [..., b, h, q, k]
-        if bias is not None and bias.ndim < logits_rank:  # AF2 broadcasts missing leading axes
-            bias = bias.reshape((1,) * (logits_rank - bias.ndim) + tuple(bias.shape))
-        return super().__call__(q_data, m_data, None, nonbatched_bias, bias=bias)
+        mask = None
+        if bias is not None:
+            if bias.ndim < logits_rank:  # AF2 broadcasts missing leading axes
+                bias = bias.reshape((1,) * (logits_rank - bias.ndim) + tuple(bias.shape))
+            mask, bias = mask_from_bias(bias)
+        return super().__call__(q_data, m_data, mask, nonbatched_bias, bias=bias)
+
+
+def logit_clip(dtype) -> float:
+    """The bound AF2 clips its logits to before the softmax (alphafold-colabfold's
+    half_precision.logit_clip; ColabDesign clips to 1e8 in every dtype)."""
+    return 1e4 if jnp.dtype(dtype) == jnp.float16 else 1e8
+
+
+def mask_from_bias(bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """AF2's additive bias as the mask it stands for, and what is left of it.
+
+    AF2 (alphafold-colabfold and ColabDesign alike) adds `1e9 * (mask - 1)` to its logits and
+    clips them to +-logit_clip: a key biased to -logit_clip or below gets weight 0 and no gradient,
+    and a query with no other key averages all keys uniformly, with no gradient to its logits. That
+    is this library's boolean mask; passed on as an additive bias instead, such a row would take
+    the unclipped softmax's gradient through -1e9 + logits (float32 rounding), AF2's neither.
+
+    Returns:
+      (mask, bias): bool, True where bias > -logit_clip; bias there, 0 elsewhere.
+    """
+    keep = bias > -logit_clip(bias.dtype)
+    return keep, jnp.where(keep, bias, jnp.zeros((), bias.dtype))
 
 
 class AF2GlobalAttention(modules.GlobalAttention):
     """gated_attention.GlobalAttention with alphafold-colabfold's `modules.GlobalAttention` call.
 
-    The constructor and call (q_data, m_data, q_mask [..., b, q, 1]) are AF2's already; the one
-    difference is the output without gating, which AF2 returns as [..., b, 1, o] (one row for
+    The constructor and call (q_data, m_data, q_mask [..., b, q, 1], and ColabDesign's unread bias)
+    are AF2's already; the one difference is the output without gating, which AF2 returns as [..., b, 1, o] (one row for
     every query) and ours broadcasts to [..., b, q, o]: here it is AF2's shape.
     """
 
-    def __call__(self, q_data, m_data, q_mask) -> jax.Array:
+    def __call__(self, q_data, m_data, q_mask, bias=None) -> jax.Array:
         """AF2's call: global attention from q_data's masked mean to m_data.
 
         Args:
           q_data: [..., b, q, a].
           m_data: [..., b, k, m] with k == q.
           q_mask: [..., b, q, 1] float 0/1 (or bool) mask of q_data's (and m_data's) positions.
+          bias: ColabDesign's fourth argument, `1e9 * (mask - 1)` of q_mask: its own module does
+            not read it (it builds the bias from q_mask again), nor does this one.
 
         Returns:
           [..., b, q, output_dim] with config.gating, else [..., b, 1, output_dim].
         """
+        del bias
         out = super().__call__(q_data, m_data, q_mask)
         return out if self.config.gating else out[..., :1, :]
 
@@ -220,6 +251,16 @@ def _placement(global_config: Any):
     return None if hk.running_init() else sharding.mesh_axes(names)
 
 
+def _without_residual(signature: inspect.Signature, args, kwargs):
+    """The call's arguments after (act, mask) less AF2's `residual`, and that residual (None
+    where the target's signature has none: ColabDesign's `(act, mask)`)."""
+    if "residual" not in signature.parameters:
+        return None, args, kwargs
+    bound = signature.bind(None, None, None, *args, **kwargs)
+    residual = bound.arguments.pop("residual", None)
+    return residual, bound.args[3:], bound.kwargs
+
+
 @functools.cache  # the same classes each time: a swap's configuration keeps one key
 def dap_layouts(target: ModuleType) -> dict[str, type]:
     """AF2's TriangleMultiplication and OuterProductMean (subclassed from `target`'s, so names and
@@ -228,27 +269,35 @@ def dap_layouts(target: ModuleType) -> dict[str, type]:
     rows) and the outer product mean (a sum over the MSA's rows) run on the columns, turned so by
     one all-to-all, and hand the rows back; otherwise XLA's partitioner would sum each device's
     partial [N_res, N_res, ...] product and reduce it over the devices. Their other operand is
-    gathered, as in FastFold's DAP."""
+    gathered, as in FastFold's DAP. Each takes its target's call: (act, mask) first, then what that
+    modules.py takes (alphafold-colabfold's is_training and residual, nothing in ColabDesign's)."""
+    triangle_base = original_class(target, "TriangleMultiplication")
+    outer_base = original_class(target, "OuterProductMean")
+    triangle_call = inspect.signature(triangle_base.__call__)
+    outer_call = inspect.signature(outer_base.__call__)
 
-    class TriangleMultiplication(original_class(target, "TriangleMultiplication")):
-        def __call__(self, left_act, left_mask, is_training=True, residual=None):
+    class TriangleMultiplication(triangle_base):
+        def __call__(self, left_act, left_mask, *args, **kwargs):
             placement = _placement(self.global_config)
             over_rows = self.config.equation.split("->")[0].split(",")[0].startswith("k")
             if placement is None or not over_rows:
-                return super().__call__(left_act, left_mask, is_training, residual)
+                return super().__call__(left_act, left_mask, *args, **kwargs)
+            residual, args, kwargs = _without_residual(triangle_call, args, kwargs)
             columns = lambda x, d: sharding.split_along(x, placement, d)
-            out = super().__call__(columns(left_act, -2), columns(left_mask, -1), is_training)
+            out = super().__call__(columns(left_act, -2), columns(left_mask, -1), *args, **kwargs)
             out = sharding.split_along(out, placement, -3)
             return out if residual is None else residual + out
 
-    class OuterProductMean(original_class(target, "OuterProductMean")):
-        def __call__(self, act, mask, is_training=True, residual=None):
+    class OuterProductMean(outer_base):
+        def __call__(self, act, mask, *args, **kwargs):
             placement = _placement(self.global_config)
             if placement is None:
-                return super().__call__(act, mask, is_training, residual)
+                return super().__call__(act, mask, *args, **kwargs)
+            residual, args, kwargs = _without_residual(outer_call, args, kwargs)
             act = sharding.split_along(act, placement, -2)
             mask = sharding.split_along(mask, placement, -1)
-            out = sharding.split_along(super().__call__(act, mask, is_training), placement, -3)
+            out = super().__call__(act, mask, *args, **kwargs)
+            out = sharding.split_along(out, placement, -3)
             return out if residual is None else residual + out
 
     return dict(TriangleMultiplication=TriangleMultiplication, OuterProductMean=OuterProductMean)
@@ -263,8 +312,9 @@ class _Swap(compat.TracedSwap):
         replacements: Mapping[str, Any] | None,
         target: ModuleType | None,
         layouts: bool = True,
+        load: Callable[[], ModuleType] | None = None,
     ):
-        self._layouts = layouts
+        self._layouts, self._load = layouts, load or alphafold_modules
         replacements = dict(REPLACEMENTS if replacements is None else replacements)
         unknown = sorted(set(replacements) - set(REPLACEMENTS))
         if unknown:
@@ -277,12 +327,13 @@ class _Swap(compat.TracedSwap):
         super().__init__(_ACTIVE, _SWAPS)
 
     def __enter__(self) -> ModuleType:
-        target = self._target or alphafold_modules()
+        target = self._target or self._load()
         missing = [name for name in self._replacements if not hasattr(target, name)]
         if missing:
             raise AttributeError(
                 f"{target.__name__} has no {missing}: not an AlphaFold 2 modules.py this "
-                "integration knows (tested with alphafold-colabfold 2.3.27)"
+                "integration knows (tested with alphafold-colabfold 2.3.27 and ColabDesign's "
+                "1.1.1 and 1.1.3)"
             )
         replacements = dict(self._replacements)
         if self._layouts:

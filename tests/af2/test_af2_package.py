@@ -6,6 +6,7 @@ gradients against AF2's are checked per module (tests/tools/test_benchmarking.py
 
 import collections
 import contextlib
+import functools
 import re
 import threading
 import types
@@ -20,6 +21,7 @@ import pytest
 import gated_attention as ga
 from gated_attention.af2 import af2_package
 from gated_attention_tools import af2_model, family_benchmark
+from tests import reference
 
 config = pytest.importorskip("alphafold.model.config", reason="needs alphafold-colabfold")
 modules = af2_package.alphafold_modules()
@@ -397,3 +399,57 @@ def test_whole_model_calls_no_af2_attention_and_its_floor_none_of_the_family(who
         match=r"variant must be one of \('af2', 'ours', 'floor', 'colabfold', 'ours_colabfold'\)",
     ):
         af2_model.transformed(cfg, "fast")
+
+
+def _clients_attention(client):
+    """The client's own Attention class: alphafold-colabfold's or ColabDesign's (both clip)."""
+    if client == "alphafold":
+        return af2_package.original_class(modules, "Attention")
+    pytest.importorskip("colabdesign", reason="needs colabdesign")
+    ga.colabdesign.adapt_colabdesign()
+    return af2_package.original_class(ga.colabdesign.colabdesign_modules(), "Attention")
+
+
+@pytest.mark.parametrize("client", ["alphafold", "colabdesign"])
+def test_attention_adapter_masks_a_row_without_keys_as_the_clients_clip_does(client):
+    """AF2's additive mask bias, one batch row with no key: AF2 and ColabDesign clip the logits to
+    +-1e8, so that row averages every key uniformly and sends no gradient to its logits. The
+    adapter reads the bias as the mask it is (mask_from_bias) and matches the client's own module
+    and the float64 reference, forward and gradients (q_data, m_data, the pair bias). Passed on as
+    an additive bias instead (before 2026-12), the pair bias's gradient was 50 % off."""
+    gc = _model_config().global_config
+    cfg = ml_collections.ConfigDict({"num_head": 2, "gating": True, "key_dim": 8, "value_dim": 8})
+    rng = np.random.default_rng(7)
+    mask = np.ones((3, 5))
+    mask[1], mask[2, 3:] = 0, 0  # batch row 1: no key; row 2: two keys masked
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    q, m = f32(rng.normal(size=(3, 5, 8))), f32(rng.normal(size=(3, 5, 8)))
+    pair_bias = f32(rng.normal(size=(2, 5, 5)))
+    bias = f32(1e9 * (mask - 1))[:, None, None, :]
+    cotangent = f32(rng.normal(size=(3, 5, 8)))
+
+    def transformed(cls):
+        return hk.transform(lambda q, m, nb: cls(cfg, gc, 8)(q, m, bias, nb))
+
+    params = family_benchmark.random_params(
+        transformed(af2_package.AF2Attention), (q, m, pair_bias)
+    )
+
+    def value_and_grads(apply, *args):
+        out, vjp = jax.vjp(apply, *args)
+        return out, vjp(cotangent.astype(out.dtype))
+
+    results = {}
+    for name, cls in (("ours", af2_package.AF2Attention), ("own", _clients_attention(client))):
+        apply = functools.partial(transformed(cls).apply, params, None)
+        results[name] = value_and_grads(jax.jit(apply), q, m, pair_bias)
+    with jax.enable_x64(True):
+        exact = lambda *a: reference.attention(
+            params["attention"], *a[:2], mask[:, None, None, :] > 0, a[2], xp=jnp
+        )
+        expected = value_and_grads(exact, *(jnp.asarray(x, jnp.float64) for x in (q, m, pair_bias)))
+    for name in ("ours", "own"):
+        out, grads = results[name]
+        np.testing.assert_allclose(out, expected[0], **reference.tolerance(jnp.float32))
+        for got, want in zip(grads, expected[1], strict=True):
+            np.testing.assert_allclose(got, want, **reference.grad_tolerance(jnp.float32, want))
