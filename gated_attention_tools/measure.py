@@ -158,11 +158,13 @@ def allocator_env(policy: str) -> dict[str, str]:
     return dict(ALLOCATOR_POLICIES[policy])
 
 
-def check_baseline(rows: list[dict], alone_ms: float, tolerance: float) -> list[dict]:
-    """A cell's rows with the baseline's ('af2') time alone in a fresh process and the check that
-    its time in the harness agrees with that within `tolerance` (a fraction): baseline_ok False
-    flags the cell."""
-    harness = next(r["time_ms"] for r in rows if r["variant"] == "af2")
+def check_baseline(
+    rows: list[dict], alone_ms: float, tolerance: float, baseline: str = "af2"
+) -> list[dict]:
+    """A cell's rows with the baseline's (the variant `baseline`) time alone in a fresh process
+    and the check that its time in the harness agrees with that within `tolerance` (a fraction):
+    baseline_ok False flags the cell."""
+    harness = next(r["time_ms"] for r in rows if r["variant"] == baseline)
     ratio = harness / alone_ms
     check = dict(
         af2_alone_ms=alone_ms,
@@ -172,9 +174,9 @@ def check_baseline(rows: list[dict], alone_ms: float, tolerance: float) -> list[
     return [r | check for r in rows]
 
 
-def alone_cell(row: dict) -> str:
+def alone_cell(row: dict, baseline: str = "af2") -> str:
     """A table cell: the baseline's time alone and the harness's ratio to it, on its row."""
-    if row["variant"] != "af2" or "af2_alone_ms" not in row:
+    if row["variant"] != baseline or "af2_alone_ms" not in row:
         return ""
     flag = "" if row["baseline_ok"] else " FLAGGED"
     return f"{figure(row['af2_alone_ms'])}, {row['af2_harness_over_alone']:.2f}{flag}"
