@@ -196,6 +196,10 @@ PRESETS = (
     "mesh_memory_smoke",
     "context_memory",
     "context_memory_smoke",
+    "design",
+    "design_memory",
+    "design_time",
+    "design_smoke",
 )
 
 
@@ -220,6 +224,8 @@ def _config(preset):
         return _compile_memory_config(preset)
     if preset in ("options", "options_smoke"):
         return _options_config(preset)
+    if preset.startswith("design"):
+        return _design_config(preset)
     if preset == "smoke":  # tiny shapes: checks that the script runs end to end (module docstring)
         cfg = _config("full")
         cfg.shapes = (("tiny 2x32 c16 h2", 2, 32, 16, 2, True, "key"),)
@@ -559,4 +565,51 @@ def _keys_cells(smoke):
         cfg.variants = ("ring",)
         cfg.grid_targets, cfg.grid_whats = ("h100",), ("triangle_end",)
         cfg.grid_crops, cfg.grid_plain = (("training", 64),), ()
+    return cfg
+
+
+def _design_config(preset):
+    """ColabDesign's design step with its own attention and with ours (design_benchmark.py):
+    'design' its memory compiled deviceless for GPUs and its CPU time (needs the targets and
+    colabdesign extras, or test); 'design_memory' and 'design_time' one of them each;
+    'design_smoke' one small compile and one small timed cell (checks the suite runs)."""
+    cfg = ml_collections.ConfigDict()
+    cfg.suite = "design"
+    own, ours = "colabdesign", "ours"
+    # (target, case, variant, residues): the 1,024-residue goal on 80 GB, both protocols, and
+    # each side of the longest that fits 80 GB (A100) and 24 GB (RTX 4090).
+    cfg.memory_cells = (
+        ("a100", "hallucination", own, 1024),
+        ("a100", "hallucination", ours, 1024),
+        ("a100", "binder_multimer", own, 1024),
+        ("a100", "binder_multimer", ours, 1024),
+        ("h100", "hallucination", own, 1024),
+        ("h100", "hallucination", ours, 1024),
+        ("a100", "hallucination", own, 896),
+        ("a100", "hallucination", ours, 1792),
+        ("a100", "hallucination", ours, 2048),
+        ("rtx4090", "hallucination", own, 512),
+        ("rtx4090", "hallucination", own, 640),
+        ("rtx4090", "hallucination", ours, 896),
+        ("rtx4090", "hallucination", ours, 1024),
+    )
+    cfg.longest_cells = ()  # (target, case, variant, start): a search, cfg.length_step apart
+    cfg.length_step = 128
+    cfg.blocks = None  # every stack's depth: None is AF2's (design_model.build); the smoke's 1
+    cfg.time_cells = (("hallucination", 128), ("binder_multimer", 128))  # (case, residues)
+    cfg.dtypes = ("float32",)
+    cfg.rounds = 3
+    cfg.allocator = "steady"  # malloc policy of every child (measure.ALLOCATOR_POLICIES)
+    cfg.baseline_tolerance = 0.10  # ColabDesign's step in the harness against it alone
+    cfg.output_dir = "benchmark_results/design"
+    if preset == "design_memory":
+        cfg.time_cells, cfg.output_dir = (), "benchmark_results/design_memory"
+    if preset == "design_time":
+        cfg.memory_cells, cfg.output_dir = (), "benchmark_results/design_time"
+    if preset == "design_smoke":  # checks the suite runs: one small compile, one small cell
+        cfg.memory_cells = (("a100", "hallucination", ours, 16),)
+        cfg.time_cells = (("hallucination", 16),)
+        cfg.rounds, cfg.blocks = 1, 1
+        cfg.baseline_tolerance = SMOKE_TOLERANCE
+        cfg.output_dir = ""
     return cfg

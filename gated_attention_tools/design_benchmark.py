@@ -54,23 +54,25 @@ def problem(case: str, length: int, variant: str, dtype: str = "bfloat16", block
     return step, args
 
 
-def compile_cell(case: str, length: int, variant: str, target: str) -> dict[str, Any]:
-    """The child: one cell compiled for its target; its memory and what 'auto' chose there."""
+def compile_cell(
+    case: str, length: int, variant: str, target: str, blocks: int | None = None
+) -> dict[str, Any]:
+    """The child: one cell compiled for its target; its memory and the compile's seconds."""
     from gated_attention_tools import measure, targets
 
     start = time.perf_counter()
-    fn, args = problem(case, length, variant)
+    fn, args = problem(case, length, variant, blocks=blocks)
     compiled = targets.compile(fn, *args, target=target)
     return dict(
         memory=measure.compiled_memory(compiled), compile_s=round(time.perf_counter() - start)
     )
 
 
-def memory_cell(case: str, length: int, variant: str, target: str, log=print) -> dict[str, Any]:
+def memory_cell(case, length, variant, target, log=print, blocks=None) -> dict[str, Any]:
     """compile_cell in a child process: the row, with whether its peak fits the target."""
     from gated_attention_tools import targets
 
-    row = dict(case=case, length=length, variant=variant, target=target)
+    row = dict(case=case, length=length, variant=variant, target=target, blocks=blocks)
     try:
         got = targets.in_child("gated_attention_tools.design_benchmark:compile_cell", row, log)
     except RuntimeError as e:
@@ -79,24 +81,24 @@ def memory_cell(case: str, length: int, variant: str, target: str, log=print) ->
     return row | got | dict(peak_gib=peak / 2**30, fits=peak <= targets.target(target).memory_bytes)
 
 
-def longest(case, variant, target, start, step, log=print) -> list[dict]:
+def longest(case, variant, target, start, step, log=print, blocks=None) -> list[dict]:
     """Rows from `start` residues up (while they fit) or down (while they don't) in `step`s."""
-    rows = [memory_cell(case, start, variant, target, log)]
+    rows = [memory_cell(case, start, variant, target, log, blocks)]
     direction = step if rows[0]["fits"] else -step
     while start + direction > 0:
         start += direction
-        rows.append(memory_cell(case, start, variant, target, log))
+        rows.append(memory_cell(case, start, variant, target, log, blocks))
         if rows[-1]["fits"] != rows[-2]["fits"]:
             break
     return rows
 
 
-def time_cell(case: str, length: int, dtype: str, variants, rounds: int) -> list[dict]:
+def time_cell(case, length, dtype, variants, rounds, blocks=None) -> list[dict]:
     """The child: each variant's design step compiled (its first call), then the variants called
     in turn `rounds` times; the median seconds per step of each, and its loss."""
     from gated_attention_tools import design_model
 
-    model = design_model.build(case, length, bfloat16=dtype == "bfloat16")
+    model = design_model.build(case, length, bfloat16=dtype == "bfloat16", blocks=blocks)
     first, times, losses = {}, {v: [] for v in variants}, {}
     for variant in variants:
         start = time.perf_counter()
@@ -116,12 +118,12 @@ def time_cell(case: str, length: int, dtype: str, variants, rounds: int) -> list
     ]  # fmt: skip
 
 
-def resident_problem(case: str, length: int, dtype: str, variant: str):
+def resident_problem(case: str, length: int, dtype: str, variant: str, blocks=None):
     """measure.resident_memory's builder: (fn, specs) of one design step on the CPU, its
     arguments flattened (the probe makes each leaf, ones)."""
     import jax
 
-    step, args = problem(case, length, variant, dtype)
+    step, args = problem(case, length, variant, dtype, blocks)
     leaves, treedef = jax.tree_util.tree_flatten(args)
     return (lambda *leaves: step(*jax.tree_util.tree_unflatten(treedef, leaves))), tuple(leaves)
 
@@ -132,7 +134,9 @@ def _time_rows(cfg, log) -> list[dict]:
     rows = []
     for case, length in cfg.time_cells:
         for dtype in cfg.dtypes:
-            kwargs = dict(case=case, length=length, dtype=dtype, rounds=cfg.rounds)
+            kwargs = dict(
+                case=case, length=length, dtype=dtype, rounds=cfg.rounds, blocks=cfg.blocks
+            )
             target = "gated_attention_tools.design_benchmark:time_cell"
             cell = child.call(target, kwargs | dict(variants=list(VARIANTS)), log, cfg.allocator)
             alone = child.call(target, kwargs | dict(variants=[BASELINE]), log, cfg.allocator)
@@ -140,7 +144,9 @@ def _time_rows(cfg, log) -> list[dict]:
                 cell, alone[0]["time_ms"], cfg.baseline_tolerance, BASELINE
             )
             for row in cell:
-                args = dict(case=case, length=length, dtype=dtype, variant=row["variant"])
+                args = dict(
+                    case=case, length=length, dtype=dtype, variant=row["variant"], blocks=cfg.blocks
+                )
                 resident = measure.resident_memory(
                     "gated_attention_tools.design_benchmark:resident_problem", args
                 )
@@ -153,20 +159,16 @@ def _time_rows(cfg, log) -> list[dict]:
 
 
 def _memory_rows(cfg, log) -> tuple[list[dict], list[dict]]:
+    """cfg.memory_cells: (target, case, variant, residues) compiled; cfg.longest_cells: (target,
+    case, variant, start) searched in cfg.length_step's."""
     quiet = lambda line: None
     cells, searches = [], []
-    for target in cfg.targets:
-        for case in cfg.memory_cases:
-            for variant in VARIANTS:
-                for length in cfg.lengths:
-                    cells.append(memory_cell(case, length, variant, target, quiet))
-                    log(f"memory {target} {case} {variant} {length}: {_peak(cells[-1])}")
-                if cfg.longest_from:
-                    start = cfg.longest_from[variant]
-                    searches += longest(case, variant, target, start, cfg.length_step, quiet)
-                    log(
-                        f"longest {target} {case} {variant}: {_longest(searches, case, variant, target)}"
-                    )
+    for target, case, variant, length in cfg.memory_cells:
+        cells.append(memory_cell(case, length, variant, target, quiet, cfg.blocks))
+        log(f"memory {target} {case} {variant} {length}: {_peak(cells[-1])}")
+    for target, case, variant, start in cfg.longest_cells:
+        searches += longest(case, variant, target, start, cfg.length_step, quiet, cfg.blocks)
+        log(f"longest {target} {case} {variant}: {_longest(searches, case, variant, target)}")
     return cells, searches
 
 
@@ -185,7 +187,7 @@ def _longest(rows, case, variant, target) -> int | None:
 
 def run(cfg, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The suite (scripts/benchmark.py --config=configs/benchmark.py:design)."""
-    cells, searches = _memory_rows(cfg, log) if cfg.targets else ([], [])
+    cells, searches = _memory_rows(cfg, log)
     times = _time_rows(cfg, log) if cfg.time_cells else []
     return dict(memory=cells, longest=searches, time=times, allocator=cfg.allocator)
 

@@ -53,6 +53,7 @@ SUITES = {
     "device": Suite("device_benchmark", _markdown),
     "compile_memory": Suite("compile_memory", _markdown),
     "options": Suite("options_benchmark", _markdown),
+    "design": Suite("design_benchmark", _markdown),
     "sweep": Suite("sweep", _markdown, files=lambda r, cfg, out: _sweep_table(r, cfg, out)),
 }
 

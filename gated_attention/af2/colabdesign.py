@@ -95,7 +95,9 @@ def param_shapes(model: Any) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
         apply, runner.apply = runner.apply, capture
         try:
             model._inputs["opt"] = model.opt
-            model._recycle({}, backprop=False)
+            # The gradient's function: over 384 residues ColabDesign's inference one has another
+            # runner (its subbatched AF2), whose apply this would not reach.
+            model._recycle({}, backprop=True)
         except _CapturedError:
             pass
         finally:
