@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
-
-from absl import logging
 
 from gated_attention.attention import base
 from gated_attention.attention.cudnn import CudnnAttention
@@ -238,6 +237,9 @@ def choose_per_platform(resolved, kinds, flat_args, policy, options, scale) -> d
     return choices
 
 
+# The library's logger: DEBUG, and no handler of its own, so a program that asks for nothing sees
+# nothing (Python's convention for libraries); docs/implementations.md says how to see the choices.
+_LOG = logging.getLogger("gated_attention")
 _logged: set[str] = set()  # the choices logged so far
 _choice_logs = threading.local()  # this thread's open recorders: a trace reaches its own thread's
 
@@ -280,7 +282,7 @@ def log_choice(requested: str, choices: dict[str, Choice], query, key, value) ->
     )
     if message not in _logged and len(_logged) < 20:  # each choice once (init and apply trace)
         _logged.add(message)
-        logging.info("%s", message)
+        _LOG.debug("%s", message)
     shapes = dict(query=tuple(query.shape), key=tuple(key.shape), value=tuple(value.shape))
     by_platform = {
         k: dict(chosen=c.impl.name, reason=c.reason, compute_dtype=c.compute_dtype.name)

@@ -3,6 +3,7 @@ instances and what is not an implementation. (Each implementation's numerics: te
 tests/attention/test_xla_chunked.py, tests/attention/test_cudnn.py, through tests/implementation_harness.py.)"""
 
 import functools
+import os
 import threading
 
 import jax
@@ -179,3 +180,35 @@ def test_auto_records_why_the_kernels_refused():
     assert impl.name == "xla", reason
     assert "pallas refused: " in reason and "head dims <= 128" in reason, reason
     assert "cudnn refused: " in reason and reason.endswith("MiB"), reason
+
+
+def test_the_library_is_silent_unless_asked(tmp_path):
+    """A fresh program that asks for no logging prints nothing of the library's (Python's
+    convention: a library never configures output), under absl's app.run too (its INFO verbosity,
+    which scripts/run_forward.py runs at); the choice is there at DEBUG on the library's logger."""
+    import subprocess
+    import sys
+
+    program = tmp_path / "program.py"
+    program.write_text(
+        "import logging, sys\n"
+        "import jax, jax.numpy as jnp\n"
+        "from absl import app\n"
+        "import gated_attention as ga\n"
+        "def main(argv):\n"
+        "    q = jnp.ones((1, 8, 2, 4))\n"
+        "    jax.jit(ga.dot_product_attention)(q, q, q).block_until_ready()\n"
+        "    if len(argv) > 1:\n"
+        "        logging.basicConfig(stream=sys.stderr)\n"
+        "        logging.getLogger('gated_attention').setLevel(logging.DEBUG)\n"
+        "        jax.jit(ga.dot_product_attention)(q[:, :4], q, q).block_until_ready()\n"
+        "app.run(main)\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for asked in (False, True):
+        run = subprocess.run(
+            [sys.executable, str(program), *(["asked"] if asked else [])],
+            capture_output=True, text=True, env=env, timeout=300, check=True,
+        )  # fmt: skip
+        said = "dot_product_attention: auto ->" in run.stdout + run.stderr
+        assert said == asked, run.stderr[-2000:]
