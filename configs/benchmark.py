@@ -196,7 +196,6 @@ PRESETS = (
     "mesh_memory_smoke",
     "context_memory",
     "context_memory_smoke",
-    "design",
     "design_memory",
     "design_time",
     "design_smoke",
@@ -570,9 +569,9 @@ def _keys_cells(smoke):
 
 def _design_config(preset):
     """ColabDesign's design step with its own attention and with ours (design_benchmark.py):
-    'design' its memory compiled deviceless for GPUs and its CPU time (needs the targets and
-    colabdesign extras, or test); 'design_memory' and 'design_time' one of them each;
-    'design_smoke' one small compile and one small timed cell (checks the suite runs)."""
+    'design_memory' its memory compiled deviceless for GPUs (needs the targets and colabdesign
+    extras, or test), 'design_time' its time on this CPU, 'design_smoke' one small compile and
+    one small timed cell on one-block stacks (checks the suite runs)."""
     cfg = ml_collections.ConfigDict()
     cfg.suite = "design"
     own, ours = "colabdesign", "ours"
@@ -601,7 +600,6 @@ def _design_config(preset):
     cfg.rounds = 3
     cfg.allocator = "steady"  # malloc policy of every child (measure.ALLOCATOR_POLICIES)
     cfg.baseline_tolerance = 0.10  # ColabDesign's step in the harness against it alone
-    cfg.output_dir = "benchmark_results/design"
     if preset == "design_memory":
         cfg.time_cells, cfg.output_dir = (), "benchmark_results/design_memory"
     if preset == "design_time":

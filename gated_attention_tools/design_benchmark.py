@@ -173,7 +173,7 @@ def _memory_rows(cfg, log) -> tuple[list[dict], list[dict]]:
 
 
 def _peak(row) -> str:
-    return f"{row['peak_gib']:.1f} GiB" if "peak_gib" in row else row["error"]
+    return f"{row['peak_gib']:.2f} GiB" if "peak_gib" in row else row["error"]
 
 
 def _longest(rows, case, variant, target) -> int | None:

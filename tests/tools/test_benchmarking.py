@@ -18,6 +18,8 @@ from gated_attention.af2 import config
 from gated_attention_tools import (
     benchmark,
     compile_memory,
+    design_benchmark,
+    design_model,
     device_benchmark,
     family_benchmark,
     measure,
@@ -322,7 +324,7 @@ def test_benchmark_presets_share_one_schema():
         cfg = module.get_config(preset)
         keys.setdefault(cfg.suite, set()).add(frozenset(cfg.keys()))
     assert sorted(keys) == [
-        "compile_memory", "device", "family", "modules", "options", "sweep",
+        "compile_memory", "design", "device", "family", "modules", "options", "sweep",
     ], keys  # fmt: skip
     assert all(len(k) == 1 for k in keys.values()), keys
     for preset in module.PRESETS:
@@ -350,6 +352,14 @@ def test_benchmark_presets_share_one_schema():
                 w for w, _ in rows.crops
             }
             assert all(targets.target(t) for t in rows.targets)
+            continue
+        if cfg.suite == "design":
+            cells = [*cfg.memory_cells, *cfg.longest_cells]
+            assert all(targets.target(t).kind == "gpu" for t, _, _, _ in cells)
+            assert {c for _, c, _, _ in cells} | {c for c, _ in cfg.time_cells} <= set(
+                design_model.CASES
+            )
+            assert {v for _, _, v, _ in cells} <= set(design_benchmark.VARIANTS)
             continue
         if cfg.suite == "options":
             assert cfg.goal_implementation in cfg.implementations
@@ -788,3 +798,31 @@ def test_every_preset_names_a_registered_suite():
         cfg.suite = "modulez"
     with pytest.raises(ValueError, match=r"config.suite must be one of \[.*\], got 'modulez'"):
         suites.run(cfg, ROOT)
+
+
+def test_design_tables_say_the_ratio_and_the_longest_that_fits():
+    gib = 2**30
+    memory = [
+        dict(target="a100", case="hallucination", length=1024, variant=v, peak_gib=p, fits=p < 80)
+        for v, p in (("colabdesign", 90.0), ("ours", 26.1))
+    ]
+    longest = [
+        dict(target="a100", case="hallucination", length=n, variant=v, fits=f)
+        for v, n, f in (("colabdesign", 896, True), ("colabdesign", 1024, False),
+                        ("ours", 1792, True), ("ours", 2048, False))
+    ]  # fmt: skip
+    time_rows = measure.check_baseline(
+        [dict(case="hallucination", length=128, dtype="float32", variant=v, time_ms=t)
+         for v, t in (("colabdesign", 100.0), ("ours", 80.0))],
+        101.0, 0.1, design_benchmark.BASELINE,
+    )  # fmt: skip
+    time_rows = [
+        r | dict(over_baseline=r["time_ms"] / 100.0, resident_mib=gib / 2**20) for r in time_rows
+    ]
+    table = design_benchmark.markdown(
+        dict(memory=memory, longest=longest, time=time_rows, allocator="steady")
+    )
+    assert "| a100 | hallucination | 1024 | 90.00 GiB | 26.10 GiB | 0.29 |" in table
+    assert "| a100 | hallucination | 896 | 1792 | 2.00 |" in table
+    assert "| hallucination | 128 | float32 | ours | 80.0 | 0.80 | 1024 |" in table
+    assert "every cell within the tolerance" in table
