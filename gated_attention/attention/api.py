@@ -487,17 +487,45 @@ def _branches(choices, scale, options) -> dict:
         key = (choice.impl, choice.compute_dtype, choice.plan)
         fn = next((f for k, f in made if k == key), None)
         if fn is None:
-            fn = functools.partial(
-                base.run,
+            fn = _forward_mode_refused_by_name(
                 choice.impl,
-                scale=scale,
-                compute_dtype=choice.compute_dtype,
-                options=options,
-                plan=choice.plan,
+                functools.partial(
+                    base.run,
+                    choice.impl,
+                    scale=scale,
+                    compute_dtype=choice.compute_dtype,
+                    options=options,
+                    plan=choice.plan,
+                ),
             )
             made.append((key, fn))
         branches[kind] = fn
     return branches
+
+
+_JAX_NO_JVP = "can't apply forward-mode autodiff (jvp) to a custom_vjp function"
+FORWARD_MODE = "xla"  # the implementation that takes jax.jvp / jax.jacfwd (plain JAX)
+
+
+def _forward_mode_refused_by_name(impl, fn):
+    """fn, with JAX's TypeError for forward-mode derivatives of a custom VJP (the kernels' and
+    'chunked''s backward) said in this library's words: which implementation takes them."""
+
+    @functools.wraps(fn)
+    def run(*args):
+        try:
+            return fn(*args)
+        except TypeError as e:
+            if _JAX_NO_JVP not in str(e):
+                raise
+            raise TypeError(
+                f"implementation {impl.name!r} takes reverse-mode derivatives only (jax.grad, "
+                "jax.vjp: its custom VJP keeps the backward's memory small); forward-mode ones "
+                "(jax.jvp, jax.jacfwd, Hessian-vector products) need "
+                f"implementation={FORWARD_MODE!r}, plain JAX at the dense softmax's memory"
+            ) from None
+
+    return run
 
 
 def _restore_positions_first(out, structure, q_len: int, options):

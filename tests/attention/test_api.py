@@ -212,3 +212,40 @@ def test_the_library_is_silent_unless_asked(tmp_path):
         )  # fmt: skip
         said = "dot_product_attention: auto ->" in run.stdout + run.stderr
         assert said == asked, run.stderr[-2000:]
+
+
+def _jvp_case():
+    rng = np.random.default_rng(11)
+    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    q, k, v, bias = f32(2, 6, 2, 4), f32(2, 7, 2, 4), f32(2, 7, 2, 4), f32(1, 2, 6, 7)
+    mask = jnp.asarray(rng.random((2, 1, 6, 7)) > 0.3).at[1, :, 2].set(False)  # a row: no key
+    tangents = tuple(f32(*x.shape) for x in (q, k, v, bias))
+    return (q, k, v, bias), mask, tangents
+
+
+def test_forward_mode_derivatives_with_xla_match_the_reference():
+    """jax.jvp and jax.jacfwd of ga.dot_product_attention (implementation='xla', the one the
+    error names), against jax.jvp of the float64 reference, a query row without keys included."""
+    primals, mask, tangents = _jvp_case()
+    ours = lambda q, k, v, b: ga.dot_product_attention(q, k, v, b, mask, implementation="xla")
+    exact = lambda q, k, v, b: reference.dot_product_attention(q, k, v, b, mask, xp=jnp)
+    out, tangent = jax.jvp(ours, primals, tangents)
+    f64 = lambda xs: tuple(jnp.asarray(x, jnp.float64) for x in xs)
+    want_out, want_tangent = jax.jvp(exact, f64(primals), f64(tangents))
+    np.testing.assert_allclose(out, want_out, **reference.tolerance(jnp.float32))
+    np.testing.assert_allclose(tangent, want_tangent, **reference.grad_tolerance(jnp.float32))
+    jacobian = jax.jacfwd(ours, argnums=3)(*primals)  # d out / d bias: [B, T, N, H, 1, N, T, S]
+    want = jax.jacfwd(exact, argnums=3)(*f64(primals))
+    np.testing.assert_allclose(jacobian, want, **reference.grad_tolerance(jnp.float32, want))
+
+
+def test_forward_mode_derivatives_elsewhere_name_the_implementation_that_takes_them():
+    primals, mask, tangents = _jvp_case()
+    attend = lambda q, k, v, b: ga.dot_product_attention(q, k, v, b, mask, implementation="chunked")
+    with pytest.raises(TypeError, match=r"'chunked' takes reverse-mode .* implementation='xla'"):
+        jax.jvp(attend, primals, tangents)
+    with pytest.raises(TypeError, match=r"implementation='xla'"):
+        jax.jacfwd(attend)(*primals)
+    with pytest.raises(TypeError, match="forward-mode"):  # traced by jit first: JAX's words
+        jax.jacfwd(jax.jit(attend))(*primals)
+    jax.grad(lambda *a: attend(*a).sum())(*primals)  # reverse mode: its own
