@@ -44,7 +44,7 @@ def problem(case: str, length: int, variant: str, dtype: str = "bfloat16", block
     model = design_model.build(
         case, length, bfloat16=dtype == "bfloat16", blocks=blocks, params=False
     )
-    args = design_model.step_arguments(model, ga.colabdesign.param_shapes(model))
+    args = ga.colabdesign.step_arguments(model, ga.colabdesign.param_shapes(model))
     grad_fn, swap = model._model["grad_fn"], _swap(variant)
 
     def step(*args):

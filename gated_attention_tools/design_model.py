@@ -127,32 +127,3 @@ def nudged(params: Any, scale: float, seed: int) -> Any:
     rng = np.random.default_rng(seed)
     nudge = lambda x: (x * (1 + scale * rng.normal(size=x.shape))).astype(x.dtype)
     return jax.tree_util.tree_map(nudge, params)
-
-
-class _CapturedError(Exception):
-    """Stops ColabDesign's design step once its arguments are known."""
-
-
-def step_arguments(model: Any, model_params: Any) -> tuple:
-    """The arguments ColabDesign's `run` passes its jitted design step (grad_fn: its design
-    parameters, the model's parameters, its inputs with the options and the recycled state, a
-    key), for `model_params` (arrays or their shapes); nothing traced. Python scalars among the
-    inputs as NumPy arrays (jax.jit traces them alike)."""
-    import jax
-
-    found = {}
-
-    def capture(*args):
-        found["args"] = args
-        raise _CapturedError
-
-    grad_fn, model._model["grad_fn"] = model._model["grad_fn"], capture
-    try:
-        model.restart(seed=0)
-        model._recycle(model_params, backprop=True)
-    except _CapturedError:
-        pass
-    finally:
-        model._model["grad_fn"] = grad_fn
-    as_array = lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else np.asarray(x)
-    return jax.tree_util.tree_map(as_array, found["args"])

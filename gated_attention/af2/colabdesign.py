@@ -26,6 +26,7 @@ weights (which ColabDesign reads from `data_dir`, as `params/params_<model>.npz`
 
 from __future__ import annotations
 
+import functools
 import importlib
 import threading
 from collections.abc import Mapping
@@ -38,7 +39,14 @@ import numpy as np
 from gated_attention.af2 import af2_package
 from gated_attention.af2.colabdesign_jax import DESIGN_MODULES, adapt_colabdesign
 
-__all__ = ["DESIGN_MODULES", "adapt_colabdesign", "random_params", "use_gated_attention"]
+__all__ = [
+    "DESIGN_MODULES",
+    "adapt_colabdesign",
+    "param_shapes",
+    "random_params",
+    "step_arguments",
+    "use_gated_attention",
+]
 
 MODULES = "colabdesign.af.alphafold.model.modules"
 _CAPTURE_LOCK = threading.Lock()  # random_params swaps a runner's apply for one call
@@ -73,36 +81,63 @@ def use_gated_attention(
 
 
 class _CapturedError(Exception):
-    """Stops ColabDesign's model once its parameters' shapes are known."""
+    """Stops ColabDesign's design step once what a stand-in was after is known."""
+
+
+def _run_until(model: Any, owner: Any, name: str, take: Any, model_params: Any = None) -> Any:
+    """ColabDesign's design step (model._recycle, as run() calls it, on `model_params`) with
+    owner's `name` (an attribute, or a key of a dict) replaced by a stand-in that records
+    take(*args) and stops the step there; owner restored after. Returns what take returned."""
+    found = {}
+
+    def stand_in(*args):
+        found["value"] = take(*args)
+        raise _CapturedError
+
+    put = owner.__setitem__ if isinstance(owner, dict) else functools.partial(setattr, owner)
+    with _CAPTURE_LOCK:
+        original = owner[name] if isinstance(owner, dict) else getattr(owner, name)
+        put(name, stand_in)
+        try:
+            model._inputs["opt"] = model.opt
+            # The gradient's function: over 384 residues ColabDesign's inference one has another
+            # runner (its subbatched AF2), which a stand-in for the runner's apply would miss.
+            model._recycle({} if model_params is None else model_params, backprop=True)
+        except _CapturedError:
+            pass
+        finally:
+            put(name, original)
+    return found["value"]
+
+
+def _check_prepared(model: Any) -> None:
+    if not isinstance(getattr(model, "_model", None), dict) or "runner" not in model._model:
+        raise ValueError(
+            f"model must be a ColabDesign model after prep_inputs (mk_afdesign_model(...)."
+            f"prep_inputs(...)); got {type(model).__name__} without a prepared model"
+        )
 
 
 def param_shapes(model: Any) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
     """The parameters' shapes of a ColabDesign model after `prep_inputs`: its AF2 traced once on
     its prepared inputs (jax.eval_shape of its runner's init, nothing computed)."""
-    if not hasattr(model, "_model") or "runner" not in getattr(model, "_model", {}):
-        raise ValueError(
-            f"model must be a ColabDesign model after prep_inputs (mk_afdesign_model(...)."
-            f"prep_inputs(...)); got {type(model).__name__} without a prepared model"
-        )
-    runner, found = model._model["runner"], {}
+    _check_prepared(model)
+    runner = model._model["runner"]
+    take = lambda params, key, feat: jax.eval_shape(runner.init, key, feat)
+    return _run_until(model, runner, "apply", take)
 
-    def capture(params, key, feat):
-        del params
-        found["shapes"] = jax.eval_shape(runner.init, key, feat)
-        raise _CapturedError
 
-    with _CAPTURE_LOCK:
-        apply, runner.apply = runner.apply, capture
-        try:
-            model._inputs["opt"] = model.opt
-            # The gradient's function: over 384 residues ColabDesign's inference one has another
-            # runner (its subbatched AF2), whose apply this would not reach.
-            model._recycle({}, backprop=True)
-        except _CapturedError:
-            pass
-        finally:
-            runner.apply = apply
-    return found["shapes"]
+def step_arguments(model: Any, model_params: Any) -> tuple:
+    """The arguments ColabDesign's `run` passes its jitted design step (`model._model
+    ["grad_fn"]`: the design parameters, the model's parameters, the inputs with the options and
+    the recycled state, a key), for `model_params` (arrays or their shapes, param_shapes), from
+    `restart(seed=0)`; nothing traced. Python scalars among them as NumPy arrays (jax.jit traces
+    them alike). With them the step compiles for a GPU without one (jax.jit(...).lower)."""
+    _check_prepared(model)
+    model.restart(seed=0)
+    args = _run_until(model, model._model, "grad_fn", lambda *args: args, model_params)
+    as_array = lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else np.asarray(x)
+    return jax.tree_util.tree_map(as_array, args)
 
 
 def random_params(model: Any, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:

@@ -191,6 +191,18 @@ def test_adapt_colabdesign_leaves_jax_unchanged():
     assert colabdesign_jax.DESIGN_MODULES == ga.colabdesign.DESIGN_MODULES
 
 
+def test_parameters_and_arguments_over_384_residues():
+    """Over 384 residues ColabDesign's inference function has a runner of its own: the shapes are
+    read through the gradient's, the same as at 24 residues; the step's arguments too."""
+    long = design_model.build("hallucination", 400, bfloat16=False, blocks=BLOCKS, params=False)
+    shapes = ga.colabdesign.param_shapes(long)
+    assert shapes == ga.colabdesign.param_shapes(_model("hallucination", False))
+    args = ga.colabdesign.step_arguments(long, shapes)
+    assert args[1] == shapes and args[2]["aatype"].shape == (400,)
+    with pytest.raises(ValueError, match="after prep_inputs"):
+        ga.colabdesign.param_shapes(object())
+
+
 def test_layouts_take_colabdesigns_call_signature():
     """The DAP layouts subclass ColabDesign's OuterProductMean(act, mask) and
     TriangleMultiplication(left_act, left_mask): without a mesh they compute ColabDesign's."""
