@@ -596,7 +596,7 @@ def _design_config(preset):
     cfg.length_step = 128
     cfg.blocks = None  # every stack's depth: None is AF2's (design_model.build); the smoke's 1
     cfg.time_cells = (("hallucination", 128), ("binder_multimer", 128))  # (case, residues)
-    cfg.dtypes = ("float32",)
+    cfg.dtypes = ("bfloat16", "float32")  # ColabDesign's default first
     cfg.rounds = 3
     cfg.allocator = "steady"  # malloc policy of every child (measure.ALLOCATOR_POLICIES)
     cfg.baseline_tolerance = 0.10  # ColabDesign's step in the harness against it alone
