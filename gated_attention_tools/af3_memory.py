@@ -238,14 +238,10 @@ def longest(
 ) -> list:
     """Rows from `start` tokens up (while they fit) or down (while they don't) in `step`s: the
     last fitting one is the longest, to `step` tokens."""
-    rows = [measure_cell(variant, start, mode, target, log, what)]
-    direction = step if rows[0]["fits"] else -step
-    while start + direction > 0:
-        start += direction
-        rows.append(measure_cell(variant, start, mode, target, log, what))
-        if rows[-1]["fits"] != rows[-2]["fits"]:
-            break
-    return rows
+    from gated_attention_tools import targets
+
+    at = lambda n: measure_cell(variant, n, mode, target, log, what)
+    return targets.search_longest(at, start, step)
 
 
 def time_cells(

@@ -83,14 +83,10 @@ def memory_cell(case, length, variant, target, log=print, blocks=None) -> dict[s
 
 def longest(case, variant, target, start, step, log=print, blocks=None) -> list[dict]:
     """Rows from `start` residues up (while they fit) or down (while they don't) in `step`s."""
-    rows = [memory_cell(case, start, variant, target, log, blocks)]
-    direction = step if rows[0]["fits"] else -step
-    while start + direction > 0:
-        start += direction
-        rows.append(memory_cell(case, start, variant, target, log, blocks))
-        if rows[-1]["fits"] != rows[-2]["fits"]:
-            break
-    return rows
+    from gated_attention_tools import targets
+
+    at = lambda n: memory_cell(case, n, variant, target, log, blocks)
+    return targets.search_longest(at, start, step)
 
 
 def time_cell(case, length, dtype, variants, rounds, blocks=None) -> list[dict]:

@@ -308,3 +308,16 @@ def in_child(
     (child.call with CHILD_ENV, and `env`, over this process's environment), so that a compiler
     crash fails only this call (RuntimeError)."""
     return child.call(function, kwargs, log, env={**CHILD_ENV, **(env or {})})
+
+
+def search_longest(measure_at, start: int, step: int) -> list[dict]:
+    """Rows measure_at(n) from `start` up (while they fit) or down (while they don't) in `step`s,
+    each with a 'fits' key: the last fitting one is the longest that fits, to `step`."""
+    rows = [measure_at(start)]
+    direction = step if rows[0]["fits"] else -step
+    while start + direction > 0:
+        start += direction
+        rows.append(measure_at(start))
+        if rows[-1]["fits"] != rows[-2]["fits"]:
+            break
+    return rows

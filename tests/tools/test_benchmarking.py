@@ -826,3 +826,11 @@ def test_design_tables_say_the_ratio_and_the_longest_that_fits():
     assert "| a100 | hallucination | 896 | 1792 | 2.00 |" in table
     assert "| hallucination | 128 | float32 | ours | 80.0 | 0.80 | 1024 |" in table
     assert "every cell within the tolerance" in table
+
+
+def test_search_longest_walks_up_or_down_to_the_change():
+    at = lambda n: dict(n=n, fits=n <= 900)
+    assert [r["n"] for r in targets.search_longest(at, 768, 128)] == [768, 896, 1024]
+    assert [r["n"] for r in targets.search_longest(at, 1152, 128)] == [1152, 1024, 896]
+    never = targets.search_longest(lambda n: dict(n=n, fits=False), 256, 128)
+    assert [r["n"] for r in never] == [256, 128]  # down to the step, then no length is left
