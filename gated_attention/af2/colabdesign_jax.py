@@ -64,12 +64,19 @@ class _View(ModuleType):
         return getattr(self._base, name)
 
 
-def _jax_view() -> _View:
+def _get_backend(platform=None):
+    """jax.lib.xla_bridge.get_backend (removed): jax.extend.backend's."""
     from jax.extend import backend
 
-    xla_bridge = _View("jax.lib.xla_bridge", None, dict(get_backend=backend.get_backend))
+    return backend.get_backend(platform)
+
+
+@functools.cache  # built on first use: nothing of it runs at `import gated_attention`
+def _views() -> tuple[_View, _View]:
+    """(jax, jax.numpy) as ColabDesign's modules see them."""
+    xla_bridge = _View("jax.lib.xla_bridge", None, dict(get_backend=_get_backend))
     tree = jax.tree_util
-    return _View(
+    jax_view = _View(
         "jax",
         jax,
         dict(
@@ -79,13 +86,10 @@ def _jax_view() -> _View:
             tree_leaves=tree.tree_leaves,
             tree_structure=tree.tree_structure,
             util=_View("jax.util", None, dict(wraps=_wraps)),
-            lib=_View("jax.lib", jax.lib, dict(xla_bridge=xla_bridge)),
+            lib=_View("jax.lib", getattr(jax, "lib", None), dict(xla_bridge=xla_bridge)),
         ),
     )
-
-
-_JAX = _jax_view()
-_JNP = _View("jax.numpy", jnp, dict(clip=_clip))
+    return jax_view, _View("jax.numpy", jnp, dict(clip=_clip))
 
 
 def adapt_colabdesign() -> list[str]:
@@ -108,13 +112,13 @@ def adapt_colabdesign() -> list[str]:
             "'pip install git+https://github.com/sokrypton/ColabDesign.git' (1.1.3); import "
             f"failed with: {e}"
         ) from e
-    rebound = []
+    rebound, (jax_view, jnp_view) = [], _views()
     with _LOCK:
         for name, module in sorted(sys.modules.items()):
             if module is None or not (name == "colabdesign" or name.startswith("colabdesign.")):
                 continue
             changed = False
-            for attr, real, view in (("jax", jax, _JAX), ("jnp", jnp, _JNP)):
+            for attr, real, view in (("jax", jax, jax_view), ("jnp", jnp, jnp_view)):
                 if getattr(module, attr, None) is real:
                     setattr(module, attr, view)
                     changed = True
