@@ -169,23 +169,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_af2s_sums_over_rows_run_on_columns_under_the_swap():
-    """Through use_gated_attention, AF2's incoming triangle multiplication and outer product mean
-    with shard_rows_over: turned to columns by all-to-alls (DAP's layouts) rather than summing
-    per-device partial products; their training step on 8 devices (Auto axes) matches one device."""
-    from alphafold.model import config as af2_config
-
+def _af2_copy(copy):
+    """(config module, swap, modules.py) of an AF2 copy: alphafold-colabfold's or ColabDesign's
+    (whose call signatures differ: no is_training, OuterProductMean(act, mask))."""
     from gated_attention.af2 import af2_package
 
+    if copy == "alphafold":
+        from alphafold.model import config
+
+        return config, af2_package.use_gated_attention(), af2_package.alphafold_modules
+    pytest.importorskip("colabdesign", reason="needs colabdesign (the test extra)")
+    ga.colabdesign.adapt_colabdesign()
+    from colabdesign.af.alphafold.model import config
+
+    return config, ga.colabdesign.use_gated_attention(), ga.colabdesign.colabdesign_modules
+
+
+@pytest.mark.parametrize("copy", ["alphafold", "colabdesign"])
+def test_af2s_sums_over_rows_run_on_columns_under_the_swap(copy):
+    """Through use_gated_attention, AF2's incoming triangle multiplication and outer product mean
+    with shard_rows_over: turned to columns by all-to-alls (DAP's layouts) rather than summing
+    per-device partial products; their training step on 8 devices (Auto axes) matches one device.
+    For both AF2 copies: the layouts take each one's call signatures."""
+    af2_config, swap, target = _af2_copy(copy)
     c = af2_config.model_config("model_1").model
     evo, gc = c.embeddings_and_evoformer.evoformer, c.global_config
     with gc.unlocked():
         gc.shard_rows_over = "rows"
         gc.deterministic = True
 
-    @af2_package.use_gated_attention()
+    @swap
     def forward(msa, msa_mask, pair, pair_mask):
-        m = af2_package.alphafold_modules()
+        m = target()
         tri = m.TriangleMultiplication(evo.triangle_multiplication_incoming, gc, name="tri_in")
         opm = m.OuterProductMean(evo.outer_product_mean, gc, num_output_channel=C_Z)
         return tri(pair, pair_mask), opm(msa, msa_mask)
