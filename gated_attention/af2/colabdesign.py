@@ -27,7 +27,6 @@ weights (which ColabDesign reads from `data_dir`, as `params/params_<model>.npz`
 from __future__ import annotations
 
 import functools
-import importlib
 import threading
 from collections.abc import Mapping
 from types import ModuleType
@@ -37,7 +36,11 @@ import jax
 import numpy as np
 
 from gated_attention.af2 import af2_package
-from gated_attention.af2.colabdesign_jax import DESIGN_MODULES, adapt_colabdesign
+from gated_attention.af2.colabdesign_jax import (
+    DESIGN_MODULES,
+    adapt_colabdesign,
+    import_colabdesign,
+)
 
 __all__ = [
     "DESIGN_MODULES",
@@ -53,14 +56,9 @@ _CAPTURE_LOCK = threading.Lock()  # random_params swaps a runner's apply for one
 
 
 def colabdesign_modules() -> ModuleType:
-    """ColabDesign's AF2 modules.py, or an ImportError saying how to install ColabDesign."""
-    try:
-        return importlib.import_module(MODULES)
-    except ImportError as e:
-        raise ImportError(
-            "ColabDesign is not installed: pip install colabdesign (1.1.1), or ColabDesign's "
-            f"repository as BindCraft installs it (1.1.3); import failed with: {e}"
-        ) from e
+    """ColabDesign's AF2 modules.py (imported keeping XLA_FLAGS: colabdesign_jax), or an
+    ImportError saying how to install ColabDesign."""
+    return import_colabdesign(MODULES)
 
 
 def use_gated_attention(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import sys
 import threading
 from types import ModuleType
@@ -92,10 +93,37 @@ def _views() -> tuple[_View, _View]:
     return jax_view, _View("jax.numpy", jnp, dict(clip=_clip))
 
 
+def _keep_xla_flags(before: str | None) -> None:
+    """ColabDesign's `import colabdesign` sets XLA_FLAGS to its own flag alone (turning Triton
+    GEMMs off on GPUs), dropping the process's: keep those, with its flag added."""
+    after = os.environ.get("XLA_FLAGS")
+    if before is None or after == before:
+        return
+    added = [] if after is None else [f for f in after.split() if f not in before.split()]
+    os.environ["XLA_FLAGS"] = " ".join([before, *added])
+
+
+def import_colabdesign(name: str) -> ModuleType:
+    """importlib.import_module(name) of a ColabDesign module, the process's XLA_FLAGS kept
+    (_keep_xla_flags), or an ImportError saying how to install ColabDesign."""
+    flags = os.environ.get("XLA_FLAGS")
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise ImportError(
+            "ColabDesign is not installed: pip install colabdesign (1.1.1), or ColabDesign's "
+            f"repository as BindCraft installs it (1.1.3); importing {name} failed with: {e}"
+        ) from e
+    finally:
+        _keep_xla_flags(flags)
+
+
 def adapt_colabdesign() -> list[str]:
     """Lets ColabDesign (1.1.1 or 1.1.3) run its design steps on this JAX: imports DESIGN_MODULES
     and rebinds `jax` and `jnp` in every loaded `colabdesign` module to this module's views.
-    Idempotent; call it after importing any other ColabDesign module you use.
+    Idempotent; call it before importing ColabDesign (its import would otherwise replace the
+    process's XLA_FLAGS with its own flag: here the flags are kept, its flag added) and again
+    after importing a ColabDesign module that DESIGN_MODULES do not import.
 
     Returns:
       The names of the modules rebound by this call (empty when all already were).
@@ -103,15 +131,8 @@ def adapt_colabdesign() -> list[str]:
     Raises:
       ImportError: ColabDesign is not installed (with the command that installs it).
     """
-    try:
-        for name in DESIGN_MODULES:
-            importlib.import_module(name)
-    except ImportError as e:
-        raise ImportError(
-            "ColabDesign is not installed: pip install colabdesign (1.1.1), or BindCraft's "
-            "'pip install git+https://github.com/sokrypton/ColabDesign.git' (1.1.3); import "
-            f"failed with: {e}"
-        ) from e
+    for name in DESIGN_MODULES:
+        import_colabdesign(name)
     rebound, (jax_view, jnp_view) = [], _views()
     with _LOCK:
         for name, module in sorted(sys.modules.items()):
