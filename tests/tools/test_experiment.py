@@ -190,6 +190,7 @@ def test_run_forward_script_end_to_end(tmp_path):
         "--config.mesh.data=2",  # the 8 virtual devices of tests/conftest.py's XLA_FLAGS
         "--config.mesh.heads=2",
         f"--output_json={out}",
+        "--verbosity=1",  # the library's choices (logged at DEBUG, silent otherwise)
         platforms=None,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -208,7 +209,7 @@ def test_run_forward_script_end_to_end(tmp_path):
     assert " implementation: auto -> " in result.stdout and "        compile: " in result.stdout
     assert f"wrote the report, raw values and the config, to {out}" in result.stdout
     assert re.search(r"    median step: \d[\d,.]* ms of 2 steps", result.stdout), result.stdout
-    # Each choice logged once, though init and apply both trace the op.
+    # Each choice logged once (asked for: --verbosity=1), though init and apply both trace the op.
     logged = [line for line in result.stderr.splitlines() if "dot_product_attention: " in line]
     assert len(logged) == len(set(line.split("] ", 1)[-1] for line in logged)) >= 1, logged
 
@@ -305,6 +306,7 @@ def test_run_forward_script_with_af2_params(tmp_path):
         f"--params_prefix={EVO}",
         "--layer=1",
         f"--output_json={out}",
+        "--verbosity=1",  # the library's choices (logged at DEBUG, silent otherwise)
         platforms=None,
     )
     assert result.returncode == 0, result.stderr[-3000:]
