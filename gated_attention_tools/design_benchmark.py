@@ -198,20 +198,13 @@ def markdown(results: dict[str, Any]) -> str:
                   "(ours / ColabDesign's own).", "",
                   "| target | case | residues | ColabDesign's own | ours | ours / own |",
                   "| --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
-        own = {
-            (r["target"], r["case"], r["length"]): r
-            for r in results["memory"]
-            if r["variant"] == BASELINE
-        }
-        for r in results["memory"]:
-            if r["variant"] != "ours":
-                continue
-            base = own.get((r["target"], r["case"], r["length"]), {})
-            ratio = (
-                r["peak_gib"] / base["peak_gib"] if "peak_gib" in r and "peak_gib" in base else None
-            )
-            lines.append(f"| {r['target']} | {r['case']} | {r['length']} | {_peak(base) if base else ''} | "
-                         f"{_peak(r)} | {'' if ratio is None else f'{ratio:.2f}'} |")  # fmt: skip
+        by = {(r["target"], r["case"], r["length"], r["variant"]): r for r in results["memory"]}
+        for key in dict.fromkeys(k[:3] for k in by):
+            base, ours = by.get((*key, BASELINE), {}), by.get((*key, "ours"), {})
+            both = "peak_gib" in base and "peak_gib" in ours
+            ratio = f"{ours['peak_gib'] / base['peak_gib']:.2f}" if both else ""
+            cells = [_peak(r) if r else "" for r in (base, ours)]
+            lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cells[0]} | {cells[1]} | {ratio} |")
     if results["longest"]:
         lines += ["", "| target | case | longest that fits: ColabDesign's own | ours | ours / own |",
                   "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip
