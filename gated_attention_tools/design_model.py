@@ -86,13 +86,25 @@ def build(
 
     if case not in CASES:
         raise ValueError(f"case must be one of {sorted(CASES)}, got {case!r}")
-    folder = tempfile.mkdtemp(prefix="gated_attention_design_")
-    with contextlib.redirect_stdout(open(os.devnull, "w")):  # its "'model_1_ptm' not found"
-        model = mk_afdesign_model(**CASES[case], data_dir=folder)
-    model._cfg.model.global_config.bfloat16 = bfloat16
-    if blocks is not None:
-        _shrink(model._cfg, blocks)
-    protocol = CASES[case]["protocol"]
+    # The weights' folder (empty) and the target's PDB file live only while the model is built.
+    with tempfile.TemporaryDirectory(prefix="gated_attention_design_") as folder:
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            model = mk_afdesign_model(**CASES[case], data_dir=folder)  # "'model_1_ptm' not found"
+        model._cfg.model.global_config.bfloat16 = bfloat16
+        if blocks is not None:
+            _shrink(model._cfg, blocks)
+        _prepare(model, CASES[case]["protocol"], length, folder)
+    # The confidence losses too (BindCraft weighs them): one-block stacks leave the multimer
+    # hallucination's default loss (contacts) at exactly 0, a loss that checks nothing.
+    model.set_weights(plddt=0.1, pae=0.1, set_defaults=True)
+    if params:
+        model._model_params = [ga.colabdesign.random_params(model, seed)]
+        model._model_names = ["random"]
+    return model
+
+
+def _prepare(model: Any, protocol: str, length: int, folder: str) -> None:
+    """The protocol's prep_inputs: a length, or a helix PDB written into `folder`."""
     if protocol == "hallucination":
         model.prep_inputs(length=length)
     elif protocol == "fixbb":
@@ -101,13 +113,6 @@ def build(
         binder = max(length // BINDER_SHARE, 1)
         target = helix_pdb(f"{folder}/target.pdb", {"A": length - binder})
         model.prep_inputs(pdb_filename=target, chain="A", binder_len=binder)
-    # The confidence losses too (BindCraft weighs them): one-block stacks leave the multimer
-    # hallucination's default loss (contacts) at exactly 0, a loss that checks nothing.
-    model.set_weights(plddt=0.1, pae=0.1, set_defaults=True)
-    if params:
-        model._model_params = [ga.colabdesign.random_params(model, seed)]
-        model._model_names = ["random"]
-    return model
 
 
 def design_step(model: Any, params: Any = None, seed: int = 0) -> tuple[float, np.ndarray]:

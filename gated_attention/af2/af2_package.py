@@ -148,9 +148,10 @@ def mask_from_bias(bias: jax.Array) -> tuple[jax.Array, jax.Array]:
 class AF2GlobalAttention(modules.GlobalAttention):
     """gated_attention.GlobalAttention with alphafold-colabfold's `modules.GlobalAttention` call.
 
-    The constructor and call (q_data, m_data, q_mask [..., b, q, 1], and ColabDesign's unread bias)
-    are AF2's already; the one difference is the output without gating, which AF2 returns as [..., b, 1, o] (one row for
-    every query) and ours broadcasts to [..., b, q, o]: here it is AF2's shape.
+    The constructor and call (q_data, m_data, q_mask [..., b, q, 1], and ColabDesign's unread
+    bias) are AF2's already; the one difference is the output without gating, which AF2 returns
+    as [..., b, 1, o] (one row for every query) and ours broadcasts to [..., b, q, o]: here it is
+    AF2's shape.
     """
 
     def __call__(self, q_data, m_data, q_mask, bias=None) -> jax.Array:
