@@ -12,6 +12,8 @@ Public API (everything else is internal):
   Implementation, XlaAttention, ChunkedAttention, CudnnAttention, MosaicAttention,
   PallasAttention, PallasTpuAttention, Auto, IMPLEMENTATIONS
                                          its implementations (instances carry their tuning).
+  TokamaxAttention, ColabFoldAttention   tokamax's and ColabFold's kernels behind its contract,
+                                         where installed (the GPU's tuning table may name them).
   record_implementation_choices          what the op chose, per call.
   load_af2_params, save_af2_params, check_params, diff_params
                                          AlphaFold 2 .npz checkpoints <-> Haiku params.
@@ -55,6 +57,7 @@ from gated_attention.attention.cudnn import CudnnAttention
 from gated_attention.attention.pallas_mosaic_gpu.implementation import MosaicAttention
 from gated_attention.attention.pallas_mosaic_tpu.implementation import PallasTpuAttention
 from gated_attention.attention.pallas_triton.implementation import PallasAttention
+from gated_attention.attention.peers import ColabFoldAttention, TokamaxAttention
 from gated_attention.attention.xla import XlaAttention
 from gated_attention.attention.xla_chunked.implementation import ChunkedAttention
 from gated_attention.parallel.sharding import head_parallel_specs
@@ -66,6 +69,7 @@ __all__ = [
     "Attention",
     "Auto",
     "ChunkedAttention",
+    "ColabFoldAttention",
     "CudnnAttention",
     "GlobalAttention",
     "GlobalConfig",
@@ -77,6 +81,7 @@ __all__ = [
     "MosaicAttention",
     "PallasAttention",
     "PallasTpuAttention",
+    "TokamaxAttention",
     "TriangleAttention",
     "XlaAttention",
     "af2_package",

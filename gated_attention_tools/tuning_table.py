@@ -8,7 +8,8 @@ of their tuning candidates) a run timed fastest.
 
 reads the op cells of each run: a device benchmark's rows of our implementations (IMPLEMENTATIONS
 below, 'auto' left out), or a sweep's rows (gated_attention_tools/sweep.py: each a candidate, its
-implementation and options; one whose result disagreed with the float32 reference is left out).
+implementation and options; one whose result disagreed with the float32 reference is left out,
+and a peer's, tokamax's or ColabFold's behind our contract, only where it was checked and agreed).
 It groups them by dtype, mode ('forward' / 'training'), whether the sequence is longer than
 tuning.LONG, the head dim and, for a sweep, the bias class (the cells' pair bias shared over the
 batch, or none), and per group takes the candidate with the least geometric mean of its time over
@@ -26,9 +27,11 @@ import math
 import sys
 from pathlib import Path
 
-from gated_attention.attention import tuning
+from gated_attention.attention import candidates, tuning
 
-IMPLEMENTATIONS = ("mosaic", "pallas", "cudnn", "xla")  # what Auto may take on a GPU
+IMPLEMENTATIONS = candidates.OURS  # a device benchmark's rows of ours (its peers' are not ours)
+SWEPT = candidates.GPU  # a sweep's candidates: ours and the peers behind our contract
+PEERS = candidates.PEERS
 MODES = {"forward": "forward", "forward_backward": "training"}
 
 
@@ -37,8 +40,10 @@ def _candidate(row: dict) -> tuple[str, str, dict] | None:
     if row["level"] != "op" or not row.get("time_ms"):
         return None
     if "implementation" in row:  # a sweep's row: its candidate
-        if row.get("accurate") is False or row["implementation"] not in IMPLEMENTATIONS:
+        if row.get("accurate") is False or row["implementation"] not in SWEPT:
             return None
+        if row["implementation"] in PEERS and row.get("accurate") is not True:
+            return None  # a peer only where checked against the float32 reference
         return row["variant"], row["implementation"], dict(row.get("options", {}))
     if row["variant"] in IMPLEMENTATIONS:  # a device benchmark's row: the instance as it is
         return row["variant"], row["variant"], {}

@@ -3,11 +3,12 @@ option values of each implementation's own dataclass fields (not forks of its co
 
 An implementation declares what a target can take (base.Implementation.candidates, its
 CANDIDATE_FIELDS): tiles, warps and pipeline stages and batch rows a program (PallasAttention),
-keys a tile (MosaicAttention, Hopper only), the instance as it is (cuDNN, XLA). A candidate here
+keys a tile (MosaicAttention, Hopper only), the instance as it is (cuDNN, XLA, and the peers:
+tokamax's and ColabFold's kernels, where the GPU, dtype and head dim suit them). A candidate here
 is one of them with a stable name, every field spelled out so that a name means the same tuning
 whatever the defaults become:
 
-    pallas:bq64,bk64,w4,s2,r2    mosaic:bk128    cudnn    xla
+    pallas:bq64,bk64,w4,s2,r2    mosaic:bk128    cudnn    xla    tokamax_triton    colabfold
 
 gated_attention_tools/sweep.py times every candidate a device takes at AlphaFold 2's cells;
 gated_attention_tools/tuning_table.py writes the fastest's options into tuning.json; 'auto' builds
@@ -22,10 +23,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from gated_attention.attention import base
-from gated_attention.attention.dispatch import IMPLEMENTATIONS
+from gated_attention.attention.dispatch import IMPLEMENTATIONS, PEERS
 
-# What Auto may take on a GPU: the implementations a sweep times and the table records.
-GPU = ("mosaic", "pallas", "cudnn", "xla")
+# What Auto may take on a GPU: the implementations a sweep times and the table records, ours and
+# other libraries' (PEERS: tokamax's and ColabFold's, peers.py), timed and checked beside ours.
+OURS = ("mosaic", "pallas", "cudnn", "xla")
+GPU = (*OURS, *PEERS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +106,7 @@ def for_target(
         raise TypeError(f"capability must be a (major, minor) tuple, got {capability!r}")
     out = []
     for name in implementations:
-        cls = type(candidate(name).build())
-        for options in cls.candidates(capability, dtype, head_dim, bias=bias, mask=mask):
+        impl = candidate(name).build()  # a peer's candidates depend on its fields (peers.py)
+        for options in impl.candidates(capability, dtype, head_dim, bias=bias, mask=mask):
             out.append(candidate(name, options))
     return out

@@ -19,11 +19,12 @@ import types
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
-from gated_attention.attention import base
+from gated_attention.attention import base, peers
 from gated_attention.attention.cudnn import CudnnAttention
 from gated_attention.attention.pallas_mosaic_gpu.implementation import MosaicAttention
 from gated_attention.attention.pallas_mosaic_tpu.implementation import PallasTpuAttention
 from gated_attention.attention.pallas_triton.implementation import PallasAttention
+from gated_attention.attention.peers import ColabFoldAttention, TokamaxAttention
 from gated_attention.attention.per_mode import measured
 from gated_attention.attention.xla import XlaAttention
 from gated_attention.attention.xla_chunked.implementation import ChunkedAttention
@@ -37,8 +38,15 @@ IMPLEMENTATIONS: types.MappingProxyType[str, base.Implementation] = types.Mappin
         "mosaic": MosaicAttention(),
         "pallas": PallasAttention(),
         "pallas_tpu": PallasTpuAttention(),
+        # Other libraries' kernels behind this contract (peers.py), where they are installed.
+        **{t.name: t for t in map(TokamaxAttention, peers.TOKAMAX_IMPLEMENTATIONS)},
+        "colabfold": ColabFoldAttention(),
+        "colabfold_packed": ColabFoldAttention(packed=True),
     }
 )
+# Those of them that are other libraries' (peers.py): 'auto' takes one only where the GPU's tuning
+# table names it (a sweep measured it correct and fastest there), never by its rules.
+PEERS = tuple(name for name, impl in IMPLEMENTATIONS.items() if isinstance(impl, peers.PEER_TYPES))
 
 # Largest float32 logits-and-weights working set of one batch row that 'auto' leaves to the dense
 # implementation (which tiles over rows); longer rows go to the chunked one.
@@ -60,11 +68,18 @@ class Auto:
        shapes ran faster in row tiles than in query x key tiles (scripts/benchmark.py).
     3. Otherwise (long rows) `chunked`, whose query x key tiles bound the working set.
 
+    Before the rules, on a GPU: what the GPU's tuning table (tuning.json) measured fastest for
+    these inputs, among these implementations and `peers` (other libraries' kernels, peers.py);
+    the rules themselves never take a peer, and a peer the table names that does not take the
+    inputs here (not installed, say) leaves the choice to the rules.
+
     Attributes:
       memory_budget_bytes: the working-set budget (global_config.memory_budget_mib).
       dense_row_bytes: the largest row working set left to `xla`.
       xla, chunked, cudnn, mosaic, pallas, pallas_tpu: the instances to run (None: defaults,
         chunked with this budget).
+      peers: the other libraries' instances the table may name (None: IMPLEMENTATIONS' PEERS;
+        () : none).
     """
 
     memory_budget_bytes: int = memory.DEFAULT_MEMORY_BUDGET_BYTES
@@ -75,6 +90,7 @@ class Auto:
     mosaic: MosaicAttention | None = None
     pallas: PallasAttention | None = None
     pallas_tpu: PallasTpuAttention | None = None
+    peers: tuple[base.Implementation, ...] | None = None
 
     def __post_init__(self):
         checks.check_int("memory_budget_bytes", self.memory_budget_bytes)
@@ -90,6 +106,15 @@ class Auto:
         for name, default in defaults.items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, default)
+        if self.peers is None:
+            object.__setattr__(self, "peers", tuple(IMPLEMENTATIONS[n] for n in PEERS))
+        if not isinstance(self.peers, tuple) or not all(
+            isinstance(p, base.Implementation) for p in self.peers
+        ):
+            raise TypeError(
+                "peers must be None or a tuple of implementation instances (e.g. "
+                f"(gated_attention.TokamaxAttention('triton'),)), got {self.peers!r}"
+            )
 
     def choose(
         self, query, key, value, biases, mask, *, compute_dtype, options=base.PLAIN, platform=None
@@ -109,7 +134,7 @@ class Auto:
         asked = dict(scale=scale, compute_dtype=compute_dtype, options=options, platform=platform)
         if platform == "gpu":  # what the device's run measured fastest, where it has an entry
             ours = (self.mosaic, self.pallas, self.cudnn, self.xla)
-            tuned = measured(ours, *args, **asked)
+            tuned = measured((*ours, *self.peers), *args, **asked)
             if tuned is not None:
                 return Choice(*tuned, compute_dtype)
         refused = []  # the kernels' reasons, kept in the reason of what runs instead
