@@ -105,6 +105,12 @@ PEER_VARIANTS = (
     "af2_colabfold_packed", "tokamax_mosaic", "tokamax_triton", "tokamax_cudnn",
     "tokamax_xla_chunked", "cuequivariance",
 )  # fmt: skip
+# The peers the sweep times beside ours: gated_attention.attention.dispatch.PEERS, spelled out (a
+# config imports no JAX; tests/tools/test_sweep.py checks they agree).
+PEERS = (
+    "tokamax_mosaic", "tokamax_triton", "tokamax_cudnn", "tokamax_xla_chunked", "tokamax_xla",
+    "colabfold", "colabfold_packed",
+)  # fmt: skip
 # The sweep preset's (gated_attention_tools/sweep.py): AF2's attention cells (model_1, N_res 384
 # unless named), in priority order (a time budget cuts from the end), as in PEER_SHAPES.
 SWEEP_SHAPES = (
@@ -328,7 +334,9 @@ def _sweep_config(preset):
     cfg.op_shapes = SWEEP_SHAPES
     cfg.dtypes = ("bfloat16", "float32")  # in priority order: AF2 runs bfloat16 on a GPU
     cfg.modes = ("forward_backward", "forward")
-    cfg.implementations = ("mosaic", "pallas", "cudnn", "xla")  # whose candidates are timed
+    # Whose candidates are timed: ours, then the peers behind our contract (tokamax's and
+    # ColabFold's kernels, gated_attention/attention/peers.py; a row with the reason where absent).
+    cfg.implementations = ("mosaic", "pallas", "cudnn", "xla", *PEERS)
     cfg.candidates_per_implementation = 0  # the first that many of each (0: every one)
     # Candidates left out by name or field, e.g. ('c2',): the two-consumer Mosaic forwards until
     # a device's tests have run them (a kernel that hangs a GPU would take the sweep with it).
@@ -353,7 +361,9 @@ def _sweep_config(preset):
     if preset == "sweep_smoke":  # on CPU, seconds (kernels interpreted): checks the pipeline
         cfg.op_shapes = (("tiny 2x16 h1x16", 2, 16, 1, 16),)
         cfg.dtypes, cfg.modes = ("float32",), ("forward",)
-        cfg.implementations = ("pallas", "xla")
+        # tokamax's XLA paths run on CPU (where installed); its GPU kernels and ColabFold's are
+        # rows with the reason (ColabFold's: not at float32).
+        cfg.implementations = ("pallas", "xla", *PEERS)
         cfg.candidates_per_implementation = 2  # each interpreted kernel compiles for a second
         cfg.capability = "9.0"  # an H100's candidates
         cfg.rounds, cfg.steps = 1, 1

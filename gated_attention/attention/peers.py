@@ -144,6 +144,7 @@ class TokamaxAttention(base.Implementation):
             _on_gpu(what, platform)
             self._check_gpu(what, query, value, biases, dtype)
         import_peer("tokamax", "tokamax", what)
+        self._tokamax_implementation()  # one it has
 
     def _check_gpu(self, what, query, value, biases, dtype) -> None:
         capability = platforms.gpu_capability()
@@ -207,12 +208,15 @@ class TokamaxAttention(base.Implementation):
 
     def _tokamax_implementation(self):
         """tokamax's name, but its Mosaic GPU op itself for 'mosaic': tokamax resolves that name
-        by the default device (a CPU host's compile for a GPU would get its TPU kernel)."""
+        by the default device (a CPU host's compile for a GPU would get its TPU kernel). Its
+        registry's (tokamax.ops.gpu would import jax_triton, which tokamax does not need)."""
         if self.implementation != "mosaic":
             return self.implementation
-        from tokamax.ops import gpu
-
-        return gpu.PallasMosaicFlashAttention()
+        what = "tokamax's 'mosaic' attention"
+        api = import_peer("tokamax._src.ops.attention.api", "tokamax", what)
+        if "mosaic_gpu" not in api.IMPLEMENTATIONS:
+            raise NotImplementedError(f"{what}: this tokamax has no Mosaic GPU attention")
+        return (api.IMPLEMENTATIONS["mosaic_gpu"],)  # a sequence: tokamax takes an op in one
 
 
 # ------------------------------------------------------------------------------------------------

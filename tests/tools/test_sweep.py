@@ -2,15 +2,16 @@
 end on CPU (interpreted kernels: the results, the table 'auto' reads), refused configs."""
 
 import contextlib
+import importlib.util
 import io
 import json
 import pathlib
 
 import pytest
 
-from gated_attention.attention import tuning
+from gated_attention.attention import dispatch, tuning
 from gated_attention_tools import suites, sweep
-from tests.helpers import benchmark_config
+from tests.helpers import benchmark_config, benchmark_configs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -34,11 +35,14 @@ def test_the_preset_sweeps_afs_cells_bfloat16_first():
     assert dims["msa_column 384x512 h8x32"] == (384, 512, 8, 32, False)
     assert dims["template 384 h4x16"] == (384, 384, 4, 16, True)
     counts = {c.shape.name: len(sweep.cell_candidates(c, (9, 0), cfg)) for c in cells[:14:2]}
+    # Ours (18, 16 without a bias) and the 7 peers (tokamax's and ColabFold's, peers.py).
     assert counts == {
-        "msa_row 512x384 h8x32": 18, "triangle 1024 h4x32": 18, "triangle 512 h4x32": 18,
-        "extra_msa 5120x384 h8x8": 18, "msa_column 384x512 h8x32": 16,
-        "template 384 h4x16": 18, "triangle 2048 h4x32": 18,
+        "msa_row 512x384 h8x32": 25, "triangle 1024 h4x32": 25, "triangle 512 h4x32": 25,
+        "extra_msa 5120x384 h8x8": 25, "msa_column 384x512 h8x32": 23,
+        "template 384 h4x16": 25, "triangle 2048 h4x32": 25,
     }  # fmt: skip
+    peers = [c.name for c in sweep.cell_candidates(cells[0], (9, 0), cfg)][-7:]
+    assert tuple(peers) == dispatch.PEERS == benchmark_configs().PEERS
     # The forward cells leave out the one-pass backward's candidate: its forward is its twin's.
     forward = {c.shape.name: sweep.cell_candidates(c, (9, 0), cfg) for c in cells[1:14:2]}
     for name, found in forward.items():
@@ -46,7 +50,7 @@ def test_the_preset_sweeps_afs_cells_bfloat16_first():
     # By field (every two-consumer Mosaic forward, the persistent one too) and by name.
     cfg.skip = ("c2", "xla")
     left = [c.name for c in sweep.cell_candidates(cells[0], (9, 0), cfg)]
-    assert len(left) == 18 - 4 and not [c for c in left if ",c2" in c or c == "xla"]
+    assert len(left) == 25 - 4 and not [c for c in left if ",c2" in c or c == "xla"]
     assert "mosaic:bk128,r2" in left  # a field's name is not a substring match
 
 
@@ -58,8 +62,22 @@ def test_the_smoke_run_writes_results_and_the_table(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {"results.json", "results.md", "tuning.json"}
     assert json.loads((tmp_path / "results.json").read_text()) == results
     assert results["capability"] == [9, 0] and results["environment"]["backend"] == "cpu"
-    rows = {r["variant"]: r for r in results["cells"]}
-    assert list(rows) == ["pallas:bq64,bk64,w8,s2,r1", "pallas:bq32,bk64,w8,s2,r1", "xla"]
+    every = {r["variant"]: r for r in results["cells"]}
+    assert list(every) == [
+        "pallas:bq64,bk64,w8,s2,r1", "pallas:bq32,bk64,w8,s2,r1", "xla",
+        # The peers an H100 takes at float32 (ColabFold's: half precision only): tokamax's
+        # kernels GPU only, its XLA paths timed where tokamax is installed (Python >= 3.12).
+        "tokamax_mosaic", "tokamax_triton", "tokamax_xla_chunked", "tokamax_xla",
+    ]  # fmt: skip
+    for name in ("tokamax_mosaic", "tokamax_triton"):  # ours refuses the CPU, tokamax the GPU's
+        why = every[name]["unavailable"]  # branch here (its default device is the CPU)
+        assert "runs on GPU only, the program is for 'cpu'" in why or "Not supported on cpu" in why
+    tokamax = importlib.util.find_spec("tokamax") is not None
+    for name in ("tokamax_xla_chunked", "tokamax_xla"):
+        if not tokamax:
+            assert "tokamax is not installed" in every[name]["unavailable"], every[name]
+    rows = {n: r for n, r in every.items() if "unavailable" not in r}
+    assert len(rows) == (5 if tokamax else 3), every
     for name, row in rows.items():
         assert row["time_ms"] > 0 and row["accurate"] and row["rel_diff_vs_float32"] < 1e-5, row
         assert row["implementation"] == name.partition(":")[0]
