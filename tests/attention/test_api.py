@@ -114,7 +114,12 @@ def test_names_and_instances():
         "mosaic": ga.MosaicAttention(),
         "pallas": ga.PallasAttention(),
         "pallas_tpu": ga.PallasTpuAttention(),
-    }
+        # The peers (peers.py): other libraries' kernels, named where not installed too.
+        **{f"tokamax_{t}": ga.TokamaxAttention(t)
+           for t in ("mosaic", "triton", "cudnn", "xla_chunked", "xla")},
+        "colabfold": ga.ColabFoldAttention(),
+        "colabfold_packed": ga.ColabFoldAttention(packed=True),
+    }  # fmt: skip
     args, _ = _inputs()
     for implementation, name in (("chunked", "chunked"), (ga.ChunkedAttention(), "chunked")):
         with ga.record_implementation_choices() as choices:
@@ -135,7 +140,7 @@ def test_names_and_instances():
             "flash",
             ValueError,
             r"implementation must be one of \('auto', 'xla', 'chunked', 'cudnn', 'mosaic', 'pallas', "
-            r"'pallas_tpu'\)",
+            r"'pallas_tpu', 'tokamax_mosaic', .*'colabfold_packed'\)",
         ),
         (("xla", "flash"), ValueError, r"implementation\[1\] must be one of \('auto', 'xla'"),
         ((), ValueError, "implementation must not be an empty sequence"),
