@@ -236,8 +236,13 @@ def test_alphafold3_block_runs(block, tmp_path):
         pytest.skip(f"{block.name}: {NEEDS_AF3}")
     script = tmp_path / "block.py"
     script.write_text(_AF3_PRELUDE + "\n" * (block.line - 2) + block.source)  # the page's lines
-    done = _child([str(script)], {**os.environ, "JAX_PLATFORMS": "cpu"}, tmp_path)
+    scratch = tmp_path / "tmp"  # the process's temporary folder: the block leaves nothing there
+    scratch.mkdir()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TMPDIR": str(scratch)}
+    done = _child([str(script)], env, tmp_path)
     assert done.returncode == 0, f"{block.name} failed:\n{done.stdout}\n{done.stderr[-6000:]}"
+    assert not list(scratch.iterdir()), f"{block.name} left {list(scratch.iterdir())}"
+    assert "gated_attention_tools" not in block.source  # the test's set-up is not the page's
 
 
 def test_the_alphafold3_marker_is_read(tmp_path):

@@ -41,6 +41,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
+import pathlib
+import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -59,6 +62,12 @@ ENTRY_POINTS = (
 # AF3's inline attention (the single and diffusion transformers'): inline.py's function.
 INLINE = (("alphafold3.model.network.diffusion_transformer", "self_attention"),)
 TESTED_WITH = "alphafold3-colabfold==3.1.18"
+# AF3's chemical-component sets, read when its modules are first imported (relative to its root).
+TABLES = "constants/converters/chemical_component_sets.pickle"
+BUILD_TABLES = (
+    "curl -L https://files.wwpdb.org/pub/pdb/data/monomers/components.cif.gz | gunzip > "
+    "components.cif && LIBCIFPP_DATA_DIR=$PWD build_data"
+)
 
 # implementation='af3': AF3's name for its attention -> ours. 'volta' (ColabFold's Volta/Turing
 # kernel) has no counterpart here: 'auto' picks what the device runs.
@@ -203,6 +212,27 @@ def active_implementation() -> Any:
     return None if key is None else _SWAPS[key][0]
 
 
+def check_tables() -> None:
+    """FileNotFoundError saying what to run where AF3 is installed without its chemical-component
+    tables, whose absence AF3's own import reports as a bare path from inside AF3. Nothing where
+    AF3 is absent (entering the swap says how to install it) or its modules are imported already.
+    """
+    if "alphafold3.constants.chemical_component_sets" in sys.modules:
+        return  # imported: AF3 found its tables (or was given others)
+    if importlib.util.find_spec("alphafold3") is None:
+        return
+    from alphafold3.common import resources  # reads no table
+
+    path = pathlib.Path(resources.filename(resources.ROOT / TABLES))
+    if not path.exists():
+        raise FileNotFoundError(
+            f"AlphaFold 3 is installed without its chemical-component tables ({path} is "
+            "missing), which its modules read when imported. Build them once, with AF3's own "
+            "build_data from the wwPDB's component dictionary (a download; the tables go into "
+            f"the installed package): {BUILD_TABLES} (docs/alphafold3.md)"
+        )
+
+
 def _check_implementation(implementation: Any) -> None:
     if isinstance(implementation, str) and implementation not in (*MODES, *api.IMPLEMENTATIONS):
         raise ValueError(
@@ -252,9 +282,15 @@ def use_gated_attention(
     Returns:
       A reusable, re-entrant context manager (entering it returns the implementation setting)
       that is also a decorator: the swap holds while the decorated function runs.
+
+    Raises:
+      FileNotFoundError: AF3's entry points, and AF3 installed without its chemical-component
+        tables (check_tables: the message says how to build them).
     """
     if not isinstance(inline, bool):
         raise TypeError(f"inline must be a bool, got {inline!r}")
-    if entry_points is None:
-        entry_points = ENTRY_POINTS + (INLINE if inline else ())
-    return _Swap(implementation, entry_points)
+    own = entry_points is None  # AF3's own modules (stand-ins of them read no tables)
+    swap = _Swap(implementation, ENTRY_POINTS + (INLINE if inline else ()) if own else entry_points)
+    if own:
+        check_tables()
+    return swap

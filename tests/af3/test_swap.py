@@ -196,3 +196,18 @@ def test_the_inline_half_is_opt_in():
     assert counts == [0, 1], counts
     with pytest.raises(TypeError, match="inline must be a bool, got 'yes'"):
         ga.af3.use_gated_attention(inline="yes")
+
+
+def test_missing_tables_say_what_to_run(monkeypatch, tmp_path):
+    """AF3 installed without its chemical-component tables: the swap's FileNotFoundError names
+    the missing file and AF3's build_data, before AF3's own import fails inside AF3."""
+    af3_modules.load()  # AF3 installed (a skip otherwise)
+    from alphafold3.common import resources
+
+    monkeypatch.delitem(sys.modules, "alphafold3.constants.chemical_component_sets")
+    monkeypatch.setattr(resources, "ROOT", tmp_path)  # a root without the tables
+    with pytest.raises(FileNotFoundError, match=r"chemical_component_sets\.pickle.*build_data"):
+        ga.af3.use_gated_attention()
+    ga.af3.use_gated_attention(entry_points=())  # stand-ins of AF3's modules read no tables
+    monkeypatch.undo()
+    ga.af3.use_gated_attention()  # imported once with tables: nothing to say
