@@ -46,3 +46,16 @@ def test_table_lists_cells_and_the_longest_that_fits():
     text = af3_memory.table([row(1280, True), row(1344, True), row(1408, False)])
     assert "| rtx4090 | trunk | gradient | ours | 1344 | 13.44 | yes | pallas |" in text
     assert "| rtx4090 (25.8 GB) | trunk | gradient | ours | 1344 | 1408 |" in text
+
+
+def test_tokamax_cross_compiles_for_a_gpu_target_only():
+    """AF3's 'triton' is tokamax's, which refuses a host without a GPU unless told it is
+    compiling for one: the cells of a GPU target tell it, the others do not."""
+    af3_modules.load()
+    tokamax = pytest.importorskip("tokamax")
+    assert not tokamax.config.cross_compile.value
+    with af3_memory._cross_compiling("gpu"):
+        assert tokamax.config.cross_compile.value
+    with af3_memory._cross_compiling("tpu"):
+        assert not tokamax.config.cross_compile.value
+    assert not tokamax.config.cross_compile.value
