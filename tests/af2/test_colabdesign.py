@@ -76,9 +76,10 @@ def _agrees(own, ours, yardstick, loss_bound):
 
 
 def _float32_loss_bound(yardstick) -> float:
-    """1e-6 relative, or a tenth of what the 1e-6 nudges do to the loss (float32's rounding of a
-    loss that sensitive: 1.7e-6 in the hallucination case, whose nudges move it 6e-5)."""
-    return max(1e-6, 0.1 * yardstick[0])
+    """1e-6 relative, or a fifth of what the 1e-6 nudges do to the loss (float32's rounding of a
+    loss that sensitive: in the hallucination case 1.7e-6 against nudges of 6e-5 in one install,
+    4.1e-6 against 4.1e-5 in a fresh one of 2026-12-02, the same code: 0.10x, over a tenth)."""
+    return max(1e-6, 0.2 * yardstick[0])
 
 
 def _check_parity(case):
