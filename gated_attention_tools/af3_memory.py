@@ -11,8 +11,9 @@ without tokamax; 'af3:triton' or 'af3:cudnn' names AF3's others), 'ours' (the sw
 its inline half too), 'ours:<implementation>', 'floor' and 'floor_qkv' (AF3's
 attention function replaced by a stand-in with its shapes and no logits, FLOORS), and 'no_inline'
 (AF3's inline self_attention, the single and diffusion transformers', replaced by one projection:
-the rest's cost, so the inline attention's share). what='diffusion': the diffusion head's token
-transformer (24 blocks, inline attention only), inference. The peak is XLA's memory_analysis
+the rest's cost, so the inline attention's share). what='trunk_stack': the whole trunk, its 48
+blocks in AF3's own layer stack, each checkpointed (AF3's block_remat, on by default here). what=
+'diffusion': the diffusion head's token transformer (24 blocks, inline attention only), inference. The peak is XLA's memory_analysis
 (arguments + outputs + temporaries); each cell compiles in a child process. `--time` runs the
 variants on this machine's device instead (time_cells). `--longest` searches the longest token count whose peak fits the device, in
 steps of `--step` tokens.
@@ -20,6 +21,7 @@ steps of `--step` tokens.
   python -m gated_attention_tools.af3_memory --targets=h100 --tokens=1024 --modes=gradient
   python -m gated_attention_tools.af3_memory --targets=h100,rtx4090,v5e --longest --modes=gradient
   python -m gated_attention_tools.af3_memory --what=diffusion --modes=inference --variants=af3,no_inline
+  python -m gated_attention_tools.af3_memory --what=trunk_stack --modes=inference --tokens=1024,5120
   python -m gated_attention_tools.af3_memory --time --what=diffusion --variants=af3,no_inline
   python -m gated_attention_tools.af3_memory --time --modes=gradient,inference \\
       --variants=af3:triton,ours,af3:xla --tokens=768,1024     # on a GPU: against tokamax's Triton
@@ -36,7 +38,7 @@ from typing import Any
 
 VARIANTS = ("af3", "ours", "ours_inline", "floor", "floor_qkv", "no_inline")
 MODES = ("inference", "gradient")
-WHATS = ("trunk", "diffusion")
+WHATS = ("trunk", "trunk_stack", "diffusion")
 AF3_IMPLEMENTATIONS = ("xla", "triton", "cudnn")  # 'af3:<name>': AF3's own, by its name
 PAIR, SINGLE, TOKEN = 128, 384, 768  # AF3's trunk channels, the diffusion transformer's
 
@@ -147,8 +149,9 @@ def _diffusion_problem(variant: str, n_tokens: int, mode: str):
 
 
 def problem(variant: str, n_tokens: int, mode: str, what: str = "trunk"):
-    """(fn, abstract args): AF3's trunk block (or, what='diffusion', its diffusion transformer)
-    in `variant`, inference or its pair gradient."""
+    """(fn, abstract args): AF3's trunk block (what='trunk'), its whole trunk (what='trunk_stack':
+    the 48 blocks) or, what='diffusion', its diffusion transformer, in `variant`, inference or
+    the pair gradient."""
     import haiku as hk
     import jax
     import jax.numpy as jnp
@@ -163,12 +166,20 @@ def problem(variant: str, n_tokens: int, mode: str, what: str = "trunk"):
     config = af3.evoformer.Evoformer.Config().pairformer
     global_config = _global_config(af3, variant)
 
+    def iteration(pair, single, pair_mask, seq_mask):
+        pairformer = af3.modules.PairFormerIteration(
+            config, global_config, with_single=True, name="trunk_pairformer"
+        )
+        return pairformer(pair, pair_mask, single_act=single, seq_mask=seq_mask)
+
     def block(pair, pair_mask, single, seq_mask):
         with af3.utils.bfloat16_context():
-            iteration = af3.modules.PairFormerIteration(
-                config, global_config, with_single=True, name="trunk_pairformer"
-            )
-            return iteration(pair, pair_mask, single_act=single, seq_mask=seq_mask)
+            if what == "trunk":
+                return iteration(pair, single, pair_mask, seq_mask)
+            # The trunk as AF3's Evoformer builds it: its own layer stack, checkpointed per block.
+            body = lambda x: iteration(*x, pair_mask, seq_mask)  # noqa: E731
+            stack = af3.evoformer._stack(config.num_layer, body, config.block_remat)
+            return stack((pair, single))
 
     t = hk.transform(block)
     bf16 = jnp.bfloat16

@@ -31,6 +31,17 @@ def test_problems_trace_with_their_attention(variant, mode, what, ours):
         assert out.shape == args[1].shape  # the pair's gradient
 
 
+@pytest.mark.parametrize("variant, ours", [("af3", False), ("ours", True)])
+def test_trunk_stack_is_af3s_48_checkpointed_blocks(variant, ours):
+    af3_modules.load()
+    fn, args = af3_memory.problem(variant, 16, "gradient", "trunk_stack")
+    assert {leaf.shape[0] for leaf in jax.tree.leaves(args[0])} == {48}  # one layer per block
+    with ga.record_implementation_choices() as record:
+        jaxpr = str(jax.make_jaxpr(fn)(*args))
+    assert bool(record) == ours, (variant, len(record))
+    assert "scan" in jaxpr and "remat" in jaxpr  # AF3's layer stack, each block checkpointed
+
+
 def test_unknown_variants_and_modes_are_refused():
     with pytest.raises(ValueError, match=r"variant must be one of .*'af3:<name>'"):
         af3_memory._swap("af3:flash")
