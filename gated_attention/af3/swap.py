@@ -90,6 +90,9 @@ _ACTIVE = compat.trace_context_state(
 # key -> (the implementation argument of that swap, the entry points it answers)
 _SWAPS: dict[str, tuple[Any, frozenset]] = {}
 _ORIGINAL = "gated_attention_af3_original"  # a dispatcher's attribute: the function it stands for
+# Set while a dispatcher answers a call: our op's own call to tokamax (the tokamax_* peers) is
+# then tokamax's, not answered again (it recursed without end).
+_ANSWERING = threading.local()
 
 
 def af3_implementation(name: Any, implementation: Any = "af3") -> Any:
@@ -160,12 +163,16 @@ def _dispatcher(original: Callable, entry: tuple[str, str]) -> Callable:
     @functools.wraps(original)
     def dispatcher(*args, **kwargs):
         key = _ACTIVE.value
-        if key is None or entry not in _SWAPS[key][1]:
+        if key is None or entry not in _SWAPS[key][1] or getattr(_ANSWERING, "on", False):
             return original(*args, **kwargs)
         setting = _SWAPS[key][0]
-        if entry[1] == "self_attention":
-            return _inline(original, setting, *args, **kwargs)
-        return attention(*args, swap_implementation=setting, **kwargs)
+        _ANSWERING.on = True
+        try:
+            if entry[1] == "self_attention":
+                return _inline(original, setting, *args, **kwargs)
+            return attention(*args, swap_implementation=setting, **kwargs)
+        finally:
+            _ANSWERING.on = False
 
     setattr(dispatcher, _ORIGINAL, original)
     return dispatcher

@@ -177,6 +177,41 @@ def test_af3s_entry_points_are_where_the_swap_expects_them():
     assert [_who(m) for m in entries] == ["af3", "af3"]
 
 
+def test_our_ops_own_call_to_the_entry_point_is_not_answered_again(stand_in):
+    """A peer of ours that calls the swapped function itself (tokamax_*: tokamax's own
+    dot_product_attention) reaches the original, once, instead of our op again without end."""
+    entry = ((stand_in.__name__, "dot_product_attention"),)
+    reached = []
+
+    class Peer(ga.XlaAttention):
+        def __call__(self, query, key, value, biases, mask, *, options, **kwargs):
+            reached.append(af3_swap.active_implementation() is not None)
+            return stand_in.dot_product_attention(query, key, value)  # the stand-in's: zeros
+
+    with ga.af3.use_gated_attention(Peer(), entry_points=entry):
+        out = stand_in.dot_product_attention(*_qkv())
+        assert _who(stand_in) == "ours"  # and answered again on the next call
+    assert reached == [True, True] and not jnp.any(out), (reached, out)
+
+
+def test_tokamax_peers_under_the_swap_run_tokamax():
+    """AF3's tokamax call answered by our op with tokamax's XLA attention (runs on a CPU): the
+    peer's own call to tokamax is tokamax's, the result the float64 reference's."""
+    import numpy as np
+    import tokamax
+
+    from tests import reference
+
+    af3_modules.load()
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32) for _ in "qkv")
+    with ga.af3.use_gated_attention("tokamax_xla"), ga.record_implementation_choices() as rec:
+        out = tokamax.dot_product_attention(q, k, v)
+    assert [r["chosen"] for r in rec] == ["tokamax_xla"], rec
+    expected = reference.dot_product_attention(q, k, v)
+    np.testing.assert_allclose(out, expected, rtol=2e-5, atol=2e-6)
+
+
 def test_the_inline_half_is_opt_in():
     """AF3's diffusion transformer (inline attention only) runs ours under inline=True, AF3's
     under the default swap; inline must be a bool."""
