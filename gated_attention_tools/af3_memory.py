@@ -36,11 +36,16 @@ import json
 import time
 from typing import Any
 
+import numpy as np
+
 VARIANTS = ("af3", "ours", "ours_inline", "floor", "floor_qkv", "no_inline")
 MODES = ("inference", "gradient")
 WHATS = ("trunk", "trunk_stack", "diffusion")
 AF3_IMPLEMENTATIONS = ("xla", "triton", "cudnn")  # 'af3:<name>': AF3's own, by its name
 PAIR, SINGLE, TOKEN = 128, 384, 768  # AF3's trunk channels, the diffusion transformer's
+# jax.random.PRNGKey(1)'s data as NumPy: a jax key would be computed on the default device, which
+# is the (abstract) target GPU while a GPU cell traces (_on).
+KEY = np.array([0, 1], np.uint32)
 
 
 def _no_logits(x, mask, pair_logits, config, global_config, single_cond=None, name="", **kwargs):
@@ -139,7 +144,7 @@ def _diffusion_problem(variant: str, n_tokens: int, mode: str):
     ]
     swap = _swap(variant)
     with swap:
-        params = jax.eval_shape(t.init, jax.random.PRNGKey(0), *args)
+        params = jax.eval_shape(t.init, KEY, *args)
 
     def inference(params, *args):
         with swap:
@@ -189,8 +194,8 @@ def problem(variant: str, n_tokens: int, mode: str, what: str = "trunk"):
     masks = jax.ShapeDtypeStruct((n, n), bf16), jax.ShapeDtypeStruct((n,), bf16)  # as AF3's trunk
     swap = _swap(variant)
     with swap:  # no_inline's stand-in has parameters of its own
-        params = jax.eval_shape(t.init, jax.random.PRNGKey(0), pair, masks[0], single, masks[1])
-    key = jax.random.PRNGKey(1)
+        params = jax.eval_shape(t.init, KEY, pair, masks[0], single, masks[1])
+    key = KEY
 
     def inference(params, pair, pair_mask, single, seq_mask):
         with swap:
@@ -217,7 +222,7 @@ def compile_cell(
 
     start = time.perf_counter()
     kind = targets.target(target).kind
-    with ga.record_implementation_choices() as choices, _cross_compiling(kind):
+    with ga.record_implementation_choices() as choices, _cross_compiling(kind), _on(target):
         fn, args = problem(variant, n_tokens, mode, what)
         compiled = targets.compile(fn, *args, target=target)
     chosen = sorted({c["by_platform"][kind]["chosen"] for c in choices if kind in c["by_platform"]})
@@ -226,6 +231,18 @@ def compile_cell(
         chosen=chosen,
         compile_s=round(time.perf_counter() - start, 1),
     )
+
+
+def _on(target: str):
+    """A GPU target's device the default while tracing, as on the GPU: the peers' kernels
+    (ours:tokamax_*) are traced for it alone (for the host's CPU too otherwise, which they refuse)."""
+    import jax
+
+    from gated_attention_tools import targets
+
+    if targets.target(target).kind != "gpu":
+        return contextlib.nullcontext()
+    return jax.default_device(targets.device(target))
 
 
 def _cross_compiling(kind: str):
@@ -251,9 +268,16 @@ def measure_cell(
     try:
         got = targets.in_child("gated_attention_tools.af3_memory:compile_cell", kwargs, log)
     except RuntimeError as e:  # a compiler's error (a TPU's RESOURCE_EXHAUSTED: does not fit)
-        return row | dict(error=str(e).strip().splitlines()[-1][:300], fits=False)
+        return row | dict(error=_reason(str(e)), fits=False)
     fits = got["memory"]["peak"] <= targets.target(target).memory_bytes
     return row | got | dict(fits=fits)
+
+
+def _reason(error: str) -> str:
+    """The error's own last line, not JAX's note on the frames it filtered or a rule."""
+    notes = ("For simplicity, JAX has removed", "-----", "=====")
+    lines = [x for x in error.strip().splitlines() if x.strip() and not x.startswith(notes)]
+    return (lines[-1] if lines else error.strip())[:300]
 
 
 def longest(
