@@ -70,3 +70,12 @@ def test_tokamax_cross_compiles_for_a_gpu_target_only():
     with af3_memory._cross_compiling("tpu"):
         assert not tokamax.config.cross_compile.value
     assert not tokamax.config.cross_compile.value
+
+
+def test_a_failed_cells_reason_is_its_own_last_line():
+    error = (
+        "Traceback (most recent call last):\n  ...\nRuntimeError: cuDNN not found.\n"
+        "--------------------\nFor simplicity, JAX has removed its internal frames from the "
+        "traceback of the following exception. Set JAX_TRACEBACK_FILTERING=off to include these."
+    )
+    assert af3_memory._reason(error) == "RuntimeError: cuDNN not found."
