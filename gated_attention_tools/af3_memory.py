@@ -12,8 +12,9 @@ its inline half too), 'ours:<implementation>', 'floor' and 'floor_qkv' (AF3's
 attention function replaced by a stand-in with its shapes and no logits, FLOORS), and 'no_inline'
 (AF3's inline self_attention, the single and diffusion transformers', replaced by one projection:
 the rest's cost, so the inline attention's share). what='trunk_stack': the whole trunk, its 48
-blocks in AF3's own layer stack, each checkpointed (AF3's block_remat, on by default here). what=
-'diffusion': the diffusion head's token transformer (24 blocks, inline attention only), inference. The peak is XLA's memory_analysis
+blocks in AF3's own layer stack, each checkpointed (AF3's block_remat, on by default here).
+what='diffusion': the diffusion head's token transformer (24 blocks, inline attention only),
+inference. The peak is XLA's memory_analysis
 (arguments + outputs + temporaries); each cell compiles in a child process. `--time` runs the
 variants on this machine's device instead (time_cells). `--longest` searches the longest token count whose peak fits the device, in
 steps of `--step` tokens.
@@ -195,18 +196,17 @@ def problem(variant: str, n_tokens: int, mode: str, what: str = "trunk"):
     swap = _swap(variant)
     with swap:  # no_inline's stand-in has parameters of its own
         params = jax.eval_shape(t.init, KEY, pair, masks[0], single, masks[1])
-    key = KEY
 
     def inference(params, pair, pair_mask, single, seq_mask):
         with swap:
-            return t.apply(params, key, pair, pair_mask, single, seq_mask)
+            return t.apply(params, KEY, pair, pair_mask, single, seq_mask)
 
     if mode == "inference":
         return inference, [params, pair, *masks[:1], single, masks[1]]
 
     def gradient(params, pair, pair_mask, single, seq_mask, cotangents):
         with swap:
-            forward = lambda x: t.apply(params, key, x, pair_mask, single, seq_mask)  # noqa: E731
+            forward = lambda x: t.apply(params, KEY, x, pair_mask, single, seq_mask)  # noqa: E731
             _, vjp = jax.vjp(forward, pair)
             return vjp(cotangents)[0]
 
